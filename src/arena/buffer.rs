@@ -1,0 +1,188 @@
+//! Array storage: a span of bytes on a device, owned by one array.
+//!
+//! A buffer is either its own heap allocation (freed, and its reservation released, when the
+//! buffer drops) or a slice of a workspace block (the block outlives every slice through the
+//! `Arc`). Buffers live in the `RwLock` of their array, which is what makes sharing them between
+//! threads sound.
+
+use std::alloc::Layout;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::memory;
+use crate::error::Ctx;
+use crate::workspace::Block;
+use crate::{Device, Element, Result};
+
+/// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.
+pub(crate) const STORAGE_ALIGN: usize = 64;
+
+pub(crate) struct Buffer {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    backing: Backing,
+}
+
+enum Backing {
+    /// Zero bytes; `ptr` is dangling but aligned.
+    Empty,
+    /// Our own allocation with this layout, reserved on this device.
+    Heap { layout: Layout, device: Device },
+    /// A slice of a workspace block.
+    Block(#[allow(dead_code)] Arc<Block>),
+}
+
+// SAFETY: a `Buffer` is the only handle to its bytes (its own allocation, or a block slice that
+// the block's allocator hands to one buffer at a time). It is only reached through the `RwLock`
+// of its array, which serialises writers against readers, so moving it or sharing `&Buffer`
+// across threads is sound.
+unsafe impl Send for Buffer {}
+// SAFETY: see `Send`: `&Buffer` only gives shared (read) access to the bytes.
+unsafe impl Sync for Buffer {}
+
+impl Buffer {
+    fn dangling() -> NonNull<u8> {
+        // SAFETY: STORAGE_ALIGN is non-zero, so the pointer is non-null; it is never dereferenced
+        // for a zero-byte buffer.
+        unsafe { NonNull::new_unchecked(STORAGE_ALIGN as *mut u8) }
+    }
+
+    /// A zero-byte buffer.
+    pub fn empty() -> Buffer {
+        Buffer {
+            ptr: Buffer::dangling(),
+            bytes: 0,
+            backing: Backing::Empty,
+        }
+    }
+
+    /// A zeroed heap buffer of `bytes`, reserved against `device`'s limit first.
+    pub fn heap(ctx: &Ctx, device: Device, bytes: usize) -> Result<Buffer> {
+        if bytes == 0 {
+            return Ok(Buffer::empty());
+        }
+        let layout = Layout::from_size_align(bytes, STORAGE_ALIGN)
+            .map_err(|_| memory::system_refused(ctx, device, bytes))?;
+        memory::reserve(ctx, device, bytes)?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        match NonNull::new(ptr) {
+            Some(ptr) => Ok(Buffer {
+                ptr,
+                bytes,
+                backing: Backing::Heap { layout, device },
+            }),
+            None => {
+                memory::release(device, bytes);
+                Err(memory::system_refused(ctx, device, bytes))
+            }
+        }
+    }
+
+    /// Adopts a `Vec`'s allocation without copying, reserving its capacity against the CPU limit.
+    /// On error the vector is dropped and nothing is reserved.
+    pub fn from_vec<T: Element>(ctx: &Ctx, data: Vec<T>) -> Result<Buffer> {
+        let data = ManuallyDrop::new(data);
+        let capacity_bytes = data.capacity() * std::mem::size_of::<T>();
+        if capacity_bytes == 0 {
+            drop(ManuallyDrop::into_inner(data));
+            return Ok(Buffer::empty());
+        }
+        // A Vec's capacity always forms a valid array layout.
+        let Ok(layout) = Layout::array::<T>(data.capacity()) else {
+            drop(ManuallyDrop::into_inner(data));
+            return Err(memory::system_refused(ctx, Device::Cpu, capacity_bytes));
+        };
+        if let Err(e) = memory::reserve(ctx, Device::Cpu, capacity_bytes) {
+            drop(ManuallyDrop::into_inner(data));
+            return Err(e);
+        }
+        let ptr = data.as_ptr() as *mut u8;
+        Ok(Buffer {
+            // SAFETY: a Vec with non-zero capacity has a non-null pointer.
+            ptr: unsafe { NonNull::new_unchecked(ptr) },
+            bytes: data.len() * std::mem::size_of::<T>(),
+            backing: Backing::Heap {
+                layout,
+                device: Device::Cpu,
+            },
+        })
+    }
+
+    /// A slice `[offset, offset + bytes)` of `block`.
+    ///
+    /// # Safety
+    /// The range must lie inside the block, be aligned to `STORAGE_ALIGN`, and not be handed to
+    /// any other live buffer.
+    pub unsafe fn block_slice(block: &Arc<Block>, offset: usize, bytes: usize) -> Buffer {
+        if bytes == 0 {
+            return Buffer::empty();
+        }
+        debug_assert!(offset + bytes <= block.capacity());
+        Buffer {
+            // SAFETY: the caller guarantees the range is inside the block, whose base pointer is
+            // non-null.
+            ptr: unsafe { NonNull::new_unchecked(block.base().add(offset)) },
+            bytes,
+            backing: Backing::Block(Arc::clone(block)),
+        }
+    }
+
+    /// `true` if the bytes came from a workspace block.
+    pub fn is_block(&self) -> bool {
+        matches!(self.backing, Backing::Block(_))
+    }
+
+    /// The elements, read-only.
+    #[inline]
+    pub fn as_slice<T: Element>(&self) -> &[T] {
+        debug_assert_eq!(self.ptr.as_ptr() as usize % std::mem::align_of::<T>(), 0);
+        // SAFETY: `ptr` is valid for `bytes` bytes (an allocation or block slice we own, or
+        // dangling with 0 bytes), aligned for every element type (64-byte aligned, or a Vec<T>
+        // adopted for this very T), and initialised (heap buffers are zeroed, blocks are zeroed
+        // when created and only ever hold element values). `&self` excludes writers.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr.as_ptr() as *const T,
+                self.bytes / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// The elements, writable.
+    #[inline]
+    pub fn as_mut_slice<T: Element>(&mut self) -> &mut [T] {
+        debug_assert_eq!(self.ptr.as_ptr() as usize % std::mem::align_of::<T>(), 0);
+        // SAFETY: as in `as_slice`; `&mut self` gives exclusive access.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.ptr.as_ptr() as *mut T,
+                self.bytes / std::mem::size_of::<T>(),
+            )
+        }
+    }
+
+    /// The raw bytes, read-only.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: as in `as_slice`, for `u8`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.bytes) }
+    }
+
+    /// The raw bytes, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_mut_slice`, for `u8`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.bytes) }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if let Backing::Heap { layout, device } = self.backing {
+            // SAFETY: `ptr` was allocated by the global allocator with exactly `layout` (our own
+            // allocation, or the adopted Vec's array layout) and is freed only here.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+            memory::release(device, layout.size());
+        }
+    }
+}

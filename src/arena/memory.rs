@@ -1,0 +1,271 @@
+//! Per-device memory accounting and limits (ND4J's `maxbytes`), process-wide.
+//!
+//! Every byte ndscope takes from a device is reserved here first: array buffers, workspace blocks
+//! and spills. A reservation that would pass the limit fails with [`Error::OutOfMemory`] before
+//! anything is allocated.
+
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::LazyLock;
+
+use crate::error::{Ctx, LimitSource};
+use crate::{Device, Error, Result};
+
+/// CUDA ordinals with their own counters; larger ordinals cannot be created.
+pub(crate) const MAX_CUDA_DEVICES: usize = 64;
+
+const NO_LIMIT: usize = usize::MAX;
+const SOURCE_NONE: u8 = 0;
+const SOURCE_ENV: u8 = 1;
+const SOURCE_API: u8 = 2;
+
+/// A device's memory figures, from [`memory_usage`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct DeviceUsage {
+    /// Bytes currently reserved: live array buffers, workspace blocks and spills.
+    pub in_use: usize,
+    /// The largest `in_use` seen since the process started (or since [`reset_peak`]).
+    pub peak: usize,
+    /// The limit, if one is set.
+    pub limit: Option<usize>,
+    /// Open arrays on the device.
+    pub arrays: usize,
+}
+
+pub(crate) struct Counters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    arrays: AtomicUsize,
+    limit: AtomicUsize,
+    source: AtomicU8,
+    env_var: &'static str,
+}
+
+impl Counters {
+    fn new(env_var: &'static str) -> Counters {
+        let (limit, source) = match std::env::var(env_var) {
+            Ok(text) => match parse_bytes(&text) {
+                Some(bytes) => (bytes, SOURCE_ENV),
+                None => {
+                    eprintln!(
+                        "ndscope: ignoring {env_var}={text:?}: expected a byte count such as 8G, 512M, 64K or 1048576"
+                    );
+                    (NO_LIMIT, SOURCE_NONE)
+                }
+            },
+            Err(_) => (NO_LIMIT, SOURCE_NONE),
+        };
+        Counters {
+            in_use: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            arrays: AtomicUsize::new(0),
+            limit: AtomicUsize::new(limit),
+            source: AtomicU8::new(source),
+            env_var,
+        }
+    }
+
+    fn limit(&self) -> Option<usize> {
+        match self.limit.load(Ordering::Relaxed) {
+            NO_LIMIT => None,
+            limit => Some(limit),
+        }
+    }
+
+    fn source(&self) -> LimitSource {
+        match self.source.load(Ordering::Relaxed) {
+            SOURCE_ENV => LimitSource::Env(self.env_var),
+            SOURCE_API => LimitSource::Api,
+            _ => LimitSource::None,
+        }
+    }
+}
+
+static CPU: LazyLock<Counters> = LazyLock::new(|| Counters::new("NDSCOPE_MAX_HOST_BYTES"));
+static CUDA: LazyLock<Vec<Counters>> = LazyLock::new(|| {
+    (0..MAX_CUDA_DEVICES)
+        .map(|_| Counters::new("NDSCOPE_MAX_CUDA_BYTES"))
+        .collect()
+});
+
+fn counters(device: Device) -> Option<&'static Counters> {
+    match device {
+        Device::Cpu => Some(&CPU),
+        Device::Cuda(ordinal) => CUDA.get(ordinal),
+    }
+}
+
+/// Reserves `bytes` on `device`, or fails with `OutOfMemory` and reserves nothing.
+pub(crate) fn reserve(ctx: &Ctx, device: Device, bytes: usize) -> Result<()> {
+    let Some(c) = counters(device) else {
+        return Err(ctx.unavailable(device));
+    };
+    let limit = c.limit.load(Ordering::Relaxed);
+    let mut current = c.in_use.load(Ordering::Relaxed);
+    loop {
+        let next = match current.checked_add(bytes) {
+            Some(next) if next <= limit => next,
+            _ => {
+                return Err(Error::OutOfMemory {
+                    op: ctx.op,
+                    at: ctx.at,
+                    device,
+                    requested: bytes,
+                    in_use: current,
+                    limit: c.limit(),
+                    limit_source: c.source(),
+                })
+            }
+        };
+        match c
+            .in_use
+            .compare_exchange_weak(current, next, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => {
+                c.peak.fetch_max(next, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(actual) => current = actual,
+        }
+    }
+}
+
+/// Gives back a reservation made by [`reserve`].
+pub(crate) fn release(device: Device, bytes: usize) {
+    if let Some(c) = counters(device) {
+        c.in_use.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// The error for a refusal by the system allocator itself (no limit involved).
+pub(crate) fn system_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
+    let c = counters(device);
+    Error::OutOfMemory {
+        op: ctx.op,
+        at: ctx.at,
+        device,
+        requested: bytes,
+        in_use: c.map_or(0, |c| c.in_use.load(Ordering::Relaxed)),
+        limit: c.and_then(|c| c.limit()),
+        limit_source: LimitSource::None,
+    }
+}
+
+pub(crate) fn array_opened(device: Device) {
+    if let Some(c) = counters(device) {
+        c.arrays.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub(crate) fn array_closed(device: Device) {
+    if let Some(c) = counters(device) {
+        c.arrays.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Sets (or with `None` removes) the memory limit of `device`, in bytes. Overrides
+/// `NDSCOPE_MAX_HOST_BYTES` / `NDSCOPE_MAX_CUDA_BYTES`. A limit below the bytes already in use
+/// refuses every new allocation until enough is freed; nothing already allocated is touched.
+/// CUDA ordinals of 64 and above cannot exist here and are ignored.
+///
+/// ```
+/// use ndscope::{memory_limit, set_memory_limit, Device};
+/// set_memory_limit(Device::Cuda(3), Some(1 << 30));
+/// assert_eq!(memory_limit(Device::Cuda(3)), Some(1 << 30));
+/// set_memory_limit(Device::Cuda(3), None);
+/// assert_eq!(memory_limit(Device::Cuda(3)), None);
+/// ```
+pub fn set_memory_limit(device: Device, limit: Option<usize>) {
+    if let Some(c) = counters(device) {
+        c.limit.store(limit.unwrap_or(NO_LIMIT), Ordering::Relaxed);
+        let source = if limit.is_some() {
+            SOURCE_API
+        } else {
+            SOURCE_NONE
+        };
+        c.source.store(source, Ordering::Relaxed);
+    }
+}
+
+/// The memory limit of `device`, if one is set.
+pub fn memory_limit(device: Device) -> Option<usize> {
+    counters(device).and_then(Counters::limit)
+}
+
+/// The memory figures of `device`.
+///
+/// ```
+/// use ndscope::{memory_usage, Device, DType, Manager};
+/// let m = Manager::new_base();
+/// let a = m.zeros([256], DType::F32)?;
+/// assert!(memory_usage(Device::Cpu).in_use >= 1024);
+/// m.close()?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+pub fn memory_usage(device: Device) -> DeviceUsage {
+    match counters(device) {
+        Some(c) => DeviceUsage {
+            in_use: c.in_use.load(Ordering::Relaxed),
+            peak: c.peak.load(Ordering::Relaxed),
+            limit: c.limit(),
+            arrays: c.arrays.load(Ordering::Relaxed),
+        },
+        None => DeviceUsage::default(),
+    }
+}
+
+/// Resets the peak of `device` to the bytes in use now, so a phase's peak can be measured.
+pub fn reset_peak(device: Device) {
+    if let Some(c) = counters(device) {
+        c.peak
+            .store(c.in_use.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+}
+
+/// Parses `8G`, `512M`, `64k`, `1.5GiB`, `1048576` (binary multiples, case-insensitive).
+pub(crate) fn parse_bytes(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let lower = text.to_ascii_lowercase();
+    let body = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (number, shift) = match body.chars().last()? {
+        'k' => (&body[..body.len() - 1], 10),
+        'm' => (&body[..body.len() - 1], 20),
+        'g' => (&body[..body.len() - 1], 30),
+        't' => (&body[..body.len() - 1], 40),
+        _ => (body, 0),
+    };
+    let number = number.trim();
+    if number.is_empty() {
+        return None;
+    }
+    if let Ok(whole) = number.parse::<usize>() {
+        return whole.checked_mul(1usize << shift);
+    }
+    let value: f64 = number.parse().ok()?;
+    if !value.is_finite() || value < 0.0 {
+        return None;
+    }
+    let bytes = value * (1u64 << shift) as f64;
+    (bytes < usize::MAX as f64).then_some(bytes as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn byte_counts_parse_like_the_documentation_says() {
+        assert_eq!(parse_bytes("8G"), Some(8 << 30));
+        assert_eq!(parse_bytes("512M"), Some(512 << 20));
+        assert_eq!(parse_bytes("64k"), Some(64 << 10));
+        assert_eq!(parse_bytes("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_bytes(" 1048576 "), Some(1 << 20));
+        assert_eq!(parse_bytes("12MB"), Some(12 << 20));
+        assert_eq!(parse_bytes(""), None);
+        assert_eq!(parse_bytes("G"), None);
+        assert_eq!(parse_bytes("lots"), None);
+        assert_eq!(parse_bytes("-1G"), None);
+    }
+}

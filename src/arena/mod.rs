@@ -1,0 +1,473 @@
+//! The arena: every array, manager and workspace of the process lives in one of three `slotmap`s
+//! behind one lock, addressed by generational keys.
+//!
+//! # Locks
+//!
+//! There are two kinds: the arena lock (`ARENA`, one `parking_lot::Mutex<State>`) and each
+//! array's data lock (`ArrayInner::data`, an `RwLock<Option<Buffer>>`). The order is written
+//! down here and every function keeps it:
+//!
+//! 1. **Never take the arena lock while holding a data lock.** Kernels run with data locks held
+//!    and the arena lock released, so computing never blocks ownership changes elsewhere.
+//! 2. Whoever holds the arena lock may take data locks (to close an array, or to copy it out of a
+//!    workspace): the data-lock holders it waits for never wait for the arena, so this cannot
+//!    deadlock, and an array is freed only once no kernel is reading it.
+//! 3. Several data locks are taken in address order ([`crate::ndarray`] does this), so two
+//!    in-place ops on crossed arrays cannot deadlock.
+//!
+//! Together these make "close an array while another thread computes on it" safe: the kernel
+//! finishes on valid memory (the closer waits for it), or, if the close came first, the kernel's
+//! thread finds `None` in the data lock and reports `ArrayClosed`.
+
+pub(crate) mod buffer;
+pub(crate) mod memory;
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard, RwLock};
+use slotmap::SlotMap;
+
+pub(crate) use buffer::Buffer;
+
+use crate::error::{Ctx, Site};
+use crate::workspace::WorkspaceEntry;
+use crate::{DType, Device, Error, Result, Shape};
+
+slotmap::new_key_type! {
+    /// An array's slot in the arena.
+    pub(crate) struct ArrayKey;
+    /// A manager's slot in the arena.
+    pub(crate) struct ManagerKey;
+    /// A workspace's slot in the arena.
+    pub(crate) struct WorkspaceKey;
+}
+
+static NEXT_ARRAY_ID: AtomicU64 = AtomicU64::new(0);
+static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn next_array_id() -> u64 {
+    NEXT_ARRAY_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+pub(crate) fn next_manager_id() -> u64 {
+    NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What an `NDArray` handle points to. The metadata never changes after creation (only the name
+/// may be set); the data lock holds the buffer until the array is closed.
+pub(crate) struct ArrayInner {
+    pub key: ArrayKey,
+    pub id: u64,
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: Device,
+    pub created_at: Site,
+    pub name: Mutex<Option<Arc<str>>>,
+    /// Set, under the arena lock, when the array leaves the arena.
+    pub closed: OnceLock<CloseReason>,
+    pub data: RwLock<Option<Buffer>>,
+}
+
+impl ArrayInner {
+    /// `'name' (a12)` or `a12`.
+    pub fn describe(&self) -> String {
+        match &*self.name.lock() {
+            Some(name) => format!("'{name}' (a{})", self.id),
+            None => format!("a{}", self.id),
+        }
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.shape.size() * self.dtype.size_in_bytes()
+    }
+
+    /// The `ArrayClosed` error for this array.
+    pub fn closed_error(&self, ctx: &Ctx) -> Error {
+        let reason = match self.closed.get() {
+            Some(reason) => reason.to_string(),
+            None => "it was closed".to_string(),
+        };
+        Error::ArrayClosed {
+            op: ctx.op,
+            at: ctx.at,
+            array: self.describe(),
+            created_at: self.created_at,
+            reason,
+        }
+    }
+}
+
+/// Why an array left the arena; shown in `ArrayClosed` messages.
+#[derive(Clone, Debug)]
+pub(crate) enum CloseReason {
+    ByUser {
+        at: Site,
+    },
+    ManagerClosed {
+        manager: String,
+    },
+    CycleEnded {
+        workspace: Arc<str>,
+        cycle: u64,
+        manager: String,
+    },
+    Overwritten {
+        workspace: Arc<str>,
+        at: Site,
+    },
+    WorkspaceDestroyed {
+        workspace: Arc<str>,
+    },
+    ReturnTargetClosed {
+        borrower: String,
+        original: String,
+    },
+    ReturnCopyFailed {
+        borrower: String,
+        original: String,
+        error: String,
+    },
+    Discarded,
+}
+
+impl fmt::Display for CloseReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CloseReason::ByUser { at } => write!(f, "closed by the user at {at}"),
+            CloseReason::ManagerClosed { manager } => {
+                write!(f, "its manager {manager} was closed")
+            }
+            CloseReason::CycleEnded {
+                workspace,
+                cycle,
+                manager,
+            } => write!(
+                f,
+                "workspace cycle ended (cycle {cycle} of workspace '{workspace}', manager {manager})"
+            ),
+            CloseReason::Overwritten { workspace, at } => write!(
+                f,
+                "overwritten by circular workspace '{workspace}': an allocation at {at} reused its memory"
+            ),
+            CloseReason::WorkspaceDestroyed { workspace } => {
+                write!(f, "its workspace '{workspace}' was destroyed")
+            }
+            CloseReason::ReturnTargetClosed { borrower, original } => write!(
+                f,
+                "its borrower {borrower} closed, and the manager it was borrowed from, {original}, was already closed"
+            ),
+            CloseReason::ReturnCopyFailed {
+                borrower,
+                original,
+                error,
+            } => write!(
+                f,
+                "its borrower {borrower} closed and it could not be copied back to {original}: {error}"
+            ),
+            CloseReason::Discarded => f.write_str("the operation that created it failed"),
+        }
+    }
+}
+
+/// Who holds an array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    Manager(ManagerKey),
+    /// Owned by nobody (after `detach`); listed under the system manager.
+    Detached,
+}
+
+/// Identifies one cycle of one workspace, and the manager scope that is that cycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CycleTag {
+    pub ws: WorkspaceKey,
+    pub generation: u64,
+    pub scope: ManagerKey,
+}
+
+/// Where an array's bytes live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// Its own allocation (including workspace spills).
+    Heap,
+    /// `[offset, offset + len)` of a workspace block, allocated during `cycle`.
+    Block {
+        cycle: CycleTag,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// An owner an array was borrowed from, to give it back to.
+#[derive(Clone)]
+pub(crate) struct Lender {
+    pub owner: Owner,
+    /// For naming it in messages after it closed.
+    pub shared: Option<Arc<ManagerShared>>,
+}
+
+impl Lender {
+    pub fn describe(&self) -> String {
+        match &self.shared {
+            Some(shared) => shared.describe(),
+            None => "nobody (detached)".to_string(),
+        }
+    }
+}
+
+pub(crate) struct ArrayEntry {
+    pub inner: Arc<ArrayInner>,
+    pub owner: Owner,
+    /// Borrow chain: the owners to give the array back to, innermost last. Empty when owned.
+    pub returns: Vec<Lender>,
+    pub prev: Option<ArrayKey>,
+    pub next: Option<ArrayKey>,
+    pub place: Place,
+}
+
+impl ArrayEntry {
+    pub fn is_borrowed(&self) -> bool {
+        !self.returns.is_empty()
+    }
+}
+
+/// An intrusive doubly-linked list of arrays (through `ArrayEntry::prev/next`).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct ArrayList {
+    pub head: Option<ArrayKey>,
+    pub len: usize,
+    pub bytes: usize,
+}
+
+/// What a `Manager` handle points to; lives as long as any handle does.
+pub(crate) struct ManagerShared {
+    pub key: ManagerKey,
+    pub id: u64,
+    pub device: Device,
+    pub name: Mutex<Option<Arc<str>>>,
+    pub parent: Option<Arc<ManagerShared>>,
+}
+
+impl ManagerShared {
+    /// `'name' (m12)` or `m12`.
+    pub fn describe(&self) -> String {
+        match &*self.name.lock() {
+            Some(name) => format!("'{name}' (m{})", self.id),
+            None => format!("m{}", self.id),
+        }
+    }
+}
+
+pub(crate) struct ManagerEntry {
+    pub shared: Arc<ManagerShared>,
+    pub parent: Option<ManagerKey>,
+    pub first_child: Option<ManagerKey>,
+    pub prev_sibling: Option<ManagerKey>,
+    pub next_sibling: Option<ManagerKey>,
+    pub arrays: ArrayList,
+    pub capped: bool,
+    /// The workspace cycle whose block serves this manager's allocations: its own if it is a
+    /// cycle scope, else inherited from its parent when it was created.
+    pub alloc: Option<CycleTag>,
+    /// Set if this manager is the scope of a workspace cycle.
+    pub cycle_of: Option<WorkspaceKey>,
+    /// Workspaces owned by this manager (freed when it closes).
+    pub workspaces: Vec<WorkspaceKey>,
+}
+
+pub(crate) struct State {
+    pub arrays: SlotMap<ArrayKey, ArrayEntry>,
+    pub managers: SlotMap<ManagerKey, ManagerEntry>,
+    pub workspaces: SlotMap<WorkspaceKey, WorkspaceEntry>,
+    pub system: Arc<ManagerShared>,
+    /// Arrays owned by nobody.
+    pub detached: ArrayList,
+}
+
+pub(crate) static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
+
+/// Locks the arena.
+#[inline]
+pub(crate) fn lock() -> MutexGuard<'static, State> {
+    ARENA.lock()
+}
+
+impl State {
+    fn new() -> State {
+        let mut managers = SlotMap::with_key();
+        let id = next_manager_id();
+        let system_key = managers.insert_with_key(|key| ManagerEntry {
+            shared: Arc::new(ManagerShared {
+                key,
+                id,
+                device: Device::Cpu,
+                name: Mutex::new(Some(Arc::from("system"))),
+                parent: None,
+            }),
+            parent: None,
+            first_child: None,
+            prev_sibling: None,
+            next_sibling: None,
+            arrays: ArrayList::default(),
+            capped: false,
+            alloc: None,
+            cycle_of: None,
+            workspaces: Vec::new(),
+        });
+        let system = Arc::clone(&managers[system_key].shared);
+        State {
+            arrays: SlotMap::with_key(),
+            managers,
+            workspaces: SlotMap::with_key(),
+            system,
+            detached: ArrayList::default(),
+        }
+    }
+
+    /// The live entry of an array, or its `ArrayClosed` error.
+    #[inline]
+    pub fn array(&self, inner: &ArrayInner, ctx: &Ctx) -> Result<&ArrayEntry> {
+        self.arrays
+            .get(inner.key)
+            .ok_or_else(|| inner.closed_error(ctx))
+    }
+
+    /// The live entry of a manager, or its `ManagerClosed` error.
+    #[inline]
+    pub fn manager(&self, shared: &ManagerShared, ctx: &Ctx) -> Result<&ManagerEntry> {
+        self.managers
+            .get(shared.key)
+            .ok_or_else(|| manager_closed(shared, ctx))
+    }
+
+    /// `'name' (m12)` of a live manager key.
+    pub fn describe_manager(&self, key: ManagerKey) -> String {
+        self.managers
+            .get(key)
+            .map_or_else(|| "a closed manager".to_string(), |m| m.shared.describe())
+    }
+
+    fn list_mut(&mut self, owner: Owner) -> &mut ArrayList {
+        match owner {
+            Owner::Manager(key) => &mut self.managers[key].arrays,
+            Owner::Detached => &mut self.detached,
+        }
+    }
+
+    /// Puts `key` at the head of its owner's list. The entry's `owner` must be set already.
+    pub fn link(&mut self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let owner = entry.owner;
+        let bytes = entry.inner.nbytes();
+        let list = self.list_mut(owner);
+        let old_head = list.head.replace(key);
+        list.len += 1;
+        list.bytes += bytes;
+        if let Some(old) = old_head {
+            self.arrays[old].prev = Some(key);
+        }
+        let entry = &mut self.arrays[key];
+        entry.prev = None;
+        entry.next = old_head;
+    }
+
+    /// Takes `key` out of its owner's list.
+    pub fn unlink(&mut self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let (prev, next, owner) = (entry.prev, entry.next, entry.owner);
+        let bytes = entry.inner.nbytes();
+        if let Some(prev) = prev {
+            self.arrays[prev].next = next;
+        }
+        if let Some(next) = next {
+            self.arrays[next].prev = prev;
+        }
+        let list = self.list_mut(owner);
+        if list.head == Some(key) {
+            list.head = next;
+        }
+        list.len -= 1;
+        list.bytes -= bytes;
+        let entry = &mut self.arrays[key];
+        entry.prev = None;
+        entry.next = None;
+    }
+
+    /// Moves `key` to `owner`'s list.
+    pub fn set_owner(&mut self, key: ArrayKey, owner: Owner) {
+        self.unlink(key);
+        self.arrays[key].owner = owner;
+        self.link(key);
+    }
+
+    /// Inserts a new open array owned by `owner`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn insert_array(
+        &mut self,
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+        created_at: Site,
+        buffer: Buffer,
+        owner: Owner,
+        place: Place,
+    ) -> Arc<ArrayInner> {
+        let id = next_array_id();
+        let key = self.arrays.insert_with_key(|key| ArrayEntry {
+            inner: Arc::new(ArrayInner {
+                key,
+                id,
+                shape,
+                dtype,
+                device,
+                created_at,
+                name: Mutex::new(None),
+                closed: OnceLock::new(),
+                data: RwLock::new(Some(buffer)),
+            }),
+            owner,
+            returns: Vec::new(),
+            prev: None,
+            next: None,
+            place,
+        });
+        self.link(key);
+        memory::array_opened(device);
+        if let Place::Block { cycle, offset, len } = place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.note_block_array(key, offset, len);
+            }
+        }
+        Arc::clone(&self.arrays[key].inner)
+    }
+
+    /// Closes an array: takes it out of the arena, records why, and frees its buffer (waiting for
+    /// any kernel still reading it, see the module docs).
+    pub fn remove_array(&mut self, key: ArrayKey, reason: CloseReason) {
+        self.unlink(key);
+        let Some(entry) = self.arrays.remove(key) else {
+            return;
+        };
+        if let Place::Block { cycle, offset, .. } = entry.place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.forget_block_array(key, offset);
+            }
+        }
+        memory::array_closed(entry.inner.device);
+        // The reason is set exactly once: the key was live until now.
+        let _ = entry.inner.closed.set(reason);
+        let buffer = entry.inner.data.write().take();
+        drop(buffer);
+    }
+}
+
+/// The `ManagerClosed` error for a manager.
+pub(crate) fn manager_closed(shared: &ManagerShared, ctx: &Ctx) -> Error {
+    Error::ManagerClosed {
+        op: ctx.op,
+        at: ctx.at,
+        manager: shared.describe(),
+    }
+}

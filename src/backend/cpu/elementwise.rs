@@ -1,0 +1,392 @@
+//! Elementwise loops: maps, zips and NumPy broadcasting, parallel above `PAR_MIN` elements.
+//!
+//! The closures are generic parameters, so each loop is compiled per op and dtype and the
+//! compiler vectorises the contiguous cases.
+
+use rayon::prelude::*;
+
+use super::{chunk_len, PAR_MIN};
+
+/// `out[i] = f(a[i])`.
+pub(crate) fn map<T, U>(a: &[T], out: &mut [U], f: impl Fn(T) -> U + Sync)
+where
+    T: Copy + Send + Sync,
+    U: Send,
+{
+    debug_assert_eq!(a.len(), out.len());
+    if out.len() < PAR_MIN {
+        for (o, &x) in out.iter_mut().zip(a) {
+            *o = f(x);
+        }
+        return;
+    }
+    let chunk = chunk_len(out.len());
+    out.par_chunks_mut(chunk)
+        .zip(a.par_chunks(chunk))
+        .for_each(|(o, a)| {
+            for (o, &x) in o.iter_mut().zip(a) {
+                *o = f(x);
+            }
+        });
+}
+
+/// `out[i] = f(a[i], b[i])`.
+pub(crate) fn zip<T, U>(a: &[T], b: &[T], out: &mut [U], f: impl Fn(T, T) -> U + Sync)
+where
+    T: Copy + Send + Sync,
+    U: Send,
+{
+    debug_assert!(a.len() == out.len() && b.len() == out.len());
+    if out.len() < PAR_MIN {
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+        return;
+    }
+    let chunk = chunk_len(out.len());
+    out.par_chunks_mut(chunk)
+        .zip(a.par_chunks(chunk))
+        .zip(b.par_chunks(chunk))
+        .for_each(|((o, a), b)| {
+            for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+                *o = f(x, y);
+            }
+        });
+}
+
+/// `x[i] = f(x[i])`.
+pub(crate) fn map_inplace<T>(x: &mut [T], f: impl Fn(T) -> T + Sync)
+where
+    T: Copy + Send + Sync,
+{
+    if x.len() < PAR_MIN {
+        for v in x.iter_mut() {
+            *v = f(*v);
+        }
+        return;
+    }
+    let chunk = chunk_len(x.len());
+    x.par_chunks_mut(chunk).for_each(|x| {
+        for v in x.iter_mut() {
+            *v = f(*v);
+        }
+    });
+}
+
+/// `x[i] = f(x[i], b[i])`.
+pub(crate) fn zip_inplace<T>(x: &mut [T], b: &[T], f: impl Fn(T, T) -> T + Sync)
+where
+    T: Copy + Send + Sync,
+{
+    debug_assert_eq!(x.len(), b.len());
+    if x.len() < PAR_MIN {
+        for (v, &y) in x.iter_mut().zip(b) {
+            *v = f(*v, y);
+        }
+        return;
+    }
+    let chunk = chunk_len(x.len());
+    x.par_chunks_mut(chunk)
+        .zip(b.par_chunks(chunk))
+        .for_each(|(x, b)| {
+            for (v, &y) in x.iter_mut().zip(b) {
+                *v = f(*v, y);
+            }
+        });
+}
+
+/// Strides (in elements) of a contiguous array of `shape` as seen from a broadcast result of
+/// `out` dims: right-aligned, 0 where the input has size 1 (or is missing).
+pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; out.len()];
+    let offset = out.len() - shape.len();
+    let mut stride = 1;
+    for i in (0..shape.len()).rev() {
+        if shape[i] != 1 {
+            strides[offset + i] = stride;
+        }
+        stride *= shape[i];
+    }
+    strides
+}
+
+/// An iteration over the rows (last dimension) of a broadcast, with adjacent dimensions merged
+/// where every operand allows it, so the inner loop is as long as possible.
+struct Rows {
+    /// Outer dimensions (all but the merged last one).
+    dims: Vec<usize>,
+    /// Per operand: strides of the outer dimensions.
+    strides: Vec<Vec<usize>>,
+    /// Per operand: stride of the inner dimension (0 or 1).
+    inner_stride: Vec<usize>,
+    inner: usize,
+    rows: usize,
+}
+
+impl Rows {
+    fn new(out: &[usize], operand_strides: Vec<Vec<usize>>) -> Rows {
+        // Merge dimension i into i + 1 when, for every operand, stepping once along i equals
+        // stepping through all of i + 1 (contiguous, or broadcast along both).
+        let mut dims: Vec<usize> = Vec::with_capacity(out.len());
+        let mut strides: Vec<Vec<usize>> = vec![Vec::new(); operand_strides.len()];
+        for (i, &d) in out.iter().enumerate() {
+            if d == 1 {
+                continue;
+            }
+            let mergeable = !dims.is_empty()
+                && operand_strides
+                    .iter()
+                    .zip(&strides)
+                    .all(|(s, merged)| merged.last().is_some_and(|&prev| prev == s[i] * d));
+            if mergeable {
+                let last = dims.len() - 1;
+                dims[last] *= d;
+                for (merged, s) in strides.iter_mut().zip(&operand_strides) {
+                    let l = merged.len() - 1;
+                    merged[l] = s[i];
+                }
+            } else {
+                dims.push(d);
+                for (merged, s) in strides.iter_mut().zip(&operand_strides) {
+                    merged.push(s[i]);
+                }
+            }
+        }
+        let inner = dims.pop().unwrap_or(1);
+        let inner_stride = strides.iter_mut().map(|s| s.pop().unwrap_or(0)).collect();
+        let rows = dims.iter().product();
+        Rows {
+            dims,
+            strides,
+            inner_stride,
+            inner,
+            rows,
+        }
+    }
+
+    /// Offsets of every operand at the start of `row`.
+    fn offsets(&self, mut row: usize, out: &mut [usize]) {
+        out.iter_mut().for_each(|o| *o = 0);
+        for d in (0..self.dims.len()).rev() {
+            let i = row % self.dims[d];
+            row /= self.dims[d];
+            for (o, s) in out.iter_mut().zip(&self.strides) {
+                *o += i * s[d];
+            }
+        }
+    }
+
+    /// Advances `offsets` from `row` to `row + 1` (odometer), without division.
+    fn step(&self, index: &mut [usize], offsets: &mut [usize]) {
+        for d in (0..self.dims.len()).rev() {
+            index[d] += 1;
+            for (o, s) in offsets.iter_mut().zip(&self.strides) {
+                *o += s[d];
+            }
+            if index[d] < self.dims[d] {
+                return;
+            }
+            for (o, s) in offsets.iter_mut().zip(&self.strides) {
+                *o -= s[d] * self.dims[d];
+            }
+            index[d] = 0;
+        }
+    }
+
+    /// Calls `body(row_range_first_offsets...)` for rows `[start, end)`.
+    fn walk(&self, start: usize, end: usize, mut body: impl FnMut(&[usize])) {
+        let mut offsets = vec![0; self.strides.len()];
+        self.offsets(start, &mut offsets);
+        let mut index = vec![0; self.dims.len()];
+        let mut row = start;
+        for d in (0..self.dims.len()).rev() {
+            index[d] = row % self.dims[d];
+            row /= self.dims[d];
+        }
+        for _ in start..end {
+            body(&offsets);
+            self.step(&mut index, &mut offsets);
+        }
+    }
+}
+
+/// `out = f(a, b)` with NumPy broadcasting of `a` (`a_shape`) and `b` (`b_shape`) to
+/// `out_shape`.
+pub(crate) fn broadcast_zip<T, U>(
+    a: &[T],
+    a_shape: &[usize],
+    b: &[T],
+    b_shape: &[usize],
+    out: &mut [U],
+    out_shape: &[usize],
+    f: impl Fn(T, T) -> U + Sync,
+) where
+    T: Copy + Send + Sync,
+    U: Send,
+{
+    if out.is_empty() {
+        return;
+    }
+    if a.len() == out.len() && b.len() == out.len() {
+        return zip(a, b, out, f);
+    }
+    if b.len() == 1 && a.len() == out.len() {
+        let y = b[0];
+        return map(a, out, |x| f(x, y));
+    }
+    if a.len() == 1 && b.len() == out.len() {
+        let x = a[0];
+        return map(b, out, |y| f(x, y));
+    }
+    let rows = Rows::new(
+        out_shape,
+        vec![
+            broadcast_strides(a_shape, out_shape),
+            broadcast_strides(b_shape, out_shape),
+        ],
+    );
+    let inner = rows.inner;
+    let (sa, sb) = (rows.inner_stride[0], rows.inner_stride[1]);
+    let run = |first_row: usize, out: &mut [U]| {
+        let count = out.len() / inner;
+        let mut chunks = out.chunks_exact_mut(inner);
+        rows.walk(first_row, first_row + count, |off| {
+            let Some(o) = chunks.next() else { return };
+            let (oa, ob) = (off[0], off[1]);
+            match (sa, sb) {
+                (1, 1) => {
+                    for ((o, &x), &y) in
+                        o.iter_mut().zip(&a[oa..oa + inner]).zip(&b[ob..ob + inner])
+                    {
+                        *o = f(x, y);
+                    }
+                }
+                (1, _) => {
+                    let y = b[ob];
+                    for (o, &x) in o.iter_mut().zip(&a[oa..oa + inner]) {
+                        *o = f(x, y);
+                    }
+                }
+                (_, 1) => {
+                    let x = a[oa];
+                    for (o, &y) in o.iter_mut().zip(&b[ob..ob + inner]) {
+                        *o = f(x, y);
+                    }
+                }
+                _ => {
+                    let (x, y) = (a[oa], b[ob]);
+                    for o in o.iter_mut() {
+                        *o = f(x, y);
+                    }
+                }
+            }
+        });
+    };
+    if out.len() < PAR_MIN || rows.rows < 2 {
+        return run(0, out);
+    }
+    let rows_per_task = chunk_len(out.len()).div_ceil(inner).max(1);
+    out.par_chunks_mut(rows_per_task * inner)
+        .enumerate()
+        .for_each(|(task, chunk)| run(task * rows_per_task, chunk));
+}
+
+/// `x = f(x, b)` with `b` (`b_shape`) broadcast to `x`'s shape `x_shape`.
+pub(crate) fn broadcast_zip_inplace<T>(
+    x: &mut [T],
+    x_shape: &[usize],
+    b: &[T],
+    b_shape: &[usize],
+    f: impl Fn(T, T) -> T + Sync,
+) where
+    T: Copy + Send + Sync,
+{
+    if x.is_empty() {
+        return;
+    }
+    if b.len() == x.len() {
+        return zip_inplace(x, b, f);
+    }
+    if b.len() == 1 {
+        let y = b[0];
+        return map_inplace(x, |v| f(v, y));
+    }
+    let rows = Rows::new(x_shape, vec![broadcast_strides(b_shape, x_shape)]);
+    let inner = rows.inner;
+    let sb = rows.inner_stride[0];
+    let run = |first_row: usize, x: &mut [T]| {
+        let count = x.len() / inner;
+        let mut chunks = x.chunks_exact_mut(inner);
+        rows.walk(first_row, first_row + count, |off| {
+            let Some(v) = chunks.next() else { return };
+            let ob = off[0];
+            if sb == 1 {
+                for (v, &y) in v.iter_mut().zip(&b[ob..ob + inner]) {
+                    *v = f(*v, y);
+                }
+            } else {
+                let y = b[ob];
+                for v in v.iter_mut() {
+                    *v = f(*v, y);
+                }
+            }
+        });
+    };
+    if x.len() < PAR_MIN || rows.rows < 2 {
+        return run(0, x);
+    }
+    let rows_per_task = chunk_len(x.len()).div_ceil(inner).max(1);
+    x.par_chunks_mut(rows_per_task * inner)
+        .enumerate()
+        .for_each(|(task, chunk)| run(task * rows_per_task, chunk));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(a: &[i64], ash: &[usize], b: &[i64], bsh: &[usize], out: &[usize]) -> Vec<i64> {
+        let n: usize = out.iter().product();
+        let sa = broadcast_strides(ash, out);
+        let sb = broadcast_strides(bsh, out);
+        (0..n)
+            .map(|flat| {
+                let mut rem = flat;
+                let (mut oa, mut ob) = (0, 0);
+                for d in (0..out.len()).rev() {
+                    let i = rem % out[d];
+                    rem /= out[d];
+                    oa += i * sa[d];
+                    ob += i * sb[d];
+                }
+                a[oa] * 1000 + b[ob]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn broadcasting_matches_the_index_formula() {
+        let cases: &[(&[usize], &[usize], &[usize])] = &[
+            (&[2, 3], &[3], &[2, 3]),
+            (&[2, 1], &[1, 3], &[2, 3]),
+            (&[4, 1, 5], &[3, 1], &[4, 3, 5]),
+            (&[1], &[2, 2], &[2, 2]),
+            (&[3, 1, 1, 2], &[1, 4, 5, 1], &[3, 4, 5, 2]),
+            (&[256, 300], &[300], &[256, 300]),
+            (&[300, 1], &[300, 256], &[300, 256]),
+        ];
+        for &(ash, bsh, out) in cases {
+            let a: Vec<i64> = (0..ash.iter().product::<usize>() as i64).collect();
+            let b: Vec<i64> = (0..bsh.iter().product::<usize>() as i64).collect();
+            let n: usize = out.iter().product();
+            let mut got = vec![0; n];
+            broadcast_zip(&a, ash, &b, bsh, &mut got, out, |x, y| x * 1000 + y);
+            assert_eq!(got, reference(&a, ash, &b, bsh, out), "{ash:?} {bsh:?}");
+            if ash == out {
+                let mut x = a.clone();
+                broadcast_zip_inplace(&mut x, out, &b, bsh, |x, y| x * 1000 + y);
+                assert_eq!(x, got, "inplace {ash:?} {bsh:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,18 @@
+//! CPU kernels over slices. Large inputs are split across the `rayon` pool.
+
+pub(crate) mod elementwise;
+pub(crate) mod matmul;
+pub(crate) mod num;
+pub(crate) mod random;
+pub(crate) mod reduce;
+
+/// Below this many elements a kernel runs on the calling thread: splitting costs more than it
+/// saves (a task hand-off is a few microseconds; 32 Ki f32 adds take about as long).
+pub(crate) const PAR_MIN: usize = 1 << 15;
+
+/// Elements per task for parallel loops of `len` elements.
+pub(crate) fn chunk_len(len: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    // A few tasks per thread balances uneven cores without drowning in overhead.
+    len.div_ceil(threads * 4).max(PAR_MIN / 4)
+}

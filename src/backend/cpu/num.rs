@@ -1,0 +1,172 @@
+//! Arithmetic over the element types: wrapping for integers (as NumPy and PyTorch), IEEE for
+//! floats, with NaN propagating through `maximum`/`minimum` (as PyTorch).
+
+use crate::Element;
+
+/// Arithmetic every element type has.
+pub(crate) trait Num: Element {
+    fn add(self, other: Self) -> Self;
+    fn sub(self, other: Self) -> Self;
+    fn mul(self, other: Self) -> Self;
+    /// Integer division by zero gives 0; front-ends refuse it before computing.
+    fn div(self, other: Self) -> Self;
+    fn max_nan(self, other: Self) -> Self;
+    fn min_nan(self, other: Self) -> Self;
+    fn neg(self) -> Self;
+    fn abs(self) -> Self;
+    fn is_zero(self) -> bool;
+    /// `self` raised to a float power (integers through f64, rounded toward zero).
+    fn pow_f64(self, exponent: f64) -> Self;
+}
+
+/// Arithmetic only floats have.
+pub(crate) trait Float: Num {
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sigmoid(self) -> Self;
+}
+
+macro_rules! int_num {
+    ($t:ty) => {
+        impl Num for $t {
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                self.wrapping_sub(o)
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn div(self, o: Self) -> Self {
+                self.checked_div(o).unwrap_or(0)
+            }
+            #[inline(always)]
+            fn max_nan(self, o: Self) -> Self {
+                Ord::max(self, o)
+            }
+            #[inline(always)]
+            fn min_nan(self, o: Self) -> Self {
+                Ord::min(self, o)
+            }
+            #[inline(always)]
+            fn neg(self) -> Self {
+                self.wrapping_neg()
+            }
+            #[inline(always)]
+            #[allow(unused_comparisons)]
+            fn abs(self) -> Self {
+                if self < 0 {
+                    self.wrapping_neg()
+                } else {
+                    self
+                }
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self == 0
+            }
+            #[inline(always)]
+            fn pow_f64(self, exponent: f64) -> Self {
+                (self as f64).powf(exponent) as $t
+            }
+        }
+    };
+}
+
+int_num!(i32);
+int_num!(i64);
+int_num!(u8);
+
+macro_rules! float_num {
+    ($t:ty) => {
+        impl Num for $t {
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn div(self, o: Self) -> Self {
+                self / o
+            }
+            #[inline(always)]
+            fn max_nan(self, o: Self) -> Self {
+                if self > o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn min_nan(self, o: Self) -> Self {
+                if self < o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn neg(self) -> Self {
+                -self
+            }
+            #[inline(always)]
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self == 0.0
+            }
+            #[inline(always)]
+            fn pow_f64(self, exponent: f64) -> Self {
+                <$t>::powf(self, exponent as $t)
+            }
+        }
+
+        impl Float for $t {
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn sigmoid(self) -> Self {
+                // Stable on both tails: exp of a non-positive number only.
+                if self >= 0.0 {
+                    1.0 / (1.0 + (-self).exp())
+                } else {
+                    let e = self.exp();
+                    e / (1.0 + e)
+                }
+            }
+        }
+    };
+}
+
+float_num!(f32);
+float_num!(f64);

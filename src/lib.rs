@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod arena;
+mod backend;
+mod device;
+mod dtype;
+mod error;
+mod manager;
+mod ndarray;
+mod report;
+mod shape;
+pub mod testing;
+pub mod workspace;
+
+pub use arena::memory::{memory_limit, memory_usage, reset_peak, set_memory_limit, DeviceUsage};
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
+pub use manager::{ActiveScope, Manager, ManagerId, Scope};
+pub use ndarray::{manual_seed, ArrayId, NDArray, NDList};
+pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
+pub use shape::Shape;
+pub use workspace::{
+    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
+    Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
+};

@@ -1,0 +1,240 @@
+//! Ownership moves: attach, temp_attach (borrow), detach, ret, and giving borrowed arrays back.
+//!
+//! Every move is checked in full before anything changes (DJL moves first and checks later, so a
+//! refused attach orphans the array). A move that takes an array out of the workspace cycle its
+//! bytes live in copies the bytes to where the new owner allocates (the heap, or the new owner's
+//! own workspace: ND4J's `detach`/`leverageTo`), keeping the same handle valid.
+
+use std::sync::Arc;
+
+use crate::arena::{ArrayInner, ArrayKey, CloseReason, Lender, ManagerShared, Owner, Place, State};
+use crate::error::Ctx;
+use crate::workspace::{Allocation, ResetPolicy};
+use crate::{Error, Result};
+
+/// The kinds of move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Move {
+    Attach,
+    TempAttach,
+    Detach,
+    Ret,
+}
+
+/// What one array of a move needs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Already where it should be.
+    Stay,
+    /// Becomes owned by the target; any pending return is cancelled.
+    Own,
+    /// Borrowed by the target; goes back to its current owner when the target closes.
+    Borrow,
+}
+
+impl State {
+    /// Whether moving `key` to `target` must copy its bytes out of a workspace cycle: they live in
+    /// an open cycle's block and the target is not inside that cycle's scope. Arrays of an ended
+    /// cycle (kept by a circular workspace) stay in place until overwritten, and `ret` out of a
+    /// circular workspace is zero-copy.
+    fn copy_needed(&self, key: ArrayKey, target: Owner, kind: Move) -> bool {
+        let Place::Block { cycle, .. } = self.arrays[key].place else {
+            return false;
+        };
+        let Some(ws) = self.workspaces.get(cycle.ws) else {
+            return false;
+        };
+        if ws.open != Some(cycle) {
+            return false;
+        }
+        match target {
+            Owner::Detached => true,
+            Owner::Manager(m) => {
+                !(self.is_within(m, cycle.scope)
+                    || (kind == Move::Ret && ws.shared.config.reset() == ResetPolicy::EndOfBuffer))
+            }
+        }
+    }
+
+    /// Moves `arrays` to `target` (with `target_shared` naming it), all or nothing.
+    pub(crate) fn move_arrays(
+        &mut self,
+        ctx: &Ctx,
+        arrays: &[&ArrayInner],
+        target: Owner,
+        target_shared: Option<&Arc<ManagerShared>>,
+        kind: Move,
+    ) -> Result<()> {
+        // 1. The target.
+        let mut capped = false;
+        if let (Owner::Manager(_), Some(shared)) = (target, target_shared) {
+            let entry = self.manager(shared, ctx)?;
+            capped = entry.capped;
+            if kind == Move::TempAttach && shared.key == self.system.key {
+                return Err(ctx.system("the system manager cannot borrow arrays"));
+            }
+        }
+        // 2. Each array, checked before anything moves.
+        let mut plan: Vec<(ArrayKey, Step, bool)> = Vec::with_capacity(arrays.len());
+        for inner in arrays {
+            let entry = self.array(inner, ctx)?;
+            let key = inner.key;
+            if plan.iter().any(|(k, _, _)| *k == key) {
+                continue;
+            }
+            let step = match kind {
+                // Attaching to the manager that already holds it (owning or borrowing) changes
+                // nothing: a borrowed array stays borrowed and will still go back.
+                Move::Attach | Move::Ret if entry.owner == target => Step::Stay,
+                Move::Attach | Move::Ret => {
+                    if capped {
+                        let shared = target_shared.map_or_else(String::new, |s| s.describe());
+                        return Err(Error::Capped {
+                            op: ctx.op,
+                            at: ctx.at,
+                            manager: shared,
+                            what: format!("array {} would be attached to it", inner.describe()),
+                        });
+                    }
+                    Step::Own
+                }
+                Move::TempAttach if entry.owner == target => Step::Stay,
+                Move::TempAttach => Step::Borrow,
+                Move::Detach if entry.owner == Owner::Detached && !entry.is_borrowed() => {
+                    Step::Stay
+                }
+                Move::Detach => Step::Own,
+            };
+            let copy = step != Step::Stay && self.copy_needed(key, target, kind);
+            plan.push((key, step, copy));
+        }
+        // 3. Storage for the copies; undone in full if one fails.
+        let checkpoint = self.target_checkpoint(target);
+        let mut copies: Vec<(ArrayKey, Allocation)> = Vec::new();
+        for &(key, _, copy) in &plan {
+            if !copy {
+                continue;
+            }
+            let inner = Arc::clone(&self.arrays[key].inner);
+            match self.allocate(ctx, target, &inner.shape, inner.dtype, inner.device) {
+                Ok(allocation) => copies.push((key, allocation)),
+                Err(e) => {
+                    drop(copies);
+                    self.restore_target(target, checkpoint);
+                    return Err(e);
+                }
+            }
+        }
+        // 4. Commit: nothing below fails.
+        for (_, allocation) in &copies {
+            self.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
+        }
+        for (key, allocation) in copies {
+            if self.arrays.contains_key(key) {
+                self.relocate(key, allocation);
+            }
+        }
+        for (key, step, _) in plan {
+            if !self.arrays.contains_key(key) {
+                continue;
+            }
+            match step {
+                Step::Stay => {}
+                Step::Own => {
+                    self.arrays[key].returns.clear();
+                    self.set_owner(key, target);
+                }
+                Step::Borrow => {
+                    let current = self.arrays[key].owner;
+                    let shared = match current {
+                        Owner::Manager(m) => Some(Arc::clone(&self.managers[m].shared)),
+                        Owner::Detached => None,
+                    };
+                    self.arrays[key].returns.push(Lender {
+                        owner: current,
+                        shared,
+                    });
+                    self.set_owner(key, target);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn target_checkpoint(&self, target: Owner) -> Option<crate::workspace::Checkpoint> {
+        let Owner::Manager(m) = target else {
+            return None;
+        };
+        let cycle = self.managers.get(m)?.alloc?;
+        Some(self.workspaces.get(cycle.ws)?.checkpoint())
+    }
+
+    fn restore_target(&mut self, target: Owner, checkpoint: Option<crate::workspace::Checkpoint>) {
+        let (Owner::Manager(m), Some(checkpoint)) = (target, checkpoint) else {
+            return;
+        };
+        if let Some(cycle) = self.managers.get(m).and_then(|e| e.alloc) {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.restore(checkpoint);
+            }
+        }
+    }
+
+    /// Copies an array's bytes into new storage and switches its handle over to it.
+    fn relocate(&mut self, key: ArrayKey, allocation: Allocation) {
+        let Allocation {
+            mut buffer, place, ..
+        } = allocation;
+        let entry = &mut self.arrays[key];
+        let old_place = std::mem::replace(&mut entry.place, place);
+        {
+            let mut data = entry.inner.data.write();
+            if let Some(old) = data.as_ref() {
+                buffer.as_bytes_mut().copy_from_slice(old.as_bytes());
+            }
+            *data = Some(buffer);
+        }
+        if let Place::Block { cycle, offset, .. } = old_place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.forget_block_array(key, offset);
+            }
+        }
+        if let Place::Block { cycle, offset, len } = place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.note_block_array(key, offset, len);
+            }
+        }
+    }
+
+    /// Gives a borrowed array back to `lender` as its borrower `borrower` closes (bypassing any
+    /// cap), copying it out of the borrower's workspace cycle if it was copied in.
+    pub(crate) fn return_borrowed(
+        &mut self,
+        ctx: &Ctx,
+        key: ArrayKey,
+        lender: Lender,
+        borrower: String,
+    ) {
+        if self.copy_needed(key, lender.owner, Move::Attach) {
+            let inner = Arc::clone(&self.arrays[key].inner);
+            match self.allocate(ctx, lender.owner, &inner.shape, inner.dtype, inner.device) {
+                Ok(allocation) => {
+                    self.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
+                    self.relocate(key, allocation);
+                }
+                Err(e) => {
+                    self.remove_array(
+                        key,
+                        CloseReason::ReturnCopyFailed {
+                            borrower,
+                            original: lender.describe(),
+                            error: e.to_string(),
+                        },
+                    );
+                    return;
+                }
+            }
+        }
+        self.set_owner(key, lender.owner);
+    }
+}

@@ -1,0 +1,104 @@
+//! [`Scope`] (a manager closed on drop) and [`ActiveScope`] (the thread's current manager for op
+//! results).
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::ops::Deref;
+
+use crate::arena::ManagerKey;
+use crate::{Manager, Result};
+
+/// A manager that is closed when this guard drops, also while unwinding from a panic. Derefs to
+/// [`Manager`]. Made by [`Manager::sub_scope`] and [`Workspace::open`](crate::Workspace::open).
+///
+/// ```
+/// use ndscope::{DType, Manager};
+/// let parent = Manager::new_base();
+/// let kept = {
+///     let scope = parent.sub_scope()?;
+///     let tmp = scope.ones([3], DType::F32)?;
+///     let total = tmp.sum_all()?;
+///     scope.ret(&total)?               // survives: now owned by `parent`
+/// };                                   // scope closed here, `tmp` freed
+/// assert_eq!(kept.to_scalar::<f32>()?, 3.0);
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[must_use = "a Scope closes its manager when dropped"]
+#[derive(Debug)]
+pub struct Scope {
+    manager: Manager,
+}
+
+impl Scope {
+    pub(crate) fn new(manager: Manager) -> Scope {
+        Scope { manager }
+    }
+
+    /// The manager (also reachable through `Deref`).
+    pub fn manager(&self) -> &Manager {
+        &self.manager
+    }
+
+    /// Closes the manager now, reporting errors instead of ignoring them as `drop` must.
+    #[track_caller]
+    pub fn close(self) -> Result<()> {
+        let result = self.manager.close();
+        std::mem::forget(self);
+        result
+    }
+}
+
+impl Deref for Scope {
+    type Target = Manager;
+    fn deref(&self) -> &Manager {
+        &self.manager
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        // A scope is never the system manager, the only manager whose close fails.
+        let _ = self.manager.close();
+    }
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Vec<Manager>> = const { RefCell::new(Vec::new()) };
+}
+
+/// While this guard lives, op results computed on this thread are attached to its manager.
+/// Guards nest; dropping one restores the one before. Not `Send`: it belongs to its thread.
+/// Made by [`Manager::activate`].
+#[must_use = "the manager is active only while the guard lives"]
+#[derive(Debug)]
+pub struct ActiveScope {
+    key: ManagerKey,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ActiveScope {
+    pub(crate) fn push(manager: &Manager) -> ActiveScope {
+        ACTIVE.with(|stack| stack.borrow_mut().push(manager.clone()));
+        ActiveScope {
+            key: manager.0.key,
+            _not_send: PhantomData,
+        }
+    }
+}
+
+impl Drop for ActiveScope {
+    fn drop(&mut self) {
+        ACTIVE.with(|stack| {
+            let mut stack = stack.borrow_mut();
+            // Normally the top; guards dropped out of order remove their own entry only.
+            if let Some(pos) = stack.iter().rposition(|m| m.0.key == self.key) {
+                stack.remove(pos);
+            }
+        });
+    }
+}
+
+/// The innermost active manager of this thread.
+pub(crate) fn active() -> Option<Manager> {
+    ACTIVE.with(|stack| stack.borrow().last().cloned())
+}

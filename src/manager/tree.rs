@@ -1,0 +1,167 @@
+//! The manager tree in the arena: creating managers and closing subtrees.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::arena::{
+    self, ArrayList, CloseReason, ManagerEntry, ManagerKey, ManagerShared, Owner, State,
+};
+use crate::error::Ctx;
+use crate::{Device, Manager, Result};
+
+impl State {
+    /// A new open child of `parent` on `device`. It inherits the parent's workspace cycle (so a
+    /// sub-scope of a cycle allocates from the same block), but not its cap.
+    pub(crate) fn add_manager(
+        &mut self,
+        ctx: &Ctx,
+        parent: ManagerKey,
+        device: Device,
+    ) -> Result<Manager> {
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
+        let parent_entry = self
+            .managers
+            .get(parent)
+            .ok_or_else(|| ctx.invalid("parent manager vanished"))?;
+        let parent_shared = Arc::clone(&parent_entry.shared);
+        let alloc = parent_entry.alloc;
+        let old_first = parent_entry.first_child;
+        let id = arena::next_manager_id();
+        let key = self.managers.insert_with_key(|key| ManagerEntry {
+            shared: Arc::new(ManagerShared {
+                key,
+                id,
+                device,
+                name: Mutex::new(None),
+                parent: Some(parent_shared),
+            }),
+            parent: Some(parent),
+            first_child: None,
+            prev_sibling: None,
+            next_sibling: old_first,
+            arrays: ArrayList::default(),
+            capped: false,
+            alloc,
+            cycle_of: None,
+            workspaces: Vec::new(),
+        });
+        if let Some(old) = old_first {
+            self.managers[old].prev_sibling = Some(key);
+        }
+        self.managers[parent].first_child = Some(key);
+        Ok(Manager(Arc::clone(&self.managers[key].shared)))
+    }
+
+    /// The open children of `key`, newest first.
+    pub(crate) fn children_of(&self, key: ManagerKey) -> Vec<ManagerKey> {
+        let mut out = Vec::new();
+        let mut child = self.managers.get(key).and_then(|m| m.first_child);
+        while let Some(c) = child {
+            out.push(c);
+            child = self.managers[c].next_sibling;
+        }
+        out
+    }
+
+    /// `key` and all its descendants, each before its own descendants.
+    fn subtree(&self, key: ManagerKey) -> Vec<ManagerKey> {
+        let mut order = vec![key];
+        let mut i = 0;
+        while i < order.len() {
+            let children = self.children_of(order[i]);
+            order.extend(children);
+            i += 1;
+        }
+        order
+    }
+
+    /// Whether `key` is `ancestor` or one of its descendants.
+    pub(crate) fn is_within(&self, mut key: ManagerKey, ancestor: ManagerKey) -> bool {
+        loop {
+            if key == ancestor {
+                return true;
+            }
+            match self.managers.get(key).and_then(|m| m.parent) {
+                Some(parent) => key = parent,
+                None => return false,
+            }
+        }
+    }
+
+    /// Closes `key` and its subtree, children first. Each manager frees the arrays it owns and
+    /// gives each borrowed array back to the manager it came from (or closes it if that one is
+    /// closed too), frees its workspaces and, if it is a workspace cycle, ends the cycle.
+    pub(crate) fn close_manager(&mut self, ctx: &Ctx, key: ManagerKey) {
+        if !self.managers.contains_key(key) {
+            return;
+        }
+        for manager in self.subtree(key).into_iter().rev() {
+            self.close_one(ctx, manager);
+        }
+    }
+
+    fn close_one(&mut self, ctx: &Ctx, key: ManagerKey) {
+        let cycle_of = self.managers[key].cycle_of;
+        let mut describe: Option<String> = None;
+        while let Some(array) = self.managers[key].arrays.head {
+            let name = describe
+                .get_or_insert_with(|| self.managers[key].shared.describe())
+                .clone();
+            let back = self.arrays[array].returns.pop();
+            match back {
+                Some(lender) if self.owner_is_open(lender.owner) => {
+                    self.return_borrowed(ctx, array, lender, name);
+                }
+                Some(lender) => {
+                    self.remove_array(
+                        array,
+                        CloseReason::ReturnTargetClosed {
+                            borrower: name,
+                            original: lender.describe(),
+                        },
+                    );
+                }
+                None => {
+                    let reason = match cycle_of.and_then(|ws| self.workspaces.get(ws)) {
+                        Some(ws) => CloseReason::CycleEnded {
+                            workspace: Arc::clone(&ws.shared.name),
+                            cycle: ws.open.map_or(0, |tag| tag.generation),
+                            manager: name,
+                        },
+                        None => CloseReason::ManagerClosed { manager: name },
+                    };
+                    self.remove_array(array, reason);
+                }
+            }
+        }
+        let workspaces = std::mem::take(&mut self.managers[key].workspaces);
+        for ws in workspaces {
+            self.destroy_workspace(ctx, ws);
+        }
+        if let Some(ws) = cycle_of {
+            self.end_cycle(ctx, ws);
+        }
+        // Unlink from the parent's children.
+        let entry = &self.managers[key];
+        let (parent, prev, next) = (entry.parent, entry.prev_sibling, entry.next_sibling);
+        if let Some(prev) = prev {
+            self.managers[prev].next_sibling = next;
+        } else if let Some(parent) = parent {
+            self.managers[parent].first_child = next;
+        }
+        if let Some(next) = next {
+            self.managers[next].prev_sibling = prev;
+        }
+        self.managers.remove(key);
+    }
+
+    fn owner_is_open(&self, owner: Owner) -> bool {
+        match owner {
+            Owner::Manager(key) => self.managers.contains_key(key),
+            Owner::Detached => true,
+        }
+    }
+}

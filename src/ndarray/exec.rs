@@ -1,0 +1,336 @@
+//! How an operation runs: placement and allocation under the arena lock, then the kernel under
+//! the arrays' data locks (never both at once; see `crate::arena` for the lock order).
+//!
+//! Front-ends validate shapes and dtypes from the handles' metadata first (no lock needed: it
+//! never changes), so a refused op touches nothing.
+
+use std::sync::Arc;
+
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
+};
+
+use crate::arena::{self, ArrayInner, Buffer, CloseReason, Owner, Place};
+use crate::error::Ctx;
+use crate::manager::Manager;
+use crate::{DType, Device, Error, NDArray, Result, Shape};
+
+/// Where a new array goes.
+pub(crate) enum Target<'a> {
+    /// Into this manager (factories).
+    Manager(&'a Manager),
+    /// Where the result of an op on these inputs goes: the thread's active scope, else the owner
+    /// of the first input (the borrower while borrowed), else (first input detached) the detached
+    /// list.
+    ResultOf(&'a [&'a NDArray]),
+}
+
+/// A new array of `shape`/`dtype` on `device`, placed by `target`. Returns it and whether its
+/// bytes may hold stale data (workspace memory); heap buffers are zeroed.
+pub(crate) fn new_array(
+    ctx: &Ctx,
+    target: Target<'_>,
+    shape: Shape,
+    dtype: DType,
+    device: Device,
+) -> Result<(NDArray, bool)> {
+    let active = match target {
+        Target::ResultOf(_) => Manager::active(),
+        Target::Manager(_) => None,
+    };
+    let mut state = arena::lock();
+    let (owner, why) = match target {
+        Target::Manager(m) => {
+            let entry = state.manager(&m.0, ctx)?;
+            if !m.device().is_available() {
+                return Err(ctx.unavailable(m.device()));
+            }
+            let why = if entry.capped {
+                Some(format!(
+                    "a new {dtype} array of shape {shape} would be created in it"
+                ))
+            } else {
+                None
+            };
+            (Owner::Manager(m.0.key), why)
+        }
+        Target::ResultOf(inputs) => {
+            for input in inputs {
+                state.array(&input.0, ctx)?;
+            }
+            match (&active, inputs.first()) {
+                (Some(active), _) => {
+                    let entry = state.manager(&active.0, ctx)?;
+                    let why = entry.capped.then(|| {
+                        format!(
+                            "the result of `{}` would land there because it is this thread's active scope",
+                            ctx.op
+                        )
+                    });
+                    (Owner::Manager(active.0.key), why)
+                }
+                (None, Some(first)) => {
+                    let owner = state.arrays[first.0.key].owner;
+                    let why = match owner {
+                        Owner::Manager(m) if state.managers[m].capped => Some(format!(
+                            "the result of `{}` would land there because it owns the first input, {} \
+                             (activate a scope with Manager::activate or use Manager::scope to collect \
+                             temporaries elsewhere)",
+                            ctx.op,
+                            first.0.describe()
+                        )),
+                        _ => None,
+                    };
+                    (owner, why)
+                }
+                (None, None) => (Owner::Detached, None),
+            }
+        }
+    };
+    if let (Some(what), Owner::Manager(m)) = (why, owner) {
+        return Err(Error::Capped {
+            op: ctx.op,
+            at: ctx.at,
+            manager: state.managers[m].shared.describe(),
+            what,
+        });
+    }
+    let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
+    state.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
+    let dirty = allocation.buffer.is_block();
+    let inner = state.insert_array(
+        shape,
+        dtype,
+        device,
+        ctx.at,
+        allocation.buffer,
+        owner,
+        allocation.place,
+    );
+    Ok((NDArray(inner), dirty))
+}
+
+/// Adopts `buffer` as a new array in manager `m` (used by `from_vec` outside workspaces).
+pub(crate) fn adopt(
+    ctx: &Ctx,
+    m: &Manager,
+    shape: Shape,
+    dtype: DType,
+    buffer: Buffer,
+) -> Result<NDArray> {
+    let mut state = arena::lock();
+    let entry = state.manager(&m.0, ctx)?;
+    if entry.capped {
+        return Err(Error::Capped {
+            op: ctx.op,
+            at: ctx.at,
+            manager: m.0.describe(),
+            what: format!("a new {dtype} array of shape {shape} would be created in it"),
+        });
+    }
+    let inner = state.insert_array(
+        shape,
+        dtype,
+        Device::Cpu,
+        ctx.at,
+        buffer,
+        Owner::Manager(m.0.key),
+        Place::Heap,
+    );
+    Ok(NDArray(inner))
+}
+
+/// Whether manager `m` allocates from a workspace block.
+pub(crate) fn allocates_from_workspace(m: &Manager) -> bool {
+    arena::lock()
+        .managers
+        .get(m.0.key)
+        .is_some_and(|e| e.alloc.is_some())
+}
+
+/// Closes an array created for an op that then failed.
+pub(crate) fn discard(array: &NDArray) {
+    let mut state = arena::lock();
+    if state.arrays.contains_key(array.0.key) {
+        state.remove_array(array.0.key, CloseReason::Discarded);
+    }
+}
+
+type ReadGuard<'a> = MappedRwLockReadGuard<'a, Buffer>;
+type WriteGuard<'a> = MappedRwLockWriteGuard<'a, Buffer>;
+
+/// Read-locks an array's bytes, or gives its `ArrayClosed` error.
+fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
+    RwLockReadGuard::try_map(a.data.read(), Option::as_ref).map_err(|_| a.closed_error(ctx))
+}
+
+/// Write-locks an array's bytes, or gives its `ArrayClosed` error.
+fn write<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
+    RwLockWriteGuard::try_map(a.data.write(), Option::as_mut).map_err(|_| a.closed_error(ctx))
+}
+
+fn addr(a: &NDArray) -> usize {
+    Arc::as_ptr(&a.0) as usize
+}
+
+/// Read-locks `inputs` in address order, each distinct array once. Returns the guards and, for
+/// each input, the index of its guard.
+fn read_sorted<'a>(ctx: &Ctx, inputs: &[&'a NDArray]) -> Result<(Vec<ReadGuard<'a>>, Vec<usize>)> {
+    let mut order: Vec<usize> = (0..inputs.len()).collect();
+    order.sort_by_key(|&i| addr(inputs[i]));
+    let mut guards = Vec::with_capacity(inputs.len());
+    let mut slot = vec![0; inputs.len()];
+    let mut last: Option<usize> = None;
+    for i in order {
+        if last != Some(addr(inputs[i])) {
+            guards.push(read(ctx, &inputs[i].0)?);
+            last = Some(addr(inputs[i]));
+        }
+        slot[i] = guards.len() - 1;
+    }
+    Ok((guards, slot))
+}
+
+/// Runs `f` on the bytes of `inputs` (read-locked in address order, each once) and `out`
+/// (write-locked). `out` must be a fresh array, not one of the inputs.
+pub(crate) fn compute<R>(
+    ctx: &Ctx,
+    inputs: &[&NDArray],
+    out: &NDArray,
+    f: impl FnOnce(&[&Buffer], &mut Buffer) -> Result<R>,
+) -> Result<R> {
+    let (guards, slot) = read_sorted(ctx, inputs)?;
+    let mut out_guard = write(ctx, &out.0)?;
+    let buffers: Vec<&Buffer> = slot.iter().map(|&j| &*guards[j]).collect();
+    f(&buffers, &mut out_guard)
+}
+
+/// Runs `f` on the bytes of `inputs`, read-only.
+pub(crate) fn read_all<R>(
+    ctx: &Ctx,
+    inputs: &[&NDArray],
+    f: impl FnOnce(&[&Buffer]) -> Result<R>,
+) -> Result<R> {
+    if let [a] = inputs {
+        let guard = read(ctx, &a.0)?;
+        return f(&[&guard]);
+    }
+    let (guards, slot) = read_sorted(ctx, inputs)?;
+    let buffers: Vec<&Buffer> = slot.iter().map(|&j| &*guards[j]).collect();
+    f(&buffers)
+}
+
+/// Makes a new array for an op on `inputs` and fills it with `kernel`; on any failure the new
+/// array is discarded and nothing else changed.
+#[allow(dead_code)] // for the n-input ops (concat, stack)
+pub(crate) fn op(
+    ctx: &Ctx,
+    inputs: &[&NDArray],
+    shape: Shape,
+    dtype: DType,
+    kernel: impl FnOnce(&[&Buffer], &mut Buffer) -> Result<()>,
+) -> Result<NDArray> {
+    let device = inputs.first().map_or(Device::Cpu, |a| a.device());
+    let (out, _) = new_array(ctx, Target::ResultOf(inputs), shape, dtype, device)?;
+    match compute(ctx, inputs, &out, kernel) {
+        Ok(()) => Ok(out),
+        Err(e) => {
+            discard(&out);
+            Err(e)
+        }
+    }
+}
+
+/// Fast path of [`op`] for one input.
+pub(crate) fn op1(
+    ctx: &Ctx,
+    a: &NDArray,
+    shape: Shape,
+    dtype: DType,
+    kernel: impl FnOnce(&Buffer, &mut Buffer) -> Result<()>,
+) -> Result<NDArray> {
+    let (out, _) = new_array(ctx, Target::ResultOf(&[a]), shape, dtype, a.device())?;
+    let result = (|| {
+        let input = read(ctx, &a.0)?;
+        let mut output = write(ctx, &out.0)?;
+        kernel(&input, &mut output)
+    })();
+    match result {
+        Ok(()) => Ok(out),
+        Err(e) => {
+            discard(&out);
+            Err(e)
+        }
+    }
+}
+
+/// Fast path of [`op`] for two inputs (which may be the same array).
+pub(crate) fn op2(
+    ctx: &Ctx,
+    a: &NDArray,
+    b: &NDArray,
+    shape: Shape,
+    dtype: DType,
+    kernel: impl FnOnce(&Buffer, &Buffer, &mut Buffer) -> Result<()>,
+) -> Result<NDArray> {
+    let (out, _) = new_array(ctx, Target::ResultOf(&[a, b]), shape, dtype, a.device())?;
+    let result = (|| {
+        if addr(a) == addr(b) {
+            let input = read(ctx, &a.0)?;
+            let mut output = write(ctx, &out.0)?;
+            return kernel(&input, &input, &mut output);
+        }
+        let (first, second) = if addr(a) < addr(b) { (a, b) } else { (b, a) };
+        let g1 = read(ctx, &first.0)?;
+        let g2 = read(ctx, &second.0)?;
+        let (ga, gb) = if addr(a) < addr(b) {
+            (&g1, &g2)
+        } else {
+            (&g2, &g1)
+        };
+        let mut output = write(ctx, &out.0)?;
+        kernel(ga, gb, &mut output)
+    })();
+    match result {
+        Ok(()) => Ok(out),
+        Err(e) => {
+            discard(&out);
+            Err(e)
+        }
+    }
+}
+
+/// Runs an in-place kernel on `target`; allocates nothing, takes no arena lock. The kernel
+/// must validate before writing so a failure changes nothing.
+pub(crate) fn inplace(
+    ctx: &Ctx,
+    target: &NDArray,
+    kernel: impl FnOnce(&mut Buffer) -> Result<()>,
+) -> Result<()> {
+    let mut guard = write(ctx, &target.0)?;
+    kernel(&mut guard)
+}
+
+/// Runs an in-place kernel on `target` with one source. The source is `None` when it is
+/// `target` itself (then read from the target's own bytes).
+pub(crate) fn inplace_with(
+    ctx: &Ctx,
+    target: &NDArray,
+    source: &NDArray,
+    kernel: impl FnOnce(&mut Buffer, Option<&Buffer>) -> Result<()>,
+) -> Result<()> {
+    if addr(target) == addr(source) {
+        let mut guard = write(ctx, &target.0)?;
+        return kernel(&mut guard, None);
+    }
+    // Address order, so crossed in-place ops on two threads cannot deadlock.
+    if addr(target) < addr(source) {
+        let mut t = write(ctx, &target.0)?;
+        let s = read(ctx, &source.0)?;
+        kernel(&mut t, Some(&s))
+    } else {
+        let s = read(ctx, &source.0)?;
+        let mut t = write(ctx, &target.0)?;
+        kernel(&mut t, Some(&s))
+    }
+}

@@ -1,0 +1,247 @@
+//! Array factories on [`Manager`], and the global seed.
+
+use parking_lot::Mutex;
+
+use super::exec::{self, Target};
+use crate::arena::Buffer;
+use crate::backend::cpu::{elementwise, random};
+use crate::dtype::dispatch;
+use crate::error::Ctx;
+use crate::{DType, Element, Manager, NDArray, Result, Shape};
+
+/// The seed and the next counter offset of the random stream.
+static RNG: Mutex<(u64, u64)> = Mutex::new((0x6E64_7363_6F70_6521, 0));
+
+/// Seeds the random stream used by `randn` and `rand`, and restarts it: after
+/// `manual_seed(s)`, the same sequence of draws gives the same numbers, on every device.
+///
+/// ```
+/// use ndscope::{manual_seed, DType, Manager};
+/// let m = Manager::new_base();
+/// manual_seed(42);
+/// let a = m.randn([4], DType::F32)?.to_vec::<f32>()?;
+/// manual_seed(42);
+/// let b = m.randn([4], DType::F32)?.to_vec::<f32>()?;
+/// assert_eq!(a, b);
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+pub fn manual_seed(seed: u64) {
+    *RNG.lock() = (seed, 0);
+}
+
+/// Reserves `n` counters of the random stream.
+fn draw(n: usize) -> (u64, u64) {
+    let mut rng = RNG.lock();
+    let (seed, start) = *rng;
+    rng.1 = start.wrapping_add(n as u64);
+    (seed, start)
+}
+
+impl Manager {
+    fn create(&self, ctx: &Ctx, shape: Shape, dtype: DType) -> Result<(NDArray, bool)> {
+        exec::new_array(ctx, Target::Manager(self), shape, dtype, self.device())
+    }
+
+    /// Creates an array and fills it with `fill` (under its data lock).
+    fn create_filled(
+        &self,
+        ctx: &Ctx,
+        shape: Shape,
+        dtype: DType,
+        fill: impl FnOnce(&mut Buffer, bool),
+    ) -> Result<NDArray> {
+        let (array, dirty) = self.create(ctx, shape, dtype)?;
+        let result = exec::compute(ctx, &[], &array, |_, out| {
+            fill(out, dirty);
+            Ok(())
+        });
+        match result {
+            Ok(()) => Ok(array),
+            Err(e) => {
+                exec::discard(&array);
+                Err(e)
+            }
+        }
+    }
+
+    /// An array of zeros.
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let a = Manager::new_base().zeros([2, 3], DType::I64)?;
+    /// assert_eq!(a.to_vec::<i64>()?, vec![0; 6]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn zeros(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("zeros");
+        self.create_filled(&ctx, shape.into(), dtype, |out, dirty| {
+            if dirty {
+                out.as_bytes_mut().fill(0);
+            }
+        })
+    }
+
+    /// An array of ones.
+    #[track_caller]
+    pub fn ones(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
+        self.fill_value(Ctx::new("ones"), shape.into(), 1.0, dtype)
+    }
+
+    /// An array filled with `value` (converted to `dtype` as by `as`).
+    #[track_caller]
+    pub fn full(&self, shape: impl Into<Shape>, value: f64, dtype: DType) -> Result<NDArray> {
+        self.fill_value(Ctx::new("full"), shape.into(), value, dtype)
+    }
+
+    fn fill_value(&self, ctx: Ctx, shape: Shape, value: f64, dtype: DType) -> Result<NDArray> {
+        self.create_filled(&ctx, shape, dtype, |out, _| {
+            dispatch!(dtype, T => {
+                let v = T::from_f64(value);
+                elementwise::map_inplace(out.as_mut_slice::<T>(), |_| v);
+            })
+        })
+    }
+
+    /// An array holding a copy of `data`, whose length must equal the shape's size
+    /// (`ShapeMismatch` otherwise).
+    #[track_caller]
+    pub fn from_slice<T: Element>(&self, data: &[T], shape: impl Into<Shape>) -> Result<NDArray> {
+        let ctx = Ctx::new("from_slice");
+        let shape = shape.into();
+        check_len(&ctx, data.len(), &shape)?;
+        self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
+            out.as_mut_slice::<T>().copy_from_slice(data);
+        })
+    }
+
+    /// An array that takes over `data`'s allocation without copying (copied instead when this
+    /// manager allocates from a workspace cycle). The length must equal the shape's size.
+    #[track_caller]
+    pub fn from_vec<T: Element>(&self, data: Vec<T>, shape: impl Into<Shape>) -> Result<NDArray> {
+        let ctx = Ctx::new("from_vec");
+        let shape = shape.into();
+        check_len(&ctx, data.len(), &shape)?;
+        if !self.device().is_cpu() || exec::allocates_from_workspace(self) {
+            return self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
+                out.as_mut_slice::<T>().copy_from_slice(&data);
+            });
+        }
+        let buffer = Buffer::from_vec(&ctx, data)?;
+        exec::adopt(&ctx, self, shape, T::DTYPE, buffer)
+    }
+
+    /// A 0-dimensional array holding `value`.
+    #[track_caller]
+    pub fn scalar<T: Element>(&self, value: T) -> Result<NDArray> {
+        let ctx = Ctx::new("scalar");
+        self.create_filled(&ctx, Shape::scalar(), T::DTYPE, |out, _| {
+            out.as_mut_slice::<T>()[0] = value;
+        })
+    }
+
+    /// `[start, start + step, …]` up to but excluding `stop`, as NumPy's `arange`.
+    /// `InvalidArgument` for a zero or non-finite step or non-finite bounds.
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let a = Manager::new_base().arange(0.0, 1.0, 0.25, DType::F64)?;
+    /// assert_eq!(a.to_vec::<f64>()?, vec![0.0, 0.25, 0.5, 0.75]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn arange(&self, start: f64, stop: f64, step: f64, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("arange");
+        if !(start.is_finite() && stop.is_finite() && step.is_finite()) || step == 0.0 {
+            return Err(ctx.invalid(format!(
+                "arange({start}, {stop}, {step}) needs finite bounds and a non-zero finite step"
+            )));
+        }
+        let count = ((stop - start) / step).ceil();
+        let count = if count > 0.0 { count } else { 0.0 };
+        if count > (isize::MAX as f64) {
+            return Err(ctx.invalid(format!(
+                "arange({start}, {stop}, {step}) would have {count} elements"
+            )));
+        }
+        let n = count as usize;
+        self.create_filled(&ctx, Shape::new(&[n]), dtype, |out, _| {
+            dispatch!(dtype, T => {
+                for (i, o) in out.as_mut_slice::<T>().iter_mut().enumerate() {
+                    *o = T::from_f64(start + i as f64 * step);
+                }
+            })
+        })
+    }
+
+    /// The `n × n` identity matrix.
+    #[track_caller]
+    pub fn eye(&self, n: usize, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("eye");
+        let shape = Shape::new(&[n, n]);
+        self.create_filled(&ctx, shape, dtype, |out, dirty| {
+            if dirty {
+                out.as_bytes_mut().fill(0);
+            }
+            dispatch!(dtype, T => {
+                let data = out.as_mut_slice::<T>();
+                for i in 0..n {
+                    data[i * n + i] = T::ONE;
+                }
+            })
+        })
+    }
+
+    /// Standard normal samples from the seeded stream ([`manual_seed`]). Float dtypes only
+    /// (`DTypeMismatch` otherwise).
+    #[track_caller]
+    pub fn randn(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("randn");
+        if !dtype.is_float() {
+            return Err(ctx.dtype(dtype, format!("randn needs f32 or f64, got {dtype}")));
+        }
+        let shape = shape.into();
+        let (seed, start) = draw(shape.size());
+        self.create_filled(&ctx, shape, dtype, |out, _| {
+            dispatch!(dtype, T => random::fill_normal(out.as_mut_slice::<T>(), seed, start))
+        })
+    }
+
+    /// Uniform samples in `[low, high)` from the seeded stream; integer dtypes get integers
+    /// (`floor`). `InvalidArgument` unless `low < high`, both finite.
+    #[track_caller]
+    pub fn rand(
+        &self,
+        shape: impl Into<Shape>,
+        low: f64,
+        high: f64,
+        dtype: DType,
+    ) -> Result<NDArray> {
+        let ctx = Ctx::new("rand");
+        if !(low.is_finite() && high.is_finite() && low < high) {
+            return Err(ctx.invalid(format!(
+                "rand needs finite bounds with low < high, got [{low}, {high})"
+            )));
+        }
+        if !dtype.is_float() && high.ceil() - low.ceil() < 1.0 {
+            return Err(ctx.invalid(format!(
+                "rand of {dtype} needs an integer in [{low}, {high})"
+            )));
+        }
+        let shape = shape.into();
+        let (seed, start) = draw(shape.size());
+        self.create_filled(&ctx, shape, dtype, |out, _| {
+            dispatch!(dtype, T => random::fill_uniform(out.as_mut_slice::<T>(), seed, start, low, high))
+        })
+    }
+}
+
+fn check_len(ctx: &Ctx, len: usize, shape: &Shape) -> Result<()> {
+    match shape.checked_size() {
+        Some(size) if size == len => Ok(()),
+        _ => Err(ctx.shape(format!(
+            "{len} elements given for shape {shape}, which holds {}",
+            shape.size()
+        ))),
+    }
+}

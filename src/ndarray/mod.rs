@@ -1,0 +1,323 @@
+//! [`NDArray`]: the array handle, its metadata, data access and ownership calls. Operations are
+//! in `ops.rs`, factories (on `Manager`) in `factory.rs`.
+
+pub(crate) mod exec;
+mod factory;
+mod list;
+mod ops;
+
+use std::fmt;
+use std::panic::Location;
+use std::sync::Arc;
+
+pub use factory::manual_seed;
+pub use list::NDList;
+
+use crate::arena::{self, ArrayInner, CloseReason, Owner};
+use crate::backend::cpu::elementwise;
+use crate::dtype::dispatch;
+use crate::error::{Ctx, Site};
+use crate::manager::{Manager, Move};
+use crate::{DType, Device, Element, Error, Result, Shape};
+
+/// An array's process-unique id, shown as `a12`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ArrayId(pub(crate) u64);
+
+impl fmt::Display for ArrayId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a{}", self.0)
+    }
+}
+
+/// An n-dimensional array: a cheap, cloneable handle (`Send + Sync`) to an array owned by a
+/// [`Manager`]. Dropping a handle frees nothing; the array is freed when it or its manager is
+/// closed, after which every use of any handle to it gives `Error::ArrayClosed` saying where it
+/// was created and why it is closed.
+///
+/// Metadata (`shape`, `dtype`, `device`, …) is cached in the handle and always answers.
+///
+/// ```
+/// use ndscope::{DType, Error, Manager};
+/// let m = Manager::new_base();
+/// let a = m.from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2])?;
+/// a.set_name("a");
+/// let b = a.add_scalar(1.0)?.relu()?;
+/// assert_eq!(b.to_vec::<f32>()?, vec![2.0, 3.0, 4.0, 5.0]);
+/// a.close()?;
+/// let err = a.to_vec::<f32>().unwrap_err();
+/// assert!(err.to_string().contains("'a'"));      // names the array and why it is closed
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct NDArray(pub(crate) Arc<ArrayInner>);
+
+impl PartialEq for NDArray {
+    /// Two handles are equal when they refer to the same array (not when their data is equal).
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for NDArray {}
+
+impl fmt::Debug for NDArray {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NDArray({} {} {} on {}{})",
+            self.0.describe(),
+            self.dtype(),
+            self.shape(),
+            self.device(),
+            if self.is_open() { "" } else { ", closed" }
+        )
+    }
+}
+
+impl NDArray {
+    /// The array's id (`a12`).
+    pub fn id(&self) -> ArrayId {
+        ArrayId(self.0.id)
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &Shape {
+        &self.0.shape
+    }
+
+    /// The dimensions.
+    pub fn dims(&self) -> &[usize] {
+        self.0.shape.dims()
+    }
+
+    /// The number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.0.shape.ndim()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    /// The device its bytes are on.
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+
+    /// The number of elements.
+    pub fn size(&self) -> usize {
+        self.0.shape.size()
+    }
+
+    /// Bytes of data (`size × dtype size`).
+    pub fn nbytes(&self) -> usize {
+        self.0.nbytes()
+    }
+
+    /// The name, if one was set.
+    pub fn name(&self) -> Option<String> {
+        self.0.name.lock().as_deref().map(str::to_string)
+    }
+
+    /// Names the array (shown in errors, dumps and reports).
+    pub fn set_name(&self, name: &str) {
+        *self.0.name.lock() = Some(Arc::from(name));
+    }
+
+    /// Names the array and returns it, for chaining.
+    pub fn with_name(self, name: &str) -> Self {
+        self.set_name(name);
+        self
+    }
+
+    /// Where the array was created (the caller of the factory or op).
+    pub fn created_at(&self) -> &'static Location<'static> {
+        self.0.created_at
+    }
+
+    /// `false` once closed (by `close`, by its manager, by its workspace cycle ending, or by a
+    /// circular workspace overwriting it).
+    pub fn is_open(&self) -> bool {
+        self.0.closed.get().is_none()
+    }
+
+    /// The manager that owns it now: while borrowed, the borrower. `InvalidArgument` for a
+    /// detached array, `ArrayClosed` for a closed one.
+    #[track_caller]
+    pub fn manager(&self) -> Result<Manager> {
+        let ctx = Ctx::new("NDArray::manager");
+        let state = arena::lock();
+        let entry = state.array(&self.0, &ctx)?;
+        match entry.owner {
+            Owner::Manager(key) => Ok(Manager(Arc::clone(&state.managers[key].shared))),
+            Owner::Detached => Err(ctx.invalid(format!(
+                "array {} is detached: no manager owns it (close it yourself)",
+                self.0.describe()
+            ))),
+        }
+    }
+
+    /// Whether no manager owns it (after [`detach`](Self::detach)).
+    pub fn is_detached(&self) -> bool {
+        let state = arena::lock();
+        state
+            .arrays
+            .get(self.0.key)
+            .is_some_and(|e| e.owner == Owner::Detached)
+    }
+
+    /// Moves the array to `manager` for good. Checked first, then moved: on `Capped`,
+    /// `ManagerClosed` or `ArrayClosed` nothing changes. If `manager` is borrowing it, it stays
+    /// borrowed (it will still go back). Cancels a pending return of a borrowed array. Copies the
+    /// bytes out of a workspace cycle the new owner is not part of.
+    #[track_caller]
+    pub fn attach(&self, manager: &Manager) -> Result<()> {
+        self.move_to(
+            Ctx::new("NDArray::attach"),
+            Owner::Manager(manager.0.key),
+            Some(&manager.0),
+            Move::Attach,
+        )
+    }
+
+    /// Lends the array to `manager` until it closes; then it goes back to the manager it came
+    /// from (bypassing that manager's cap), or is closed if that one closed meanwhile. Chains
+    /// unwind in reverse (A→B→C gives back C→B→A). No cap check; `SystemManager` if `manager`
+    /// is the system manager. A later `attach`, `detach` or `close` cancels the return.
+    #[track_caller]
+    pub fn temp_attach(&self, manager: &Manager) -> Result<()> {
+        self.move_to(
+            Ctx::new("NDArray::temp_attach"),
+            Owner::Manager(manager.0.key),
+            Some(&manager.0),
+            Move::TempAttach,
+        )
+    }
+
+    /// Takes the array away from every manager: the caller must [`close`](Self::close) it.
+    /// Detached arrays are listed under the system manager in reports, so they cannot hide.
+    #[track_caller]
+    pub fn detach(&self) -> Result<()> {
+        self.move_to(
+            Ctx::new("NDArray::detach"),
+            Owner::Detached,
+            None,
+            Move::Detach,
+        )
+    }
+
+    fn move_to(
+        &self,
+        ctx: Ctx,
+        target: Owner,
+        shared: Option<&Arc<arena::ManagerShared>>,
+        kind: Move,
+    ) -> Result<()> {
+        arena::lock().move_arrays(&ctx, &[&*self.0], target, shared, kind)
+    }
+
+    /// Frees the array now. Idempotent. If another thread is computing on it, this waits for
+    /// that kernel to finish.
+    #[track_caller]
+    pub fn close(&self) -> Result<()> {
+        let at: Site = Location::caller();
+        let mut state = arena::lock();
+        if state.arrays.contains_key(self.0.key) {
+            state.remove_array(self.0.key, CloseReason::ByUser { at });
+        }
+        Ok(())
+    }
+
+    /// Copies the elements out, row-major. `T` must match the dtype (`DTypeMismatch`).
+    #[track_caller]
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let ctx = Ctx::new("NDArray::to_vec");
+        self.check_element::<T>(&ctx)?;
+        exec::read_all(&ctx, &[self], |b| Ok(b[0].as_slice::<T>().to_vec()))
+    }
+
+    /// The only element of a one-element array (any shape). `T` must match the dtype.
+    #[track_caller]
+    pub fn to_scalar<T: Element>(&self) -> Result<T> {
+        let ctx = Ctx::new("NDArray::to_scalar");
+        self.check_element::<T>(&ctx)?;
+        if self.size() != 1 {
+            return Err(ctx.shape(format!(
+                "to_scalar needs exactly one element; array {} has shape {} ({} elements)",
+                self.0.describe(),
+                self.shape(),
+                self.size()
+            )));
+        }
+        exec::read_all(&ctx, &[self], |b| Ok(b[0].as_slice::<T>()[0]))
+    }
+
+    fn check_element<T: Element>(&self, ctx: &Ctx) -> Result<()> {
+        if T::DTYPE != self.dtype() {
+            return Err(ctx.dtype(
+                self.dtype(),
+                format!(
+                    "array {} holds {}, asked for {}",
+                    self.0.describe(),
+                    self.dtype(),
+                    T::DTYPE
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A copy on `device`, placed like an op result. `DeviceUnavailable` for absent devices.
+    #[track_caller]
+    pub fn to_device(&self, device: Device) -> Result<NDArray> {
+        let ctx = Ctx::new("NDArray::to_device");
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
+        self.copy_as(&ctx, self.dtype())
+    }
+
+    /// A copy converted to `dtype` (floats to integers truncate toward zero and saturate), placed
+    /// like an op result.
+    #[track_caller]
+    pub fn to_dtype(&self, dtype: DType) -> Result<NDArray> {
+        self.copy_as(&Ctx::new("NDArray::to_dtype"), dtype)
+    }
+
+    /// A copy, placed like an op result (the active scope, else this array's owner).
+    #[track_caller]
+    pub fn duplicate(&self) -> Result<NDArray> {
+        self.copy_as(&Ctx::new("NDArray::duplicate"), self.dtype())
+    }
+
+    fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
+        let from = self.dtype();
+        exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
+            if from == dtype {
+                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+                return Ok(());
+            }
+            dispatch!(from, S => dispatch!(dtype, D => {
+                elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), |x| {
+                    D::from_f64(x.to_f64())
+                });
+            }));
+            Ok(())
+        })
+    }
+
+    /// The error for an unsupported dtype in `op`.
+    pub(crate) fn dtype_error(&self, ctx: &Ctx, wanted: &str) -> Error {
+        ctx.dtype(
+            self.dtype(),
+            format!(
+                "`{}` needs {wanted}; array {} is {}",
+                ctx.op,
+                self.0.describe(),
+                self.dtype()
+            ),
+        )
+    }
+}

@@ -1,0 +1,183 @@
+//! Array shapes.
+
+use std::fmt;
+
+/// Dimensions held inline; larger shapes go to the heap.
+const INLINE: usize = 6;
+
+/// The dimensions of an array, row-major. `()` or `[]` is a scalar (size 1).
+///
+/// Shapes of up to six dimensions are stored inline, so creating an array allocates nothing for
+/// its shape.
+///
+/// ```
+/// use ndscope::Shape;
+/// let s: Shape = [2, 3].into();
+/// assert_eq!(s.dims(), &[2, 3]);
+/// assert_eq!(s.size(), 6);
+/// assert_eq!(Shape::from(()).size(), 1);
+/// assert_eq!(s.to_string(), "[2, 3]");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Shape(Repr);
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Repr {
+    Inline { len: u8, dims: [usize; INLINE] },
+    Heap(Box<[usize]>),
+}
+
+impl Shape {
+    /// A shape with these dimensions.
+    pub fn new(dims: &[usize]) -> Shape {
+        if dims.len() <= INLINE {
+            let mut inline = [0; INLINE];
+            inline[..dims.len()].copy_from_slice(dims);
+            Shape(Repr::Inline {
+                len: dims.len() as u8,
+                dims: inline,
+            })
+        } else {
+            Shape(Repr::Heap(dims.into()))
+        }
+    }
+
+    /// The scalar shape `[]`.
+    pub fn scalar() -> Shape {
+        Shape::new(&[])
+    }
+
+    /// The dimensions.
+    #[inline]
+    pub fn dims(&self) -> &[usize] {
+        match &self.0 {
+            Repr::Inline { len, dims } => &dims[..*len as usize],
+            Repr::Heap(dims) => dims,
+        }
+    }
+
+    /// The number of dimensions.
+    #[inline]
+    pub fn ndim(&self) -> usize {
+        self.dims().len()
+    }
+
+    /// The number of elements (1 for a scalar). Saturates at `usize::MAX`; array creation rejects
+    /// shapes whose size or byte count overflows.
+    #[inline]
+    pub fn size(&self) -> usize {
+        self.checked_size().unwrap_or(usize::MAX)
+    }
+
+    /// The number of elements, or `None` if it overflows `usize`.
+    pub fn checked_size(&self) -> Option<usize> {
+        self.dims()
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// Row-major strides in elements.
+    pub fn strides(&self) -> Vec<usize> {
+        let dims = self.dims();
+        let mut strides = vec![1; dims.len()];
+        for i in (0..dims.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1];
+        }
+        strides
+    }
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Shape::scalar()
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.dims().iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(dims: [usize; N]) -> Self {
+        Shape::new(&dims)
+    }
+}
+
+impl<const N: usize> From<&[usize; N]> for Shape {
+    fn from(dims: &[usize; N]) -> Self {
+        Shape::new(dims)
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(dims: &[usize]) -> Self {
+        Shape::new(dims)
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(dims: Vec<usize>) -> Self {
+        Shape::new(&dims)
+    }
+}
+
+impl From<&Vec<usize>> for Shape {
+    fn from(dims: &Vec<usize>) -> Self {
+        Shape::new(dims)
+    }
+}
+
+impl From<()> for Shape {
+    fn from(_: ()) -> Self {
+        Shape::scalar()
+    }
+}
+
+impl From<&Shape> for Shape {
+    fn from(shape: &Shape) -> Self {
+        shape.clone()
+    }
+}
+
+impl From<usize> for Shape {
+    fn from(len: usize) -> Self {
+        Shape::new(&[len])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inline_and_heap_shapes_agree() {
+        let small = Shape::new(&[1, 2, 3]);
+        assert_eq!(small.dims(), &[1, 2, 3]);
+        let big = Shape::new(&[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(big.dims(), &[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(big.size(), 5040);
+        assert_eq!(big.strides()[0], 5040);
+    }
+
+    #[test]
+    fn size_overflow_is_detected() {
+        let s = Shape::new(&[usize::MAX, 2]);
+        assert_eq!(s.checked_size(), None);
+        assert_eq!(Shape::new(&[3, 0, 4]).size(), 0);
+    }
+}

@@ -1,0 +1,789 @@
+//! Workspaces: ND4J's `MemoryWorkspace` policies, mapped onto manager scopes.
+//!
+//! A workspace is one memory block owned by a manager. Each cycle is a sub-manager of the owner
+//! (a [`Scope`]); arrays created in it (or in its sub-managers) bump-allocate from the block, and
+//! closing the scope ends the cycle and keeps the memory for the next one. After the block is
+//! sized (learned), a steady loop allocates nothing from the system.
+//!
+//! ```
+//! use ndscope::{DType, Manager, WorkspaceConfig};
+//! let trainer = Manager::new_base().with_name("trainer");
+//! let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+//! for _ in 0..3 {
+//!     let batch = ws.open()?;                 // one cycle
+//!     let x = batch.ones([64, 64], DType::F32)?;
+//!     let y = x.add(&x)?;                     // lands in the cycle too (first input's owner)
+//!     assert_eq!(y.sum_all()?.to_scalar::<f32>()?, 8192.0);
+//! }                                           // each drop ends a cycle
+//! let stats = ws.stats();
+//! assert!(stats.initialized);                 // learned from the first cycle
+//! assert_eq!(stats.cycles, 3);
+//! trainer.close()?;                           // frees the block
+//! # Ok::<(), ndscope::Error>(())
+//! ```
+
+mod block;
+mod config;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::Mutex;
+
+pub(crate) use block::Block;
+pub use config::{
+    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
+    WorkspaceConfig, WorkspaceConfigBuilder,
+};
+
+use crate::arena::{
+    self, ArrayKey, Buffer, CloseReason, CycleTag, ManagerKey, Owner, Place, State, WorkspaceKey,
+};
+use crate::error::{Ctx, Site};
+use crate::manager::{Manager, Scope};
+use crate::{DType, Device, Error, Result, Shape};
+
+/// Every allocation in a workspace is rounded up to this many bytes.
+pub const ALIGNMENT: usize = 64;
+
+/// Rounds `bytes` up to [`ALIGNMENT`].
+pub(crate) fn align_up(bytes: usize) -> Option<usize> {
+    bytes
+        .checked_add(ALIGNMENT - 1)
+        .map(|b| b & !(ALIGNMENT - 1))
+}
+
+/// A process-wide switch for debugging workspace problems, as ND4J's `DebugMode`. Also set by
+/// the environment variable `NDSCOPE_WORKSPACE_DEBUG=spill_everything|bypass`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DebugMode {
+    /// Every workspace allocation spills (gets its own buffer), still counted in the stats: shows
+    /// whether a bug comes from block reuse.
+    SpillEverything,
+    /// Workspaces are ignored: arrays get ordinary buffers and are not counted.
+    Bypass,
+}
+
+static DEBUG: LazyLock<AtomicU8> = LazyLock::new(|| {
+    let mode = match std::env::var("NDSCOPE_WORKSPACE_DEBUG") {
+        Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "spill_everything" => 1,
+            "bypass" => 2,
+            "" | "off" | "none" => 0,
+            other => {
+                eprintln!(
+                    "ndscope: ignoring NDSCOPE_WORKSPACE_DEBUG={other:?}: expected spill_everything or bypass"
+                );
+                0
+            }
+        },
+        Err(_) => 0,
+    };
+    AtomicU8::new(mode)
+});
+
+/// Sets the workspace debug mode for the whole process (`None` turns it off). Takes effect for
+/// allocations made after the call.
+pub fn set_debug_mode(mode: Option<DebugMode>) {
+    let value = match mode {
+        None => 0,
+        Some(DebugMode::SpillEverything) => 1,
+        Some(DebugMode::Bypass) => 2,
+    };
+    DEBUG.store(value, Ordering::Relaxed);
+}
+
+/// The workspace debug mode in effect.
+pub fn debug_mode() -> Option<DebugMode> {
+    match DEBUG.load(Ordering::Relaxed) {
+        1 => Some(DebugMode::SpillEverything),
+        2 => Some(DebugMode::Bypass),
+        _ => None,
+    }
+}
+
+/// A workspace's figures.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct WorkspaceStats {
+    /// Bytes in the block (0 before it is learned).
+    pub capacity: usize,
+    /// The allocation offset in the block. Under `BlockLeft` it is 0 between cycles.
+    pub used: usize,
+    /// Cycles ended.
+    pub cycles: u64,
+    /// The largest cycle's demand in bytes (aligned; block and spills).
+    pub max_cycle_bytes: usize,
+    /// The last ended cycle's demand in bytes.
+    pub last_cycle_bytes: usize,
+    /// Bytes spilled since creation (aligned).
+    pub spilled_bytes: usize,
+    /// Allocations spilled since creation.
+    pub spilled_count: u64,
+    /// Times the block was replaced by a larger one (`SpillPolicy::Reallocate`).
+    pub reallocations: u64,
+    /// Cycles opened.
+    pub generation: u64,
+    /// Whether the block exists.
+    pub initialized: bool,
+}
+
+pub(crate) struct WorkspaceShared {
+    pub key: WorkspaceKey,
+    pub name: Arc<str>,
+    pub config: WorkspaceConfig,
+    pub owner: Manager,
+    /// The stats at destruction, kept for `Workspace::stats` afterwards.
+    pub final_stats: Mutex<Option<WorkspaceStats>>,
+}
+
+/// Where one allocation goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// `[offset, offset + aligned)` of the block; `wrap` when a circular workspace wraps to 0.
+    Block { offset: usize, wrap: bool },
+    /// Its own buffer, counted as a spill.
+    Spill,
+    /// Its own buffer, not counted (debug bypass).
+    Bypass,
+}
+
+/// The counters an allocation changes, saved so a batch of allocations can be undone.
+#[derive(Clone, Copy)]
+pub(crate) struct Checkpoint {
+    offset: usize,
+    wrapped: bool,
+    cycle_bytes: usize,
+    spilled_bytes: usize,
+    spilled_count: u64,
+}
+
+/// A workspace's state in the arena: the block allocator and the cycle state machine.
+pub(crate) struct WorkspaceEntry {
+    pub shared: Arc<WorkspaceShared>,
+    pub owner: ManagerKey,
+    /// Where the block's arrays are.
+    pub device: Device,
+    pub block: Option<Arc<Block>>,
+    offset: usize,
+    /// Circular workspaces: the offset when the current cycle opened, and whether the cycle has
+    /// wrapped past the end since. The open cycle's arrays occupy `[cycle_start, offset)`, or
+    /// `[cycle_start, capacity) ∪ [0, offset)` once wrapped; nothing may be placed there.
+    cycle_start: usize,
+    wrapped: bool,
+    pub open: Option<CycleTag>,
+    generation: u64,
+    cycles: u64,
+    cycle_bytes: usize,
+    max_cycle_bytes: usize,
+    last_cycle_bytes: usize,
+    spilled_bytes: usize,
+    spilled_count: u64,
+    reallocations: u64,
+    /// Circular workspaces only: open arrays whose bytes are in the block, by offset, so a wrap
+    /// can close the ones it overwrites.
+    block_arrays: BTreeMap<usize, (ArrayKey, usize)>,
+}
+
+impl WorkspaceEntry {
+    fn config(&self) -> &WorkspaceConfig {
+        &self.shared.config
+    }
+
+    fn capacity(&self) -> usize {
+        self.block.as_ref().map_or(0, |b| b.capacity())
+    }
+
+    pub fn stats(&self) -> WorkspaceStats {
+        WorkspaceStats {
+            capacity: self.capacity(),
+            used: self.offset,
+            cycles: self.cycles,
+            max_cycle_bytes: self.max_cycle_bytes,
+            last_cycle_bytes: self.last_cycle_bytes,
+            spilled_bytes: self.spilled_bytes,
+            spilled_count: self.spilled_count,
+            reallocations: self.reallocations,
+            generation: self.generation,
+            initialized: self.block.is_some(),
+        }
+    }
+
+    /// Decides where `aligned` bytes go in the open cycle, changing nothing.
+    pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Slot> {
+        match debug_mode() {
+            Some(DebugMode::Bypass) => return Ok(Slot::Bypass),
+            Some(DebugMode::SpillEverything) => return Ok(Slot::Spill),
+            None => {}
+        }
+        // Before the block exists every allocation spills, whatever the policy: that is how the
+        // first cycle is measured.
+        let Some(block) = &self.block else {
+            return Ok(Slot::Spill);
+        };
+        let capacity = block.capacity();
+        let fits = |start: usize, end_limit: usize| {
+            start
+                .checked_add(aligned)
+                .is_some_and(|end| end <= end_limit)
+        };
+        let slot = match self.config().reset() {
+            ResetPolicy::BlockLeft => fits(self.offset, capacity).then_some(Slot::Block {
+                offset: self.offset,
+                wrap: false,
+            }),
+            ResetPolicy::EndOfBuffer if !self.wrapped => {
+                if fits(self.offset, capacity) {
+                    Some(Slot::Block {
+                        offset: self.offset,
+                        wrap: false,
+                    })
+                } else if fits(0, self.cycle_start) {
+                    Some(Slot::Block {
+                        offset: 0,
+                        wrap: true,
+                    })
+                } else {
+                    None
+                }
+            }
+            ResetPolicy::EndOfBuffer => {
+                fits(self.offset, self.cycle_start).then_some(Slot::Block {
+                    offset: self.offset,
+                    wrap: false,
+                })
+            }
+        };
+        match (slot, self.config().spill()) {
+            (Some(slot), _) => Ok(slot),
+            (None, SpillPolicy::External | SpillPolicy::Reallocate) => Ok(Slot::Spill),
+            (None, SpillPolicy::Fail) => Err(Error::WorkspaceFull {
+                op: ctx.op,
+                at: ctx.at,
+                workspace: self.shared.name.to_string(),
+                requested: aligned,
+                used: self.offset,
+                capacity,
+            }),
+        }
+    }
+
+    /// Records an allocation planned by [`plan`](Self::plan).
+    pub fn commit(&mut self, slot: Slot, aligned: usize) {
+        match slot {
+            Slot::Block { offset, wrap } => {
+                self.wrapped |= wrap;
+                self.offset = offset + aligned;
+                self.cycle_bytes += aligned;
+            }
+            Slot::Spill => {
+                self.cycle_bytes += aligned;
+                self.spilled_bytes += aligned;
+                self.spilled_count += 1;
+            }
+            Slot::Bypass => {}
+        }
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            offset: self.offset,
+            wrapped: self.wrapped,
+            cycle_bytes: self.cycle_bytes,
+            spilled_bytes: self.spilled_bytes,
+            spilled_count: self.spilled_count,
+        }
+    }
+
+    pub fn restore(&mut self, c: Checkpoint) {
+        self.offset = c.offset;
+        self.wrapped = c.wrapped;
+        self.cycle_bytes = c.cycle_bytes;
+        self.spilled_bytes = c.spilled_bytes;
+        self.spilled_count = c.spilled_count;
+    }
+
+    /// The open arrays whose bytes overlap `[offset, offset + len)` (circular workspaces).
+    pub fn overlapping(&self, offset: usize, len: usize) -> Vec<ArrayKey> {
+        let end = offset + len;
+        let mut hits = Vec::new();
+        // The array starting before `offset` may reach into the range.
+        if let Some((&start, &(key, alen))) = self.block_arrays.range(..offset).next_back() {
+            if start + alen > offset {
+                hits.push(key);
+            }
+        }
+        hits.extend(
+            self.block_arrays
+                .range(offset..end)
+                .map(|(_, &(key, _))| key),
+        );
+        hits
+    }
+
+    pub fn note_block_array(&mut self, key: ArrayKey, offset: usize, len: usize) {
+        if self.config().reset() == ResetPolicy::EndOfBuffer {
+            self.block_arrays.insert(offset, (key, len));
+        }
+    }
+
+    pub fn forget_block_array(&mut self, key: ArrayKey, offset: usize) {
+        if let Some(&(k, _)) = self.block_arrays.get(&offset) {
+            if k == key {
+                self.block_arrays.remove(&offset);
+            }
+        }
+    }
+
+    /// Allocates the block for `demand` bytes (policy applied). A block of 0 bytes is none.
+    fn grow_to(&mut self, ctx: &Ctx, demand: usize) -> Result<bool> {
+        let size = self.config().block_size_for(demand);
+        if size == 0 || size <= self.capacity() {
+            return Ok(false);
+        }
+        let block = match self.config().location() {
+            LocationPolicy::Ram => Block::ram(ctx, self.device, size)?,
+            LocationPolicy::Mmap => {
+                Block::mmap(ctx, size, self.config().mmap_path(), &self.shared.name)?
+            }
+        };
+        let replaced = self.block.replace(Arc::new(block)).is_some();
+        // Arrays still in the old block keep it alive through their buffers and stay valid; the
+        // new block starts empty.
+        self.block_arrays.clear();
+        self.offset = 0;
+        self.cycle_start = 0;
+        self.wrapped = false;
+        Ok(replaced)
+    }
+
+    /// Sizes the block now (`Workspace::initialize`): from `initial_size`, else from the largest
+    /// cycle seen.
+    fn initialize(&mut self, ctx: &Ctx) -> Result<()> {
+        if self.block.is_some() {
+            return Ok(());
+        }
+        let demand = if self.config().initial_size() > 0 {
+            self.config().initial_size()
+        } else {
+            self.max_cycle_bytes
+        };
+        if self.config().block_size_for(demand) == 0 {
+            return Err(ctx.invalid(format!(
+                "workspace '{}' has nothing to size its block from: initial_size is 0 and no cycle has allocated yet",
+                self.shared.name
+            )));
+        }
+        self.grow_to(ctx, demand).map(|_| ())
+    }
+
+    /// Ends the open cycle: stats, learning, growth and reset. Never fails: a block that cannot
+    /// be allocated (memory limit) leaves the workspace spilling, as before.
+    fn end_cycle(&mut self, ctx: &Ctx) {
+        self.open = None;
+        self.cycles += 1;
+        self.last_cycle_bytes = self.cycle_bytes;
+        self.max_cycle_bytes = self.max_cycle_bytes.max(self.cycle_bytes);
+        self.cycle_bytes = 0;
+        if self.config().reset() == ResetPolicy::BlockLeft {
+            self.offset = 0;
+        }
+        self.wrapped = false;
+        if self.block.is_none() {
+            let demand = match self.config().learning() {
+                LearningPolicy::FirstLoop => self.last_cycle_bytes,
+                LearningPolicy::OverTime
+                    if self.cycles >= self.config().cycles_before_initialization() as u64 =>
+                {
+                    self.max_cycle_bytes
+                }
+                LearningPolicy::OverTime | LearningPolicy::None => 0,
+            };
+            // Learning from a cycle that allocated nothing waits for one that does.
+            if demand > 0 {
+                let _ = self.grow_to(ctx, demand);
+            }
+        } else if self.config().spill() == SpillPolicy::Reallocate
+            && self.max_cycle_bytes > self.capacity()
+            && matches!(self.grow_to(ctx, self.max_cycle_bytes), Ok(true))
+        {
+            self.reallocations += 1;
+        }
+    }
+}
+
+/// A workspace owned by a manager; a cheap handle. See the [module docs](self).
+#[derive(Clone)]
+pub struct Workspace(pub(crate) Arc<WorkspaceShared>);
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("name", &self.0.name)
+            .field("owner", &self.0.owner)
+            .finish()
+    }
+}
+
+impl Workspace {
+    /// The workspace's name, unique within its owner.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// The manager that owns the workspace (and frees it when it closes).
+    pub fn owner(&self) -> Manager {
+        self.0.owner.clone()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &WorkspaceConfig {
+        &self.0.config
+    }
+
+    /// Opens a cycle: a new sub-manager of the owner, named `"<name>#<generation>"`, whose arrays
+    /// allocate from the block. Closing (or dropping) the scope ends the cycle.
+    ///
+    /// The scope is not made active by this call: op results go to the owner of their first
+    /// input. Call [`Manager::activate`] on it (or use [`Workspace::cycle`]) to collect every
+    /// temporary of a step there.
+    ///
+    /// Errors: `WorkspaceBusy` while another cycle is open, `ManagerClosed` once the owner has
+    /// closed, `InvalidArgument` after [`destroy`](Self::destroy).
+    #[track_caller]
+    pub fn open(&self) -> Result<Scope> {
+        let ctx = Ctx::new("Workspace::open");
+        let manager = arena::lock().open_cycle(&ctx, &self.0)?;
+        Ok(Scope::new(manager))
+    }
+
+    /// Runs `f` in one cycle, with the cycle's scope active on this thread, and ends the cycle
+    /// afterwards (also on error or panic). Return data with `scope.ret(&x)`.
+    #[track_caller]
+    pub fn cycle<R>(&self, f: impl FnOnce(&Manager) -> Result<R>) -> Result<R> {
+        let scope = self.open()?;
+        let active = scope.activate();
+        let result = f(&scope);
+        drop(active);
+        scope.close()?;
+        result
+    }
+
+    /// The workspace's figures. After [`destroy`](Self::destroy), the figures at destruction.
+    pub fn stats(&self) -> WorkspaceStats {
+        let state = arena::lock();
+        match state.workspaces.get(self.0.key) {
+            Some(ws) => ws.stats(),
+            None => self.0.final_stats.lock().clone().unwrap_or_default(),
+        }
+    }
+
+    /// Allocates the block now, from `initial_size` or the largest cycle seen so far, instead of
+    /// waiting for the learning policy. Does nothing if the block exists.
+    #[track_caller]
+    pub fn initialize(&self) -> Result<()> {
+        let ctx = Ctx::new("Workspace::initialize");
+        let mut state = arena::lock();
+        let ws = state.workspace_mut(&ctx, &self.0)?;
+        ws.initialize(&ctx)
+    }
+
+    /// Frees the block now: ends an open cycle (closing its arrays), closes arrays still living
+    /// in the block, and removes the workspace from its owner. Idempotent.
+    #[track_caller]
+    pub fn destroy(&self) -> Result<()> {
+        let ctx = Ctx::new("Workspace::destroy");
+        arena::lock().destroy_workspace(&ctx, self.0.key);
+        Ok(())
+    }
+
+    /// Whether [`destroy`](Self::destroy) ran or the owner closed.
+    pub fn is_destroyed(&self) -> bool {
+        !arena::lock().workspaces.contains_key(self.0.key)
+    }
+}
+
+/// Storage for a new array: where it lives, and the circular-workspace arrays it overwrites
+/// (to be closed before anything is written).
+pub(crate) struct Allocation {
+    pub buffer: Buffer,
+    pub place: Place,
+    pub evict: Vec<ArrayKey>,
+    /// The workspace to name in the eviction reason.
+    pub evicted_by: Option<Arc<str>>,
+}
+
+impl State {
+    fn workspace_mut(
+        &mut self,
+        ctx: &Ctx,
+        shared: &WorkspaceShared,
+    ) -> Result<&mut WorkspaceEntry> {
+        if self.workspaces.contains_key(shared.key) {
+            return Ok(&mut self.workspaces[shared.key]);
+        }
+        if !self.managers.contains_key(shared.owner.0.key) {
+            return Err(arena::manager_closed(&shared.owner.0, ctx));
+        }
+        Err(ctx.invalid(format!("workspace '{}' was destroyed", shared.name)))
+    }
+
+    /// `Manager::workspace`: the named workspace of `owner`, created on first use.
+    pub(crate) fn workspace(
+        &mut self,
+        ctx: &Ctx,
+        owner: &Manager,
+        name: &str,
+        config: WorkspaceConfig,
+    ) -> Result<Workspace> {
+        let entry = self.manager(&owner.0, ctx)?;
+        for &key in &entry.workspaces {
+            let ws = &self.workspaces[key];
+            if &*ws.shared.name == name {
+                if ws.shared.config == config {
+                    return Ok(Workspace(Arc::clone(&ws.shared)));
+                }
+                return Err(ctx.config(format!(
+                    "workspace '{name}' of manager {} exists with another configuration \
+                     ({:?}); asked for {:?}. Use another name, or destroy it first",
+                    owner.0.describe(),
+                    ws.shared.config,
+                    config
+                )));
+            }
+        }
+        let device = match (owner.device(), config.mirroring(), config.location()) {
+            (Device::Cpu, _, _) => Device::Cpu,
+            (Device::Cuda(_), _, LocationPolicy::Mmap) => {
+                return Err(ctx.unsupported(format!(
+                    "LocationPolicy::Mmap on manager {} of device {}: memory-mapped blocks are CPU only",
+                    owner.0.describe(),
+                    owner.device()
+                )))
+            }
+            (Device::Cuda(_), MirroringPolicy::HostOnly, _) => Device::Cpu,
+            (cuda, MirroringPolicy::Full, _) => cuda,
+        };
+        let mut entry = WorkspaceEntry {
+            shared: Arc::new(WorkspaceShared {
+                key: WorkspaceKey::default(),
+                name: Arc::from(name),
+                config,
+                owner: owner.clone(),
+                final_stats: Mutex::new(None),
+            }),
+            owner: owner.0.key,
+            device,
+            block: None,
+            offset: 0,
+            cycle_start: 0,
+            wrapped: false,
+            open: None,
+            generation: 0,
+            cycles: 0,
+            cycle_bytes: 0,
+            max_cycle_bytes: 0,
+            last_cycle_bytes: 0,
+            spilled_bytes: 0,
+            spilled_count: 0,
+            reallocations: 0,
+            block_arrays: BTreeMap::new(),
+        };
+        // ND4J allocates `initial_size` at creation whatever the learning policy.
+        let initial = entry.config().initial_size();
+        if initial > 0 {
+            entry.grow_to(ctx, initial)?;
+        }
+        let key = self.workspaces.insert_with_key(|key| {
+            // The key is only known now; the shared part is not yet visible to anyone.
+            let shared = Arc::get_mut(&mut entry.shared).map(|s| s.key = key);
+            debug_assert!(shared.is_some());
+            entry
+        });
+        self.managers[owner.0.key].workspaces.push(key);
+        Ok(Workspace(Arc::clone(&self.workspaces[key].shared)))
+    }
+
+    /// `Workspace::open`.
+    fn open_cycle(&mut self, ctx: &Ctx, shared: &WorkspaceShared) -> Result<Manager> {
+        let ws = self.workspace_mut(ctx, shared)?;
+        if let Some(open) = ws.open {
+            let cycle = self.describe_manager(open.scope);
+            return Err(Error::WorkspaceBusy {
+                op: ctx.op,
+                at: ctx.at,
+                workspace: shared.name.to_string(),
+                cycle,
+            });
+        }
+        let generation = ws.generation + 1;
+        let (owner, device) = (ws.owner, ws.device);
+        let name = format!("{}#{generation}", shared.name);
+        let manager = self.add_manager(ctx, owner, device)?;
+        manager.set_name(&name);
+        let key = manager.0.key;
+        let tag = CycleTag {
+            ws: shared.key,
+            generation,
+            scope: key,
+        };
+        let entry = &mut self.managers[key];
+        entry.alloc = Some(tag);
+        entry.cycle_of = Some(shared.key);
+        let ws = &mut self.workspaces[shared.key];
+        ws.generation = generation;
+        ws.open = Some(tag);
+        ws.cycle_start = ws.offset;
+        ws.wrapped = false;
+        ws.cycle_bytes = 0;
+        Ok(manager)
+    }
+
+    /// Ends the cycle of workspace `ws` whose scope has just closed.
+    pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
+        if let Some(ws) = self.workspaces.get_mut(ws) {
+            ws.end_cycle(ctx);
+        }
+    }
+
+    /// Frees a workspace: its open cycle, the arrays in its block, the block.
+    pub(crate) fn destroy_workspace(&mut self, ctx: &Ctx, key: WorkspaceKey) {
+        let Some(ws) = self.workspaces.get(key) else {
+            return;
+        };
+        if let Some(open) = ws.open {
+            self.close_manager(ctx, open.scope);
+        }
+        let Some(ws) = self.workspaces.get(key) else {
+            return;
+        };
+        let name = Arc::clone(&ws.shared.name);
+        let survivors: Vec<ArrayKey> = ws.block_arrays.values().map(|&(k, _)| k).collect();
+        for array in survivors {
+            if self.arrays.contains_key(array) {
+                self.remove_array(
+                    array,
+                    CloseReason::WorkspaceDestroyed {
+                        workspace: Arc::clone(&name),
+                    },
+                );
+            }
+        }
+        if let Some(ws) = self.workspaces.remove(key) {
+            *ws.shared.final_stats.lock() = Some(WorkspaceStats {
+                capacity: 0,
+                used: 0,
+                initialized: false,
+                ..ws.stats()
+            });
+            if let Some(owner) = self.managers.get_mut(ws.owner) {
+                owner.workspaces.retain(|&k| k != key);
+            }
+        }
+    }
+
+    /// Storage for a new `shape`/`dtype` array landing in `owner`: from the block of the
+    /// workspace cycle the owner allocates from, else its own zeroed buffer. Checks the memory
+    /// limit; changes nothing on error.
+    pub(crate) fn allocate(
+        &mut self,
+        ctx: &Ctx,
+        owner: Owner,
+        shape: &Shape,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Allocation> {
+        let bytes = shape
+            .checked_size()
+            .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                ctx.invalid(format!(
+                    "an array of shape {shape} and dtype {dtype} has more bytes than memory can address"
+                ))
+            })?;
+        let heap = |ctx: &Ctx| -> Result<Allocation> {
+            Ok(Allocation {
+                buffer: Buffer::heap(ctx, device, bytes)?,
+                place: Place::Heap,
+                evict: Vec::new(),
+                evicted_by: None,
+            })
+        };
+        let cycle = match owner {
+            Owner::Manager(m) => self.managers[m].alloc,
+            Owner::Detached => None,
+        };
+        let Some(cycle) = cycle else {
+            return heap(ctx);
+        };
+        let Some(ws) = self.workspaces.get_mut(cycle.ws) else {
+            return heap(ctx);
+        };
+        if ws.open != Some(cycle) || ws.device != device || bytes == 0 {
+            return heap(ctx);
+        }
+        let aligned = align_up(bytes).ok_or_else(|| ctx.invalid("allocation size overflows"))?;
+        match ws.plan(ctx, aligned)? {
+            Slot::Block { offset, wrap } => {
+                let block = ws
+                    .block
+                    .as_ref()
+                    .map(Arc::clone)
+                    .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
+                let evict = ws.overlapping(offset, aligned);
+                ws.commit(Slot::Block { offset, wrap }, aligned);
+                // SAFETY: `plan` placed `[offset, offset + aligned)` inside the block, at a
+                // multiple of ALIGNMENT from its 64-byte aligned base, clear of the open cycle's
+                // arrays; the older arrays there (`evict`) are closed before anything is written.
+                let buffer = unsafe { Buffer::block_slice(&block, offset, bytes) };
+                Ok(Allocation {
+                    buffer,
+                    place: Place::Block {
+                        cycle,
+                        offset,
+                        len: aligned,
+                    },
+                    evict,
+                    evicted_by: Some(Arc::clone(&ws.shared.name)),
+                })
+            }
+            slot @ (Slot::Spill | Slot::Bypass) => {
+                let allocation = heap(ctx)?;
+                if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                    ws.commit(slot, aligned);
+                }
+                Ok(allocation)
+            }
+        }
+    }
+
+    /// Closes the arrays an allocation overwrites.
+    pub(crate) fn evict(&mut self, keys: &[ArrayKey], workspace: &Option<Arc<str>>, at: Site) {
+        let Some(workspace) = workspace else {
+            return;
+        };
+        for &key in keys {
+            if self.arrays.contains_key(key) {
+                self.remove_array(
+                    key,
+                    CloseReason::Overwritten {
+                        workspace: Arc::clone(workspace),
+                        at,
+                    },
+                );
+            }
+        }
+    }
+
+    /// The stats of the workspaces owned by `manager`, with their names.
+    pub(crate) fn workspace_stats_of(&self, manager: ManagerKey) -> Vec<(String, WorkspaceStats)> {
+        self.managers.get(manager).map_or_else(Vec::new, |m| {
+            m.workspaces
+                .iter()
+                .filter_map(|&k| self.workspaces.get(k))
+                .map(|ws| (ws.shared.name.to_string(), ws.stats()))
+                .collect()
+        })
+    }
+}
