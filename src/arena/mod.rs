@@ -100,18 +100,18 @@ impl ArrayInner {
 }
 
 /// Why an array left the arena; shown in `ArrayClosed` messages.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(crate) enum CloseReason {
     ByUser {
         at: Site,
     },
     ManagerClosed {
-        manager: String,
+        manager: Arc<ManagerShared>,
     },
     CycleEnded {
         workspace: Arc<str>,
         cycle: u64,
-        manager: String,
+        manager: Arc<ManagerShared>,
     },
     Overwritten {
         workspace: Arc<str>,
@@ -121,11 +121,11 @@ pub(crate) enum CloseReason {
         workspace: Arc<str>,
     },
     ReturnTargetClosed {
-        borrower: String,
+        borrower: Arc<ManagerShared>,
         original: String,
     },
     ReturnCopyFailed {
-        borrower: String,
+        borrower: Arc<ManagerShared>,
         original: String,
         error: String,
     },
@@ -137,7 +137,7 @@ impl fmt::Display for CloseReason {
         match self {
             CloseReason::ByUser { at } => write!(f, "closed by the user at {at}"),
             CloseReason::ManagerClosed { manager } => {
-                write!(f, "its manager {manager} was closed")
+                write!(f, "its manager {} was closed", manager.describe())
             }
             CloseReason::CycleEnded {
                 workspace,
@@ -145,7 +145,8 @@ impl fmt::Display for CloseReason {
                 manager,
             } => write!(
                 f,
-                "workspace cycle ended (cycle {cycle} of workspace '{workspace}', manager {manager})"
+                "workspace cycle ended (cycle {cycle} of workspace '{workspace}', manager {})",
+                manager.describe()
             ),
             CloseReason::Overwritten { workspace, at } => write!(
                 f,
@@ -156,7 +157,8 @@ impl fmt::Display for CloseReason {
             }
             CloseReason::ReturnTargetClosed { borrower, original } => write!(
                 f,
-                "its borrower {borrower} closed, and the manager it was borrowed from, {original}, was already closed"
+                "its borrower {} closed, and the manager it was borrowed from, {original}, was already closed",
+                borrower.describe()
             ),
             CloseReason::ReturnCopyFailed {
                 borrower,
@@ -164,7 +166,8 @@ impl fmt::Display for CloseReason {
                 error,
             } => write!(
                 f,
-                "its borrower {borrower} closed and it could not be copied back to {original}: {error}"
+                "its borrower {} closed and it could not be copied back to {original}: {error}",
+                borrower.describe()
             ),
             CloseReason::Discarded => f.write_str("the operation that created it failed"),
         }

@@ -213,7 +213,7 @@ impl State {
         ctx: &Ctx,
         key: ArrayKey,
         lender: Lender,
-        borrower: String,
+        borrower: Arc<ManagerShared>,
     ) {
         if self.copy_needed(key, lender.owner, Move::Attach) {
             let inner = Arc::clone(&self.arrays[key].inner);

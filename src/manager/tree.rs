@@ -105,11 +105,9 @@ impl State {
 
     fn close_one(&mut self, ctx: &Ctx, key: ManagerKey) {
         let cycle_of = self.managers[key].cycle_of;
-        let mut describe: Option<String> = None;
+        let shared = Arc::clone(&self.managers[key].shared);
         while let Some(array) = self.managers[key].arrays.head {
-            let name = describe
-                .get_or_insert_with(|| self.managers[key].shared.describe())
-                .clone();
+            let name = Arc::clone(&shared);
             let back = self.arrays[array].returns.pop();
             match back {
                 Some(lender) if self.owner_is_open(lender.owner) => {

@@ -1,0 +1,137 @@
+//! After learning, a training-like workspace cycle (create, matmul, relu, mean, close) makes zero
+//! heap allocations for array storage. A counting global allocator sees every allocation of the
+//! process. ndscope allocates array buffers and workspace blocks with exactly 64-byte alignment
+//! (`workspace::ALIGNMENT`), so those are "storage"; the matrix kernels' packing scratch
+//! (`gemm`, 128-byte aligned) and small metadata (array handles, names; 8-byte aligned) are
+//! counted separately.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use ndscope::{DType, Manager, NDArray, Result, WorkspaceConfig};
+
+struct Counting;
+
+static WATCHING: AtomicBool = AtomicBool::new(false);
+static STORAGE: AtomicUsize = AtomicUsize::new(0);
+static STORAGE_BYTES: AtomicUsize = AtomicUsize::new(0);
+static SCRATCH: AtomicUsize = AtomicUsize::new(0);
+static OTHER: AtomicUsize = AtomicUsize::new(0);
+
+fn note(layout: Layout) {
+    if WATCHING.load(Ordering::Relaxed) {
+        if layout.align() == ndscope::workspace::ALIGNMENT {
+            STORAGE.fetch_add(1, Ordering::Relaxed);
+            STORAGE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+        } else if layout.align() > ndscope::workspace::ALIGNMENT {
+            SCRATCH.fetch_add(1, Ordering::Relaxed);
+        } else {
+            OTHER.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; we only count on the side.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note(layout);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which we pass on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note(layout);
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with this layout (all our allocations do).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note(layout);
+        // SAFETY: as for `dealloc`, and the caller upholds `realloc`'s contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// One training-like step: a batch, two dense layers with ReLU, a mean loss read back.
+fn step(batch: &Manager, w1: &NDArray, w2: &NDArray) -> Result<f32> {
+    let x = batch.randn([128, 64], DType::F32)?;
+    let h = x.matmul(w1)?.relu()?;
+    let logits = h.matmul(w2)?;
+    let loss = logits.mean_all()?;
+    loss.to_scalar::<f32>()
+}
+
+/// Allocations made by `f`: storage buffers, their bytes, kernel scratch, metadata.
+fn count(f: impl FnOnce()) -> (usize, usize, usize, usize) {
+    for c in [&STORAGE, &STORAGE_BYTES, &SCRATCH, &OTHER] {
+        c.store(0, Ordering::Relaxed);
+    }
+    WATCHING.store(true, Ordering::Relaxed);
+    f();
+    WATCHING.store(false, Ordering::Relaxed);
+    (
+        STORAGE.load(Ordering::Relaxed),
+        STORAGE_BYTES.load(Ordering::Relaxed),
+        SCRATCH.load(Ordering::Relaxed),
+        OTHER.load(Ordering::Relaxed),
+    )
+}
+
+// One test in this binary: the counters are process-wide.
+#[test]
+fn learned_workspace_cycle_allocates_no_array_storage() {
+    let model = Manager::new_base().with_name("model");
+    let w1 = model.randn([64, 256], DType::F32).unwrap();
+    let w2 = model.randn([256, 10], DType::F32).unwrap();
+    model.cap();
+    let trainer = model.new_sub_manager().unwrap().with_name("trainer");
+
+    // Control: the same step without a workspace allocates storage for each of its arrays,
+    // so the counter can see what it is meant to see.
+    let (storage, bytes, _, _) = count(|| {
+        trainer.scope(|batch| step(batch, &w1, &w2)).unwrap();
+    });
+    assert!(
+        storage >= 5,
+        "without a workspace a step allocates storage for its 5 arrays, saw {storage}"
+    );
+    assert!(bytes >= (128 * 64 + 128 * 256 * 2 + 128 * 10) * 4);
+
+    let ws = trainer
+        .workspace("batch", WorkspaceConfig::default())
+        .unwrap();
+    // The first cycle is measured (its arrays spill), then the block is allocated.
+    for _ in 0..3 {
+        ws.cycle(|batch| step(batch, &w1, &w2)).unwrap();
+    }
+    let stats = ws.stats();
+    assert!(stats.initialized);
+    assert_eq!(
+        stats.spilled_count, 5,
+        "only the learning cycle spills: {stats:?}"
+    );
+
+    for i in 0..20 {
+        let (storage, bytes, scratch, other) = count(|| {
+            ws.cycle(|batch| step(batch, &w1, &w2)).unwrap();
+        });
+        if i == 0 {
+            println!("per cycle after learning: {storage} storage, {scratch} gemm scratch, {other} metadata allocations");
+        }
+        assert_eq!(
+            storage, 0,
+            "cycle {i} after learning allocated {storage} storage buffers ({bytes} bytes)"
+        );
+        // Metadata only: five array handles, the cycle's manager and its name.
+        assert!(other <= 24, "cycle {i}: {other} small allocations");
+    }
+    let after = ws.stats();
+    assert_eq!(after.spilled_count, 5, "no spill after learning");
+    assert_eq!(after.cycles, 23);
+    model.close().unwrap();
+}
