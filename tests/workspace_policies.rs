@@ -345,7 +345,7 @@ fn a_second_open_cycle_is_workspace_busy() {
     assert!(matches!(err, Error::WorkspaceBusy { .. }));
     assert!(err.to_string().contains("batch#1"), "{err}");
     first.close().unwrap();
-    ws.open().unwrap();
+    let _again = ws.open().unwrap();
     t.close().unwrap();
 }
 
