@@ -6,7 +6,7 @@
 //! counted separately.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 
 use ndscope::{DType, Manager, NDArray, Result, WorkspaceConfig};
 
@@ -17,9 +17,12 @@ static STORAGE: AtomicUsize = AtomicUsize::new(0);
 static STORAGE_BYTES: AtomicUsize = AtomicUsize::new(0);
 static SCRATCH: AtomicUsize = AtomicUsize::new(0);
 static OTHER: AtomicUsize = AtomicUsize::new(0);
+/// Bytes allocated minus bytes freed while watching.
+static NET: AtomicIsize = AtomicIsize::new(0);
 
 fn note(layout: Layout) {
     if WATCHING.load(Ordering::Relaxed) {
+        NET.fetch_add(layout.size() as isize, Ordering::Relaxed);
         if layout.align() == ndscope::workspace::ALIGNMENT {
             STORAGE.fetch_add(1, Ordering::Relaxed);
             STORAGE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
@@ -44,11 +47,17 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if WATCHING.load(Ordering::Relaxed) {
+            NET.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        }
         // SAFETY: `ptr` came from `System` with this layout (all our allocations do).
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(layout);
+        note(Layout::from_size_align(new_size, layout.align()).unwrap_or(layout));
+        if WATCHING.load(Ordering::Relaxed) {
+            NET.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        }
         // SAFETY: as for `dealloc`, and the caller upholds `realloc`'s contract.
         unsafe { System.realloc(ptr, layout, new_size) }
     }
@@ -71,6 +80,7 @@ fn count(f: impl FnOnce()) -> (usize, usize, usize, usize) {
     for c in [&STORAGE, &STORAGE_BYTES, &SCRATCH, &OTHER] {
         c.store(0, Ordering::Relaxed);
     }
+    NET.store(0, Ordering::Relaxed);
     WATCHING.store(true, Ordering::Relaxed);
     f();
     WATCHING.store(false, Ordering::Relaxed);
@@ -129,6 +139,8 @@ fn learned_workspace_cycle_allocates_no_array_storage() {
         );
         // Metadata only: five array handles, the cycle's manager and its name.
         assert!(other <= 24, "cycle {i}: {other} small allocations");
+        let net = NET.load(Ordering::Relaxed);
+        assert_eq!(net, 0, "cycle {i} left {net} heap bytes behind (a leak)");
     }
     let after = ws.stats();
     assert_eq!(after.spilled_count, 5, "no spill after learning");

@@ -27,11 +27,16 @@ use crate::{Manager, Result};
 #[derive(Debug)]
 pub struct Scope {
     manager: Manager,
+    /// Set by [`Scope::close`], so `drop` does not close again.
+    closed: bool,
 }
 
 impl Scope {
     pub(crate) fn new(manager: Manager) -> Scope {
-        Scope { manager }
+        Scope {
+            manager,
+            closed: false,
+        }
     }
 
     /// The manager (also reachable through `Deref`).
@@ -41,10 +46,9 @@ impl Scope {
 
     /// Closes the manager now, reporting errors instead of ignoring them as `drop` must.
     #[track_caller]
-    pub fn close(self) -> Result<()> {
-        let result = self.manager.close();
-        std::mem::forget(self);
-        result
+    pub fn close(mut self) -> Result<()> {
+        self.closed = true;
+        self.manager.close()
     }
 }
 
@@ -58,7 +62,9 @@ impl Deref for Scope {
 impl Drop for Scope {
     fn drop(&mut self) {
         // A scope is never the system manager, the only manager whose close fails.
-        let _ = self.manager.close();
+        if !self.closed {
+            let _ = self.manager.close();
+        }
     }
 }
 

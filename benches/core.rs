@@ -1,0 +1,147 @@
+//! Core overheads (issue: manager tree): create+close of a small array, manager open+close,
+//! the per-op overhead of a 1-element `add`, and `debug_dump` of 100k arrays. Each group has a
+//! baseline measured in the same run: the system allocator doing the least an eager array
+//! library must do (allocate and free the result's bytes), or formatting the same lines by hand.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::fmt::Write as _;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ndscope::{DType, Manager};
+
+fn create_close(c: &mut Criterion) {
+    let m = Manager::new_base();
+    let mut g = c.benchmark_group("create_close_small_array");
+    g.bench_function("ndscope zeros([4]) + close", |b| {
+        b.iter(|| {
+            let a = m.zeros(black_box([4]), DType::F32).unwrap();
+            a.close().unwrap();
+        })
+    });
+    g.bench_function("baseline: aligned alloc_zeroed + dealloc (16 B)", |b| {
+        let layout = Layout::from_size_align(16, 64).unwrap();
+        b.iter(|| {
+            // SAFETY: non-zero size; freed with the same layout right away.
+            unsafe {
+                let p = alloc_zeroed(black_box(layout));
+                dealloc(black_box(p), layout);
+            }
+        })
+    });
+    g.finish();
+    m.close().unwrap();
+}
+
+fn manager_open_close(c: &mut Criterion) {
+    let parent = Manager::new_base();
+    let mut g = c.benchmark_group("manager_open_close");
+    g.bench_function("ndscope new_sub_manager + close", |b| {
+        b.iter(|| {
+            let m = parent.new_sub_manager().unwrap();
+            m.close().unwrap();
+        })
+    });
+    g.bench_function("ndscope sub_scope (drop closes)", |b| {
+        b.iter(|| {
+            let s = parent.sub_scope().unwrap();
+            black_box(&s);
+        })
+    });
+    g.bench_function("baseline: Box<[u64; 8]> alloc + free", |b| {
+        b.iter(|| black_box(Box::new([0u64; 8])))
+    });
+    g.finish();
+    parent.close().unwrap();
+}
+
+fn per_op_overhead(c: &mut Criterion) {
+    let m = Manager::new_base();
+    let a = m.ones([1], DType::F32).unwrap();
+    let x = m.ones([1], DType::F32).unwrap();
+    let mut g = c.benchmark_group("per_op_overhead");
+    // Results accumulate in a scope closed outside the timed region, so only the op is timed.
+    g.bench_function("ndscope 1-element add", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(10_000);
+                let scope = m.sub_scope().unwrap();
+                let _active = scope.activate();
+                let start = Instant::now();
+                for _ in 0..n {
+                    black_box(a.add(&x).unwrap());
+                }
+                total += start.elapsed();
+                left -= n;
+            }
+            total
+        })
+    });
+    g.bench_function("ndscope 1-element add + close", |b| {
+        b.iter(|| a.add(&x).unwrap().close().unwrap())
+    });
+    g.bench_function("ndscope 1-element add_ (in place)", |b| {
+        b.iter(|| a.add_(black_box(&x)).unwrap())
+    });
+    g.bench_function("baseline: aligned alloc_zeroed + dealloc (4 B)", |b| {
+        let layout = Layout::from_size_align(4, 64).unwrap();
+        b.iter(|| {
+            // SAFETY: non-zero size; freed with the same layout right away.
+            unsafe {
+                let p = alloc_zeroed(black_box(layout));
+                dealloc(black_box(p), layout);
+            }
+        })
+    });
+    g.finish();
+    m.close().unwrap();
+}
+
+fn dump_100k(c: &mut Criterion) {
+    let m = Manager::new_base().with_name("big");
+    let arrays: Vec<_> = (0..100_000)
+        .map(|i| m.zeros([1 + i % 7], DType::F32).unwrap())
+        .collect();
+    for a in arrays.iter().step_by(10) {
+        a.set_name("named");
+    }
+    let mut g = c.benchmark_group("debug_dump_100k_arrays");
+    g.sample_size(20);
+    g.bench_function("ndscope debug_dump(1)", |b| {
+        b.iter(|| black_box(m.debug_dump(1)))
+    });
+    g.bench_function("ndscope debug_dump(0)", |b| {
+        b.iter(|| black_box(m.debug_dump(0)))
+    });
+    g.bench_function("ndscope report()", |b| b.iter(|| black_box(m.report())));
+    let lines: Vec<(u64, usize, &'static str, u32)> = (0..100_000u64)
+        .map(|i| (i, 4 * (1 + i as usize % 7), file!(), 42))
+        .collect();
+    g.bench_function("baseline: format 100k similar lines", |b| {
+        b.iter(|| {
+            let mut out = String::new();
+            for (id, bytes, file, line) in &lines {
+                let _ = writeln!(
+                    out,
+                    "    - a{id} f32 [{}] {bytes} B at {file}:{line}:9",
+                    bytes / 4
+                );
+            }
+            black_box(out)
+        })
+    });
+    g.finish();
+    m.close().unwrap();
+}
+
+criterion_group!(
+    benches,
+    create_close,
+    manager_open_close,
+    per_op_overhead,
+    dump_100k
+);
+criterion_main!(benches);
