@@ -27,15 +27,16 @@ fn replay_sizes() -> Vec<usize> {
         .collect()
 }
 
-fn big_cycle(m: &Manager) {
-    let t = m.full([BIG], 1.0, DType::F32).unwrap();
-    black_box(&t);
+fn big_cycle(m: &Manager) -> ndscope::Result<()> {
+    black_box(m.full([BIG], 1.0, DType::F32)?);
+    Ok(())
 }
 
-fn replay_cycle(m: &Manager, sizes: &[usize]) {
+fn replay_cycle(m: &Manager, sizes: &[usize]) -> ndscope::Result<()> {
     for &bytes in sizes {
-        black_box(m.zeros([bytes / 4], DType::F32).unwrap());
+        black_box(m.zeros([bytes / 4], DType::F32)?);
     }
+    Ok(())
 }
 
 fn raw_replay(sizes: &[usize]) {
@@ -85,14 +86,10 @@ fn setup() -> (Manager, Workspace, Workspace) {
 fn page_faults() {
     let (trainer, big, replay) = setup();
     let sizes = replay_sizes();
-    let ws_big = faults_per_cycle(20, || big.cycle(|c| Ok(big_cycle(c))).unwrap());
-    let heap_big = faults_per_cycle(20, || trainer.scope(|s| Ok(big_cycle(s))).unwrap());
-    let ws_replay = faults_per_cycle(50, || {
-        replay.cycle(|c| Ok(replay_cycle(c, &sizes))).unwrap()
-    });
-    let heap_replay = faults_per_cycle(50, || {
-        trainer.scope(|s| Ok(replay_cycle(s, &sizes))).unwrap()
-    });
+    let ws_big = faults_per_cycle(20, || big.cycle(big_cycle).unwrap());
+    let heap_big = faults_per_cycle(20, || trainer.scope(big_cycle).unwrap());
+    let ws_replay = faults_per_cycle(50, || replay.cycle(|c| replay_cycle(c, &sizes)).unwrap());
+    let heap_replay = faults_per_cycle(50, || trainer.scope(|s| replay_cycle(s, &sizes)).unwrap());
     let raw_replay_faults = faults_per_cycle(50, || raw_replay(&sizes));
     println!("minor page faults per cycle after learning (getrusage):");
     println!("  64 MiB temporary: workspace {ws_big:.1}, no workspace {heap_big:.1}");
@@ -106,11 +103,9 @@ fn temporary_64mib(c: &mut Criterion) {
     let (trainer, big, _) = setup();
     let mut g = c.benchmark_group("cycle_64MiB_temporary");
     g.sample_size(20);
-    g.bench_function("workspace", |b| {
-        b.iter(|| big.cycle(|c| Ok(big_cycle(c))).unwrap())
-    });
+    g.bench_function("workspace", |b| b.iter(|| big.cycle(big_cycle).unwrap()));
     g.bench_function("no workspace", |b| {
-        b.iter(|| trainer.scope(|s| Ok(big_cycle(s))).unwrap())
+        b.iter(|| trainer.scope(big_cycle).unwrap())
     });
     g.finish();
     trainer.close().unwrap();
@@ -128,10 +123,10 @@ fn mixed_replay(c: &mut Criterion) {
     let mut g = c.benchmark_group("cycle_mixed_replay_50_arrays");
     g.sample_size(30);
     g.bench_function("workspace", |b| {
-        b.iter(|| replay.cycle(|c| Ok(replay_cycle(c, &sizes))).unwrap())
+        b.iter(|| replay.cycle(|c| replay_cycle(c, &sizes)).unwrap())
     });
     g.bench_function("no workspace", |b| {
-        b.iter(|| trainer.scope(|s| Ok(replay_cycle(s, &sizes))).unwrap())
+        b.iter(|| trainer.scope(|s| replay_cycle(s, &sizes)).unwrap())
     });
     g.bench_function("raw system allocator", |b| b.iter(|| raw_replay(&sizes)));
     g.finish();
