@@ -3,6 +3,9 @@
 //! baseline measured in the same run: the system allocator doing the least an eager array
 //! library must do (allocate and free the result's bytes), or formatting the same lines by hand.
 
+// criterion's macros generate undocumented public functions.
+#![allow(missing_docs)]
+
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fmt::Write as _;
 use std::hint::black_box;

@@ -4,6 +4,9 @@
 //!     vs the raw system allocator doing the same allocations;
 //! (c) minor page faults per cycle after learning (`getrusage`), printed before the timings.
 
+// criterion's macros generate undocumented public functions.
+#![allow(missing_docs)]
+
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::hint::black_box;
 
