@@ -42,9 +42,9 @@ impl Scope {
     /// Closes the manager now, reporting errors instead of ignoring them as `drop` must.
     #[track_caller]
     pub fn close(self) -> Result<()> {
-        let result = self.manager.close();
-        std::mem::forget(self);
-        result
+        // `drop(self)` then closes again, which is a no-op on a closed manager. (Forgetting `self`
+        // instead would leak the manager handle, and with it its whole parent chain.)
+        self.manager.close()
     }
 }
 
