@@ -201,8 +201,10 @@ impl Manager {
             return Err(ctx.dtype(dtype, format!("randn needs f32 or f64, got {dtype}")));
         }
         let shape = shape.into();
-        let (seed, start) = draw(shape.size());
+        let n = shape.size();
+        // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
+            let (seed, start) = draw(n);
             dispatch!(dtype, T => random::fill_normal(out.as_mut_slice::<T>(), seed, start))
         })
     }
@@ -229,8 +231,10 @@ impl Manager {
             )));
         }
         let shape = shape.into();
-        let (seed, start) = draw(shape.size());
+        let n = shape.size();
+        // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
+            let (seed, start) = draw(n);
             dispatch!(dtype, T => random::fill_uniform(out.as_mut_slice::<T>(), seed, start, low, high))
         })
     }
