@@ -117,10 +117,8 @@ fn ownership_errors_point_at_the_call_site() -> Result<()> {
     a.close()?;
     let (err, line) = (a.attach(&other).unwrap_err(), line!());
     assert!(err.to_string().contains(&here(line)), "{err}");
-    let (err, line) = (
-        other.attach_all(std::slice::from_ref(&a)).unwrap_err(),
-        line!(),
-    );
+    let one = std::slice::from_ref(&a);
+    let (err, line) = (other.attach_all(one).unwrap_err(), line!());
     assert!(err.to_string().contains(&here(line)), "{err}");
     let (err, line) = (a.temp_attach(&other).unwrap_err(), line!());
     assert!(err.to_string().contains(&here(line)), "{err}");
