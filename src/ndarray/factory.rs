@@ -3,11 +3,11 @@
 use parking_lot::Mutex;
 
 use super::exec::{self, Target};
-use crate::arena::Buffer;
+use crate::arena::{self, Buffer};
 use crate::backend::cpu::{elementwise, random};
 use crate::dtype::dispatch;
 use crate::error::Ctx;
-use crate::{DType, Element, Manager, NDArray, Result, Shape};
+use crate::{DType, Element, Error, Manager, NDArray, Result, Shape};
 
 /// The seed and the next counter offset of the random stream.
 static RNG: Mutex<(u64, u64)> = Mutex::new((0x6E64_7363_6F70_6521, 0));
@@ -40,6 +40,22 @@ fn draw(n: usize) -> (u64, u64) {
 impl Manager {
     fn create(&self, ctx: &Ctx, shape: Shape, dtype: DType) -> Result<(NDArray, bool)> {
         exec::new_array(ctx, Target::Manager(self), shape, dtype, self.device())
+    }
+
+    /// `ManagerClosed` or `Capped` if this manager cannot take a new array now. A manager that
+    /// passes may still be closed or capped before the array is inserted, so the insertion checks
+    /// again; this check only keeps a refused call from reserving memory first.
+    fn check_accepts_new_array(&self, ctx: &Ctx, shape: &Shape, dtype: DType) -> Result<()> {
+        let state = arena::lock();
+        if state.manager(&self.0, ctx)?.capped {
+            return Err(Error::Capped {
+                op: ctx.op,
+                at: ctx.at,
+                manager: self.0.describe(),
+                what: format!("a new {dtype} array of shape {shape} would be created in it"),
+            });
+        }
+        Ok(())
     }
 
     /// Creates an array and fills it with `fill` (under its data lock).
@@ -127,6 +143,8 @@ impl Manager {
                 out.as_mut_slice::<T>().copy_from_slice(&data);
             });
         }
+        // Refuse before the vector's bytes are reserved, as every other factory does.
+        self.check_accepts_new_array(&ctx, &shape, T::DTYPE)?;
         let buffer = Buffer::from_vec(&ctx, data)?;
         exec::adopt(&ctx, self, shape, T::DTYPE, buffer)
     }
@@ -201,8 +219,10 @@ impl Manager {
             return Err(ctx.dtype(dtype, format!("randn needs f32 or f64, got {dtype}")));
         }
         let shape = shape.into();
-        let (seed, start) = draw(shape.size());
+        let n = shape.size();
+        // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
+            let (seed, start) = draw(n);
             dispatch!(dtype, T => random::fill_normal(out.as_mut_slice::<T>(), seed, start))
         })
     }
@@ -229,8 +249,10 @@ impl Manager {
             )));
         }
         let shape = shape.into();
-        let (seed, start) = draw(shape.size());
+        let n = shape.size();
+        // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
+            let (seed, start) = draw(n);
             dispatch!(dtype, T => random::fill_uniform(out.as_mut_slice::<T>(), seed, start, low, high))
         })
     }
