@@ -263,17 +263,28 @@ pub enum Error {
 
 /// Formats a byte count as `512 B`, `1.50 KiB`, `4.00 MiB`, `7.99 GiB`.
 pub fn fmt_bytes(bytes: usize) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
+    Bytes(bytes).to_string()
+}
+
+/// Displays a byte count as [`fmt_bytes`] does, without allocating.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Bytes(pub usize);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+        let bytes = self.0;
+        if bytes < 1024 {
+            return write!(f, "{bytes} B");
+        }
+        let mut value = bytes as f64 / 1024.0;
+        let mut unit = 0;
+        while value >= 1024.0 && unit + 1 < UNITS.len() {
+            value /= 1024.0;
+            unit += 1;
+        }
+        write!(f, "{value:.2} {}", UNITS[unit])
     }
-    let mut value = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    format!("{value:.2} {}", UNITS[unit])
 }
 
 /// The operation name and caller location every internal function carries, so errors can say
