@@ -1,0 +1,152 @@
+//! A multilayer perceptron with a hand-written backward pass, built only from ndscope's public
+//! op set. Shared by `examples/train_mlp.rs` and `benches/training.rs`.
+//!
+//! Parameters (and their momentum buffers) live in the manager given to [`Mlp::new`]. A training
+//! step creates every temporary as an op result, so it lands in the thread's active scope (a
+//! workspace cycle in the example): with the model manager capped, any temporary that would
+//! land in the model instead fails at its line with `Error::Capped`.
+
+#![allow(dead_code)]
+
+use ndscope::{DType, Manager, NDArray, Result};
+
+/// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and their velocities.
+pub struct Dense {
+    pub w: NDArray,
+    pub b: NDArray,
+    pub vw: NDArray,
+    pub vb: NDArray,
+}
+
+/// Dense layers with ReLU between them and softmax cross-entropy on top.
+pub struct Mlp {
+    pub layers: Vec<Dense>,
+    pub classes: usize,
+}
+
+/// What one step reports, as 0-d arrays in the active scope.
+pub struct StepOut {
+    /// Mean cross-entropy (f32).
+    pub loss: NDArray,
+    /// Correct predictions in the batch (i64).
+    pub correct: NDArray,
+}
+
+impl Mlp {
+    /// He-initialised parameters for layer sizes `sizes` (input first, classes last), created
+    /// in `model` from the seeded random stream.
+    pub fn new(model: &Manager, sizes: &[usize]) -> Result<Mlp> {
+        let mut layers = Vec::new();
+        for (i, pair) in sizes.windows(2).enumerate() {
+            let (fan_in, fan_out) = (pair[0], pair[1]);
+            let w = model.randn([fan_in, fan_out], DType::F32)?.with_name(&format!("w{}", i + 1));
+            w.mul_scalar_((2.0 / fan_in as f64).sqrt())?;
+            let b = model.zeros([fan_out], DType::F32)?.with_name(&format!("b{}", i + 1));
+            let vw = model.zeros([fan_in, fan_out], DType::F32)?.with_name(&format!("vw{}", i + 1));
+            let vb = model.zeros([fan_out], DType::F32)?.with_name(&format!("vb{}", i + 1));
+            layers.push(Dense { w, b, vw, vb });
+        }
+        Ok(Mlp {
+            layers,
+            classes: *sizes.last().unwrap_or(&1),
+        })
+    }
+
+    /// The logits of `x` (`[batch, inputs]`) and the activations feeding each layer.
+    pub fn forward(&self, x: &NDArray) -> Result<(NDArray, Vec<NDArray>)> {
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            inputs.push(h.clone());
+            let z = h.matmul(&layer.w)?.add(&layer.b)?;
+            h = if i + 1 < self.layers.len() { z.relu()? } else { z };
+        }
+        Ok((h, inputs))
+    }
+
+    /// One step of SGD with momentum on a batch: forward, softmax cross-entropy against
+    /// `labels` (`[batch]`, i64), backward, and the in-place update of every parameter.
+    pub fn train_step(&self, x: &NDArray, labels: &NDArray, lr: f64, momentum: f64) -> Result<StepOut> {
+        let batch = x.dims()[0] as f64;
+        let (logits, inputs) = self.forward(x)?;
+        let log_probs = logits.log_softmax(1)?;
+        let loss = log_probs.pick(labels, 1)?.mean_all()?.neg()?;
+        let correct = logits.argmax(1)?.eq(labels)?.sum_all()?;
+
+        // d loss / d logits = (softmax − one_hot) / batch
+        let mut grad = log_probs
+            .exp()?
+            .sub(&labels.one_hot(self.classes, DType::F32)?)?
+            .div_scalar(batch)?;
+        for (i, layer) in self.layers.iter().enumerate().rev() {
+            let input = &inputs[i];
+            let dw = input.transpose()?.matmul(&grad)?;
+            let db = grad.sum(&[0], false)?;
+            if i > 0 {
+                // Through this layer's weights (before they change) and the ReLU below it:
+                // relu'(z) is 1 exactly where the layer's input h = relu(z) is positive.
+                let dh = grad.matmul(&layer.w.transpose()?)?;
+                let active = input.gt_scalar(0.0)?.to_dtype(DType::F32)?;
+                grad = dh.mul(&active)?;
+            }
+            // v ← μ·v + g;  w ← w − lr·v
+            layer.vw.mul_scalar_(momentum)?;
+            layer.vw.add_(&dw)?;
+            layer.w.axpy_(-lr, &layer.vw)?;
+            layer.vb.mul_scalar_(momentum)?;
+            layer.vb.add_(&db)?;
+            layer.b.axpy_(-lr, &layer.vb)?;
+        }
+        Ok(StepOut { loss, correct })
+    }
+
+    /// Correct predictions on `x` against `labels` (an i64 0-d array in the active scope).
+    pub fn correct(&self, x: &NDArray, labels: &NDArray) -> Result<NDArray> {
+        let (logits, _) = self.forward(x)?;
+        logits.argmax(1)?.eq(labels)?.sum_all()
+    }
+
+    /// Multiply-adds of one training step at `batch` (forward, and backward without the
+    /// gradient of the input), times 2 for FLOPs.
+    pub fn step_flops(&self, batch: usize) -> f64 {
+        let mut flops = 0.0;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (fan_in, fan_out) = (layer.w.dims()[0] as f64, layer.w.dims()[1] as f64);
+            let one = 2.0 * batch as f64 * fan_in * fan_out;
+            // forward, weight gradient, and (except for the first layer) input gradient
+            flops += one * if i == 0 { 2.0 } else { 3.0 };
+        }
+        flops
+    }
+}
+
+/// A generated 10-class problem: each class is a mixture of `clusters` Gaussian blobs in
+/// `features` dimensions. Returns `x` (`[n, features]`, f32) and `y` (`[n]`, i64), in `data`.
+pub fn make_data(
+    data: &Manager,
+    n: usize,
+    features: usize,
+    classes: usize,
+    clusters: usize,
+    spread: f64,
+) -> Result<(NDArray, NDArray)> {
+    data.scope(|tmp| {
+        let centers = tmp.randn([classes * clusters, features], DType::F32)?.mul_scalar(spread)?;
+        let which: Vec<i64> = (0..n as i64)
+            .map(|i| (i * 7919) % (classes * clusters) as i64)
+            .collect();
+        let which = tmp.from_vec(which, [n])?;
+        let labels: Vec<i64> = which
+            .to_vec::<i64>()?
+            .iter()
+            .map(|&c| c % classes as i64)
+            .collect();
+        // Row `i` of one_hot(which) · centers is the center of sample i's blob.
+        let x = which
+            .one_hot(classes * clusters, DType::F32)?
+            .matmul(&centers)?
+            .add(&tmp.randn([n, features], DType::F32)?)?;
+        let y = tmp.from_vec(labels, [n])?;
+        Ok((tmp.ret(&x)?, tmp.ret(&y)?))
+    })
+}

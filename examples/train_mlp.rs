@@ -1,0 +1,263 @@
+//! The main job: train an MLP on a generated 10-class problem with the full manager tree.
+//!
+//! ```text
+//! system
+//! ├─ data      the generated samples
+//! └─ model     parameters and momentum buffers; capped while training
+//!    └─ trainer    owns workspace "batch"
+//!       └─ batch#N     one workspace cycle per step: every temporary of the step lives here
+//! ```
+//!
+//! Run it with `cargo run --release --example train_mlp -- [flags]`:
+//!
+//! ```text
+//! --epochs N        passes over the training set (default 4)
+//! --batch N         samples per step (default 128)
+//! --hidden A,B,...  hidden layer widths (default 256,128)
+//! --samples N       training samples (default 120000; 10000 more are held out)
+//! --lr X            learning rate (default 0.02)
+//! --momentum X      SGD momentum (default 0.9)
+//! --seed N          seed of every random number (default 7)
+//! --no-workspace    one plain sub-scope per step instead of a workspace cycle (to compare)
+//! --device cpu|cuda where to train (default cpu)
+//! ```
+//!
+//! It prints per-epoch loss, accuracy, steps/s and live bytes (which must stay flat), a
+//! `debug_dump` of the model at the end, and fails (exit code 1) unless the loss fell, the
+//! held-out accuracy exceeds 90% and the live bytes stayed flat.
+
+#[path = "mlp/mod.rs"]
+mod mlp;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use mlp::{make_data, Mlp};
+use ndscope::{fmt_bytes, manual_seed, memory_usage, Device, Manager, NDArray, WorkspaceConfig};
+
+const FEATURES: usize = 784;
+const CLASSES: usize = 10;
+const HELD_OUT: usize = 10_000;
+
+struct Args {
+    epochs: usize,
+    batch: usize,
+    hidden: Vec<usize>,
+    samples: usize,
+    lr: f64,
+    momentum: f64,
+    seed: u64,
+    workspace: bool,
+    device: Device,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        epochs: 4,
+        batch: 128,
+        hidden: vec![256, 128],
+        samples: 120_000,
+        lr: 0.02,
+        momentum: 0.9,
+        seed: 7,
+        workspace: true,
+        device: Device::Cpu,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match flag.as_str() {
+            "--epochs" => args.epochs = number(&value("--epochs")?)?,
+            "--batch" => args.batch = number(&value("--batch")?)?,
+            "--samples" => args.samples = number(&value("--samples")?)?,
+            "--hidden" => {
+                args.hidden = value("--hidden")?
+                    .split(',')
+                    .map(number)
+                    .collect::<Result<_, _>>()?
+            }
+            "--lr" => args.lr = float(&value("--lr")?)?,
+            "--momentum" => args.momentum = float(&value("--momentum")?)?,
+            "--seed" => args.seed = number::<u64>(&value("--seed")?)?,
+            "--no-workspace" => args.workspace = false,
+            "--device" => {
+                args.device = match value("--device")?.as_str() {
+                    "cpu" => Device::Cpu,
+                    "cuda" => Device::Cuda(0),
+                    other => return Err(format!("--device must be cpu or cuda, not {other:?}")),
+                }
+            }
+            "-h" | "--help" => {
+                return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
+                            [--lr X] [--momentum X] [--seed N] [--no-workspace] [--device cpu|cuda]"
+                    .into())
+            }
+            other => return Err(format!("unknown flag {other:?} (try --help)")),
+        }
+    }
+    if args.epochs == 0 || args.batch == 0 || args.samples < args.batch {
+        return Err("--epochs and --batch must be positive and --samples at least --batch".into());
+    }
+    if args.hidden.contains(&0) {
+        return Err("hidden widths must be positive".into());
+    }
+    Ok(args)
+}
+
+fn number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a valid number here"))
+}
+
+fn float(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        _ => Err(format!("{text:?} is not a finite number")),
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("train_mlp: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One epoch's figures.
+struct Epoch {
+    loss: f64,
+    accuracy: f64,
+    steps_per_s: f64,
+    live: usize,
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let args = parse_args()?;
+    manual_seed(args.seed);
+    let total = args.samples + HELD_OUT;
+
+    let data = Manager::new_base_on(args.device)?.with_name("data");
+    let model = Manager::new_base_on(args.device)?.with_name("model");
+    let mut sizes = vec![FEATURES];
+    sizes.extend(&args.hidden);
+    sizes.push(CLASSES);
+    let t0 = Instant::now();
+    let (x, y) = make_data(&data, total, FEATURES, CLASSES, 3, 0.12)?;
+    let net = Mlp::new(&model, &sizes)?;
+    model.cap(); // from here on, a temporary landing in the model fails at its line
+    let trainer = model.new_sub_manager()?.with_name("trainer");
+    let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+    println!(
+        "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {}, {} epochs, \
+         lr {}, momentum {}, {} on {} (data generated in {:.2} s)",
+        args.samples,
+        args.batch,
+        args.epochs,
+        args.lr,
+        args.momentum,
+        if args.workspace { "workspace cycles" } else { "plain scopes" },
+        args.device,
+        t0.elapsed().as_secs_f64()
+    );
+
+    // One step in a fresh scope of the trainer: a workspace cycle, or a plain sub-scope.
+    let in_step = |f: &dyn Fn(&Manager) -> ndscope::Result<(f64, i64)>| {
+        if args.workspace {
+            ws.cycle(f)
+        } else {
+            trainer.scope(f)
+        }
+    };
+    let batch_of = |start: usize, len: usize| -> ndscope::Result<(NDArray, NDArray)> {
+        Ok((x.narrow(0, start, len)?, y.narrow(0, start, len)?))
+    };
+
+    let steps = args.samples / args.batch;
+    let mut epochs: Vec<Epoch> = Vec::new();
+    let train_start = Instant::now();
+    for epoch in 1..=args.epochs {
+        let started = Instant::now();
+        let (mut loss, mut correct) = (0.0, 0i64);
+        for step in 0..steps {
+            let (l, c) = in_step(&|_batch| {
+                let (xb, yb) = batch_of(step * args.batch, args.batch)?;
+                let out = net.train_step(&xb, &yb, args.lr, args.momentum)?;
+                Ok((out.loss.to_scalar::<f32>()? as f64, out.correct.to_scalar::<i64>()?))
+            })?;
+            loss += l;
+            correct += c;
+        }
+        let e = Epoch {
+            loss: loss / steps as f64,
+            accuracy: correct as f64 / (steps * args.batch) as f64,
+            steps_per_s: steps as f64 / started.elapsed().as_secs_f64(),
+            live: memory_usage(args.device).in_use,
+        };
+        println!(
+            "epoch {epoch:>2}: loss {:.4}  train accuracy {:>6.2}%  {:>6.0} steps/s  live {}",
+            e.loss,
+            100.0 * e.accuracy,
+            e.steps_per_s,
+            fmt_bytes(e.live)
+        );
+        epochs.push(e);
+    }
+    let train_secs = train_start.elapsed().as_secs_f64();
+
+    // Held-out accuracy, one cycle per batch.
+    let mut held_correct = 0i64;
+    let mut start = args.samples;
+    while start < total {
+        let len = args.batch.min(total - start);
+        held_correct += in_step(&|_batch| {
+            let (xb, yb) = batch_of(start, len)?;
+            Ok((0.0, net.correct(&xb, &yb)?.to_scalar::<i64>()?))
+        })?
+        .1;
+        start += len;
+    }
+    let held_accuracy = held_correct as f64 / HELD_OUT as f64;
+    println!(
+        "held-out accuracy {:.2}% after {:.1} s of training ({:.0} samples/s)",
+        100.0 * held_accuracy,
+        train_secs,
+        (steps * args.batch * args.epochs) as f64 / train_secs
+    );
+    if args.workspace {
+        let s = ws.stats();
+        println!(
+            "workspace 'batch': {} cycles, block {} (learned from the first cycle), {} spilled in {} allocations, {} reallocations",
+            s.cycles,
+            fmt_bytes(s.capacity),
+            fmt_bytes(s.spilled_bytes),
+            s.spilled_count,
+            s.reallocations
+        );
+    }
+    println!("\n{}", model.debug_dump(1));
+
+    // The job's own checks: it learned, and memory stayed flat.
+    let (first, last) = (&epochs[0], &epochs[epochs.len() - 1]);
+    if epochs.len() > 1 && last.loss >= first.loss {
+        return Err(format!("the loss did not fall: {:.4} → {:.4}", first.loss, last.loss).into());
+    }
+    if held_accuracy <= 0.90 {
+        return Err(format!("held-out accuracy {:.2}% is not above 90%", 100.0 * held_accuracy).into());
+    }
+    if epochs.iter().any(|e| e.live != first.live) {
+        let lives: Vec<String> = epochs.iter().map(|e| fmt_bytes(e.live)).collect();
+        return Err(format!("live bytes changed between epochs: {lives:?}").into());
+    }
+    model.close()?;
+    data.close()?;
+    println!(
+        "closed: {} in use on {} after closing the model and the data",
+        fmt_bytes(memory_usage(args.device).in_use),
+        args.device
+    );
+    Ok(())
+}
