@@ -8,14 +8,67 @@ use rayon::prelude::*;
 
 use super::{chunk_len, PAR_MIN};
 
-/// Side of a transpose tile: 32 × 32 elements of up to 8 bytes is 8 KiB, which fits in L1 with
-/// room for the destination rows.
+/// Side of a transpose tile: a 32 × 32 tile of up to 8-byte elements is 8 KiB, in L1.
 const TILE: usize = 32;
 
+/// `dst[d0 + a·d_a + b] = src[s0 + a + b·s_b]` for `a < na`, `b < nb`: a strided 2-D transpose.
+///
+/// Each tile is read row by row from `src` into a small contiguous buffer (transposing there)
+/// and written row by row to `dst`, so every cache line of `src` and `dst` is touched in one
+/// burst. Scattering straight into `dst` instead thrashes the cache when the row stride is a
+/// power of two (1024 × 1024 f32: every row of a tile maps to the same cache set).
+#[allow(clippy::too_many_arguments)]
+fn transpose_tiles<T: Copy + Default>(
+    src: &[T],
+    s0: usize,
+    s_b: usize,
+    na: usize,
+    nb: usize,
+    dst: &mut [T],
+    d0: usize,
+    d_a: usize,
+) {
+    let mut buf = [[T::default(); TILE]; TILE];
+    for ab in (0..na).step_by(TILE) {
+        let h = TILE.min(na - ab);
+        for bb in (0..nb).step_by(TILE) {
+            let w = TILE.min(nb - bb);
+            if h == TILE && w == TILE {
+                // Full tile: constant bounds, so the copies unroll without bounds checks.
+                for (b, column) in (0..TILE).map(|b| (b, s0 + (bb + b) * s_b + ab)) {
+                    let row: &[T] = &src[column..column + TILE];
+                    for (line, &v) in buf.iter_mut().zip(row) {
+                        line[b] = v;
+                    }
+                }
+                for (a, line) in buf.iter().enumerate() {
+                    let to = d0 + (ab + a) * d_a + bb;
+                    dst[to..to + TILE].copy_from_slice(line);
+                }
+                continue;
+            }
+            for b in 0..w {
+                let from = s0 + (bb + b) * s_b + ab;
+                for (line, &v) in buf.iter_mut().zip(&src[from..from + h]) {
+                    line[b] = v;
+                }
+            }
+            for (a, line) in buf.iter().enumerate().take(h) {
+                let to = d0 + (ab + a) * d_a + bb;
+                dst[to..to + w].copy_from_slice(&line[..w]);
+            }
+        }
+    }
+}
+
 /// `dst[j, i] = src[i, j]` for `src` of `rows × cols` (row-major) and `dst` of `cols × rows`.
-/// Tiled so reads and writes both stay within cache lines; parallel over destination rows for
-/// large matrices.
-pub(crate) fn transpose<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usize, dst: &mut [T]) {
+/// Cache-blocked (see [`transpose_tiles`]); parallel over destination rows for large matrices.
+pub(crate) fn transpose<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+    dst: &mut [T],
+) {
     debug_assert!(src.len() == rows * cols && dst.len() == rows * cols);
     if dst.is_empty() {
         return;
@@ -25,39 +78,26 @@ pub(crate) fn transpose<T: Copy + Send + Sync>(src: &[T], rows: usize, cols: usi
         return;
     }
     if dst.len() < PAR_MIN || rayon::current_num_threads() < 2 {
-        return transpose_rows(src, rows, cols, 0, dst);
+        return transpose_tiles(src, 0, cols, cols, rows, dst, 0, rows);
     }
     // Whole tiles of destination rows per task.
     let per_task = chunk_len(dst.len()).div_ceil(rows).next_multiple_of(TILE);
     dst.par_chunks_mut(per_task * rows)
         .enumerate()
-        .for_each(|(t, d)| transpose_rows(src, rows, cols, t * per_task, d));
-}
-
-/// Writes destination rows `[first, first + dst.len() / rows)` of the transpose of `src`.
-fn transpose_rows<T: Copy>(src: &[T], rows: usize, cols: usize, first: usize, dst: &mut [T]) {
-    let count = dst.len() / rows;
-    for jb in (0..count).step_by(TILE) {
-        let je = (jb + TILE).min(count);
-        for ib in (0..rows).step_by(TILE) {
-            let ie = (ib + TILE).min(rows);
-            for i in ib..ie {
-                let src_row = &src[i * cols + first + jb..i * cols + first + je];
-                for (jj, &v) in src_row.iter().enumerate() {
-                    dst[(jb + jj) * rows + i] = v;
-                }
-            }
-        }
-    }
+        .for_each(|(t, d)| {
+            let count = d.len() / rows;
+            transpose_tiles(src, t * per_task, cols, count, rows, d, 0, rows);
+        });
 }
 
 /// The permutation `perm` of `src` (shape `dims`, row-major) into `dst`: output axis `k` is
 /// input axis `perm[k]`.
 ///
-/// Axes of size 1 are dropped and output axes that stay adjacent in the input merged, so a
-/// permutation that is really a (batched) 2-D transpose uses [`transpose`], one that keeps the
-/// last axis copies whole rows, and an identity is one copy.
-pub(crate) fn permute<T: Copy + Send + Sync>(
+/// Axes of size 1 are dropped and output axes that stay adjacent in the input merged. Then an
+/// identity is one copy, a 2-D transpose uses [`transpose`], a permutation that keeps the last
+/// axis copies whole rows, and any other is a set of strided 2-D transposes between the output
+/// axis that is contiguous in the input and the last output axis.
+pub(crate) fn permute<T: Copy + Default + Send + Sync>(
     src: &[T],
     dims: &[usize],
     perm: &[usize],
@@ -81,16 +121,11 @@ pub(crate) fn permute<T: Copy + Send + Sync>(
         }
     }
     match axes.as_slice() {
-        [] | [(_, 1)] => dst.copy_from_slice(src),
+        [] | [_] => dst.copy_from_slice(src),
         // Output [a, b] reading input [b, a]: a transpose.
         &[(a, 1), (b, s)] if s == a => transpose(src, b, a, dst),
-        // Output [c, a, b] reading input [c, b, a]: a batched transpose.
-        &[(_, sc), (a, 1), (b, s)] if s == a && sc == a * b => {
-            for (s, d) in src.chunks_exact(a * b).zip(dst.chunks_exact_mut(a * b)) {
-                transpose(s, b, a, d);
-            }
-        }
-        _ => gather(src, &axes, dst),
+        [.., (_, 1)] => gather_rows(src, &axes, dst),
+        _ => gather_tiled(src, &axes, dst),
     }
 }
 
@@ -103,12 +138,14 @@ fn strides(dims: &[usize]) -> Vec<usize> {
     strides
 }
 
-/// `dst` in row-major order of `axes` (size, source stride), read from `src`.
-fn gather<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
+/// `dst` in row-major order of `axes` (size, source stride), read from `src`, whose last axis
+/// is contiguous in `src`: whole rows are copied.
+fn gather_rows<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
     let Some(&(inner, inner_stride)) = axes.last() else {
         dst.copy_from_slice(src);
         return;
     };
+    debug_assert_eq!(inner_stride, 1);
     let outer = &axes[..axes.len() - 1];
     let run = |first_row: usize, dst: &mut [T]| {
         // Odometer over the outer axes, starting at `first_row`.
@@ -121,13 +158,7 @@ fn gather<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [
             offset += index[k] * stride;
         }
         for row in dst.chunks_exact_mut(inner) {
-            if inner_stride == 1 {
-                row.copy_from_slice(&src[offset..offset + inner]);
-            } else {
-                for (j, o) in row.iter_mut().enumerate() {
-                    *o = src[offset + j * inner_stride];
-                }
-            }
+            row.copy_from_slice(&src[offset..offset + inner]);
             for (k, &(size, stride)) in outer.iter().enumerate().rev() {
                 index[k] += 1;
                 offset += stride;
@@ -146,6 +177,62 @@ fn gather<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [
     dst.par_chunks_mut(rows_per_task * inner)
         .enumerate()
         .for_each(|(t, d)| run(t * rows_per_task, d));
+}
+
+/// The offset in `src` of row-major index `flat` over `axes` (size, source stride).
+fn offset_of(mut flat: usize, axes: &[(usize, usize)]) -> usize {
+    let mut offset = 0;
+    for &(size, stride) in axes.iter().rev() {
+        offset += (flat % size) * stride;
+        flat /= size;
+    }
+    offset
+}
+
+/// `dst` in row-major order of `axes` (size, source stride), read from `src`, when the last
+/// axis is not contiguous in `src`. Output axis `p` is (the input's last axis is never dropped
+/// or merged away), so for every index of the axes before `p` (a contiguous region of `dst`,
+/// split across the pool) and every index of the axes between `p` and the last, the
+/// `axes[p] × axes[last]` block is a strided 2-D transpose.
+fn gather_tiled<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    axes: &[(usize, usize)],
+    dst: &mut [T],
+) {
+    let last = axes.len() - 1;
+    let Some(p) = axes.iter().position(|a| a.1 == 1) else {
+        // Not reached for a permutation of a contiguous array; kept total for safety.
+        return gather_elements(src, axes, dst);
+    };
+    let (na, (nb, s_b)) = (axes[p].0, axes[last]);
+    let outer = &axes[..p];
+    let middle = &axes[p + 1..last];
+    let middle_count: usize = middle.iter().map(|a| a.0).product();
+    let region = na * middle_count * nb;
+    let run = |first: usize, dst: &mut [T]| {
+        for (k, region_dst) in dst.chunks_exact_mut(region).enumerate() {
+            let base = offset_of(first + k, outer);
+            for mi in 0..middle_count {
+                let s0 = base + offset_of(mi, middle);
+                transpose_tiles(src, s0, s_b, na, nb, region_dst, mi * nb, middle_count * nb);
+            }
+        }
+    };
+    let regions = dst.len() / region;
+    if dst.len() < PAR_MIN || regions < 2 {
+        return run(0, dst);
+    }
+    let per_task = chunk_len(dst.len()).div_ceil(region).max(1);
+    dst.par_chunks_mut(per_task * region)
+        .enumerate()
+        .for_each(|(t, d)| run(t * per_task, d));
+}
+
+/// `dst` in row-major order of `axes`, one element at a time.
+fn gather_elements<T: Copy>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
+    for (flat, o) in dst.iter_mut().enumerate() {
+        *o = src[offset_of(flat, axes)];
+    }
 }
 
 /// For `src` seen as `[outer, n, inner]` (bytes), copies `[outer, start..start + len, inner]`
