@@ -222,7 +222,6 @@ pub(crate) fn read_all<R>(
 
 /// Makes a new array for an op on `inputs` and fills it with `kernel`; on any failure the new
 /// array is discarded and nothing else changed.
-#[allow(dead_code)] // for the n-input ops (concat, stack)
 pub(crate) fn op(
     ctx: &Ctx,
     inputs: &[&NDArray],

@@ -1,10 +1,14 @@
 //! [`NDArray`]: the array handle, its metadata, data access and ownership calls. Operations are
-//! in `ops.rs`, factories (on `Manager`) in `factory.rs`.
+//! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs` and
+//! `nn_ops.rs`; factories (on `Manager`) in `factory.rs`.
 
 pub(crate) mod exec;
 mod factory;
 mod list;
+mod nn_ops;
 mod ops;
+mod reduce_ops;
+mod shape_ops;
 
 use std::fmt;
 use std::panic::Location;
@@ -12,6 +16,7 @@ use std::sync::Arc;
 
 pub use factory::manual_seed;
 pub use list::NDList;
+pub use shape_ops::{concat, stack};
 
 use crate::arena::{self, ArrayInner, CloseReason, Owner};
 use crate::backend::cpu::elementwise;

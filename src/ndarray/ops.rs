@@ -1,14 +1,15 @@
 //! Operation front-ends: validation (from handle metadata, before anything is allocated),
-//! placement and dispatch to the CPU kernels.
+//! placement and dispatch to the CPU kernels. This file holds the elementwise ops, comparisons
+//! and in-place ops, and the helpers every front-end shares (broadcasting, dtype/device and
+//! axis checks); reductions are in `reduce_ops.rs`, shape ops in `shape_ops.rs`, matrix
+//! products and the NN ops in `nn_ops.rs`.
 //!
 //! Rules every op keeps: inputs of a binary op share one dtype (no implicit promotion) and one
 //! device; shapes broadcast as in NumPy; a refused op allocates and changes nothing; results are
 //! placed by `exec::Target::ResultOf` (active scope, else the first input's owner).
 
 use crate::backend::cpu::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
-use crate::backend::cpu::matmul::matmul;
 use crate::backend::cpu::num::{Float, Num};
-use crate::backend::cpu::reduce;
 use crate::dtype::{dispatch, dispatch_float};
 use crate::error::Ctx;
 use crate::{DType, Element, Error, NDArray, Result, Shape};
@@ -52,6 +53,44 @@ macro_rules! with_binary {
             }
             Binary::Minimum => {
                 let $f = |x: $t, y: $t| x.min_nan(y);
+                $body
+            }
+        }
+    };
+}
+
+/// The elementwise comparisons.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Compare {
+    Gt,
+    Lt,
+    Eq,
+}
+
+/// Runs `$body` with `$f` bound to the predicate of comparison `$op` (generic over the operand
+/// type, IEEE for floats: NaN compares false).
+macro_rules! with_compare {
+    ($op:expr, $f:ident => $body:expr) => {
+        match $op {
+            Compare::Gt => {
+                #[inline(always)]
+                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
+                    x > y
+                }
+                $body
+            }
+            Compare::Lt => {
+                #[inline(always)]
+                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
+                    x < y
+                }
+                $body
+            }
+            Compare::Eq => {
+                #[inline(always)]
+                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
+                    x == y
+                }
                 $body
             }
         }
@@ -125,6 +164,73 @@ pub(crate) fn check_same(ctx: &Ctx, a: &NDArray, b: &NDArray) -> Result<()> {
     Ok(())
 }
 
+/// Both arrays must be on one device (ops whose operands may differ in dtype, like `pick`).
+pub(crate) fn check_device(ctx: &Ctx, a: &NDArray, b: &NDArray) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(ctx.device_mismatch(format!(
+            "{} is on {} but {} is on {} (move one with to_device)",
+            a.0.describe(),
+            a.device(),
+            b.0.describe(),
+            b.device()
+        )));
+    }
+    Ok(())
+}
+
+/// `axis` as an index into the axes of `shape`; negative axes count from the end. Out of range
+/// gives `InvalidArgument` naming the axis, the shape and the valid range.
+pub(crate) fn normalize_axis(ctx: &Ctx, axis: isize, shape: &Shape) -> Result<usize> {
+    normalize_axis_in(ctx, axis, shape, shape.ndim())
+}
+
+/// `axis` in `-count..count`, as an index in `0..count` (for `unsqueeze` and `stack`, whose
+/// axis may also be one past the last).
+pub(crate) fn normalize_axis_in(
+    ctx: &Ctx,
+    axis: isize,
+    shape: &Shape,
+    count: usize,
+) -> Result<usize> {
+    let n = count as isize;
+    let index = if axis < 0 { axis + n } else { axis };
+    if (0..n).contains(&index) {
+        Ok(index as usize)
+    } else if count == 0 {
+        Err(ctx.invalid(format!(
+            "`{}` got axis {axis}, but an array of shape {shape} has no axes",
+            ctx.op
+        )))
+    } else {
+        Err(ctx.invalid(format!(
+            "`{}` got axis {axis}, out of range for shape {shape} (valid: {} to {})",
+            ctx.op,
+            -n,
+            n - 1
+        )))
+    }
+}
+
+/// Which axes of `shape` the list `axes` names (negative from the end; empty names every axis).
+/// A repeated or out-of-range axis gives `InvalidArgument`.
+pub(crate) fn axes_mask(ctx: &Ctx, axes: &[isize], shape: &Shape) -> Result<Vec<bool>> {
+    if axes.is_empty() {
+        return Ok(vec![true; shape.ndim()]);
+    }
+    let mut mask = vec![false; shape.ndim()];
+    for &axis in axes {
+        let index = normalize_axis(ctx, axis, shape)?;
+        if mask[index] {
+            return Err(ctx.invalid(format!(
+                "`{}` got axis {index} more than once in {axes:?} (shape {shape})",
+                ctx.op
+            )));
+        }
+        mask[index] = true;
+    }
+    Ok(mask)
+}
+
 fn division_by_zero(ctx: &Ctx, b: &NDArray) -> Error {
     ctx.invalid(format!(
         "integer division by zero: divisor {} contains 0",
@@ -186,6 +292,86 @@ impl NDArray {
     #[track_caller]
     pub fn minimum(&self, other: &NDArray) -> Result<NDArray> {
         self.binary(Ctx::new("minimum"), other, Binary::Minimum)
+    }
+
+    fn compare(&self, ctx: Ctx, other: &NDArray, op: Compare) -> Result<NDArray> {
+        check_same(&ctx, self, other)?;
+        let shape = broadcast_shapes(&ctx, self.shape(), other.shape())?;
+        let dtype = self.dtype();
+        let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
+        exec::op2(&ctx, self, other, shape, DType::U8, |a, b, out| {
+            dispatch!(dtype, T => {
+                let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
+                let out = out.as_mut_slice::<u8>();
+                with_compare!(op, f => broadcast_zip(a, sa.dims(), b, sb.dims(), out, so.dims(), |x: T, y: T| u8::from(f(x, y))));
+            });
+            Ok(())
+        })
+    }
+
+    /// `self > other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN compares false).
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let a = m.from_slice(&[1.0f32, 5.0, 3.0], [3])?;
+    /// let b = m.from_slice(&[2.0f32], [1])?;
+    /// assert_eq!(a.gt(&b)?.to_vec::<u8>()?, vec![0, 1, 1]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn gt(&self, other: &NDArray) -> Result<NDArray> {
+        self.compare(Ctx::new("gt"), other, Compare::Gt)
+    }
+
+    /// `self < other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN compares false).
+    #[track_caller]
+    pub fn lt(&self, other: &NDArray) -> Result<NDArray> {
+        self.compare(Ctx::new("lt"), other, Compare::Lt)
+    }
+
+    /// `self == other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN equals nothing).
+    #[track_caller]
+    pub fn eq(&self, other: &NDArray) -> Result<NDArray> {
+        self.compare(Ctx::new("eq"), other, Compare::Eq)
+    }
+
+    fn compare_scalar(&self, ctx: Ctx, value: f64, op: Compare) -> Result<NDArray> {
+        let dtype = self.dtype();
+        exec::op1(&ctx, self, self.shape().clone(), DType::U8, |a, out| {
+            let out = out.as_mut_slice::<u8>();
+            dispatch_float!(dtype, T => {
+                // Floats compare in their own precision, so `x.eq_scalar(0.1)` finds the f32 0.1.
+                let y = T::from_f64(value);
+                with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, |x: T| u8::from(f(x, y))));
+            }, _ => {
+                // Integers compare exactly against the f64 value, so `x.gt_scalar(2.5)` is false
+                // for 2 (no truncation of the scalar).
+                dispatch!(dtype, T => {
+                    with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, |x: T| u8::from(f(x.to_f64(), value))));
+                })
+            });
+            Ok(())
+        })
+    }
+
+    /// `self > value` elementwise: a `U8` array of 0 and 1. Float arrays compare against the
+    /// value converted to their dtype; integer arrays against the exact value.
+    #[track_caller]
+    pub fn gt_scalar(&self, value: f64) -> Result<NDArray> {
+        self.compare_scalar(Ctx::new("gt_scalar"), value, Compare::Gt)
+    }
+
+    /// `self < value` elementwise: a `U8` array of 0 and 1 (see [`gt_scalar`](Self::gt_scalar)).
+    #[track_caller]
+    pub fn lt_scalar(&self, value: f64) -> Result<NDArray> {
+        self.compare_scalar(Ctx::new("lt_scalar"), value, Compare::Lt)
+    }
+
+    /// `self == value` elementwise: a `U8` array of 0 and 1 (see [`gt_scalar`](Self::gt_scalar)).
+    #[track_caller]
+    pub fn eq_scalar(&self, value: f64) -> Result<NDArray> {
+        self.compare_scalar(Ctx::new("eq_scalar"), value, Compare::Eq)
     }
 
     fn scalar_op(&self, ctx: Ctx, value: f64, op: Binary) -> Result<NDArray> {
@@ -337,87 +523,11 @@ impl NDArray {
         })
     }
 
-    /// The sum of all elements as a 0-dimensional array: same dtype for floats, `I64` for
-    /// integers (wrapping), as PyTorch.
-    #[track_caller]
-    pub fn sum_all(&self) -> Result<NDArray> {
-        self.reduce_all(Ctx::new("sum_all"), false)
-    }
-
-    /// The mean of all elements as a 0-dimensional array: same dtype for floats, `F64` for
-    /// integers. NaN for an empty array.
-    #[track_caller]
-    pub fn mean_all(&self) -> Result<NDArray> {
-        self.reduce_all(Ctx::new("mean_all"), true)
-    }
-
-    fn reduce_all(&self, ctx: Ctx, mean: bool) -> Result<NDArray> {
-        let from = self.dtype();
-        let to = match (from.is_float(), mean) {
-            (true, _) => from,
-            (false, false) => DType::I64,
-            (false, true) => DType::F64,
-        };
-        let n = self.size();
-        exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
-            dispatch_float!(from, T => {
-                let sum = reduce::sum_float(a.as_slice::<T>());
-                let value = if mean { sum / n as f64 } else { sum };
-                out.as_mut_slice::<T>()[0] = T::from_f64(value);
-            }, _ => {
-                dispatch!(from, T => {
-                    let sum = reduce::sum_int(a.as_slice::<T>());
-                    if mean {
-                        out.as_mut_slice::<f64>()[0] = sum as f64 / n as f64;
-                    } else {
-                        out.as_mut_slice::<i64>()[0] = sum;
-                    }
-                })
-            });
-            Ok(())
-        })
-    }
-
-    /// The matrix product of 2-D arrays `[m, k] · [k, n] → [m, n]`.
-    #[track_caller]
-    pub fn matmul(&self, other: &NDArray) -> Result<NDArray> {
-        let ctx = Ctx::new("matmul");
-        check_same(&ctx, self, other)?;
-        let (a, b) = (self.dims(), other.dims());
-        let (m, k, k2, n) = match (a, b) {
-            (&[m, k], &[k2, n]) => (m, k, k2, n),
-            _ => {
-                return Err(ctx.shape(format!(
-                    "matmul needs 2-D operands, got {} and {}",
-                    self.shape(),
-                    other.shape()
-                )))
-            }
-        };
-        if k != k2 {
-            return Err(ctx.shape(format!(
-                "matmul of {} and {}: inner dimensions {k} and {k2} differ",
-                self.shape(),
-                other.shape()
-            )));
-        }
-        let dtype = self.dtype();
-        exec::op2(
-            &ctx,
-            self,
-            other,
-            Shape::new(&[m, n]),
-            dtype,
-            |a, b, out| {
-                dispatch!(dtype, T => matmul(m, k, n, a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>()));
-                Ok(())
-            },
-        )
-    }
-
-    fn inplace_binary(&self, ctx: Ctx, other: &NDArray, op: Binary) -> Result<()> {
-        check_same(&ctx, self, other)?;
-        let shape = broadcast_shapes(&ctx, self.shape(), other.shape())?;
+    /// For an in-place op with source `other`: same dtype and device, and `other` broadcasts to
+    /// `self`'s shape (the target's shape cannot change).
+    fn check_inplace_source(&self, ctx: &Ctx, other: &NDArray) -> Result<()> {
+        check_same(ctx, self, other)?;
+        let shape = broadcast_shapes(ctx, self.shape(), other.shape())?;
         if shape != *self.shape() {
             return Err(ctx.shape(format!(
                 "in-place `{}` cannot change the target's shape: {} with {} broadcasts to {}",
@@ -427,6 +537,11 @@ impl NDArray {
                 shape
             )));
         }
+        Ok(())
+    }
+
+    fn inplace_binary(&self, ctx: Ctx, other: &NDArray, op: Binary) -> Result<()> {
+        self.check_inplace_source(&ctx, other)?;
         let dtype = self.dtype();
         let (sx, sb) = (self.shape().clone(), other.shape().clone());
         exec::inplace_with(&ctx, self, other, |x, b| {
@@ -476,6 +591,92 @@ impl NDArray {
             dispatch!(dtype, T => {
                 let y = T::from_f64(value);
                 elementwise::map_inplace(x.as_mut_slice::<T>(), |v| v.mul(y));
+            });
+            Ok(())
+        })
+    }
+
+    /// `self += alpha · x` in place, with `x` broadcast to `self`'s shape (BLAS `axpy`, the SGD
+    /// update). Allocates nothing; `x` may be `self`. For integer arrays `alpha` must be a whole
+    /// number that fits the dtype (`InvalidArgument` otherwise, as PyTorch); the arithmetic
+    /// wraps. On any error `self` is unchanged.
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let w = m.from_slice(&[1.0f32, 2.0, 3.0], [3])?;
+    /// let grad = m.from_slice(&[10.0f32, 20.0, 30.0], [3])?;
+    /// w.axpy_(-0.1, &grad)?;
+    /// assert_eq!(w.to_vec::<f32>()?, vec![0.0, 0.0, 0.0]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn axpy_(&self, alpha: f64, x: &NDArray) -> Result<()> {
+        let ctx = Ctx::new("axpy_");
+        self.check_inplace_source(&ctx, x)?;
+        let dtype = self.dtype();
+        if !dtype.is_float() {
+            let fits = dispatch!(dtype, T => T::from_f64(alpha).to_f64() == alpha);
+            if !fits {
+                return Err(ctx.invalid(format!(
+                    "alpha {alpha} is not a whole number that fits {dtype}, the dtype of target {}",
+                    self.0.describe()
+                )));
+            }
+        }
+        let (sx, sb) = (self.shape().clone(), x.shape().clone());
+        exec::inplace_with(&ctx, self, x, |target, source| {
+            dispatch!(dtype, T => {
+                let a = T::from_f64(alpha);
+                let target = target.as_mut_slice::<T>();
+                match source {
+                    Some(b) => broadcast_zip_inplace(target, sx.dims(), b.as_slice::<T>(), sb.dims(), |v, y| v.add(a.mul(y))),
+                    None => elementwise::map_inplace(target, |v| v.add(a.mul(v))),
+                }
+            });
+            Ok(())
+        })
+    }
+
+    /// Copies `src` into `self` in place, with `src` broadcast to `self`'s shape. Allocates
+    /// nothing. `src` must have `self`'s dtype (`DTypeMismatch`; convert with `to_dtype`) and
+    /// device. On any error `self` is unchanged.
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let a = m.zeros([2, 3], ndscope::DType::I32)?;
+    /// a.assign_(&m.from_slice(&[1i32, 2, 3], [3])?)?;
+    /// assert_eq!(a.to_vec::<i32>()?, vec![1, 2, 3, 1, 2, 3]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn assign_(&self, src: &NDArray) -> Result<()> {
+        let ctx = Ctx::new("assign_");
+        self.check_inplace_source(&ctx, src)?;
+        let dtype = self.dtype();
+        let (sx, sb) = (self.shape().clone(), src.shape().clone());
+        exec::inplace_with(&ctx, self, src, |target, source| {
+            // `None`: assigning an array to itself changes nothing.
+            if let Some(b) = source {
+                dispatch!(dtype, T => broadcast_zip_inplace(
+                    target.as_mut_slice::<T>(), sx.dims(), b.as_slice::<T>(), sb.dims(), |_, y| y
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    /// Sets every element to `value` (converted to the dtype as `Manager::full` does) in place.
+    /// Allocates nothing.
+    #[track_caller]
+    pub fn fill_(&self, value: f64) -> Result<()> {
+        let ctx = Ctx::new("fill_");
+        let dtype = self.dtype();
+        exec::inplace(&ctx, self, |x| {
+            dispatch!(dtype, T => {
+                let v = T::from_f64(value);
+                elementwise::map_inplace(x.as_mut_slice::<T>(), |_| v);
             });
             Ok(())
         })

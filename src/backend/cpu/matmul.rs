@@ -2,6 +2,7 @@
 //! loop for integers.
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 use super::num::Num;
 use crate::Element;
@@ -20,6 +21,57 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
         float_gemm(m, k, n, a, b, out);
     } else {
         int_matmul(k, n, a, b, out);
+    }
+}
+
+/// Which operands of a batched product carry the batch axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Batched {
+    /// `[b, m, k] · [b, k, n]`.
+    Both,
+    /// `[b, m, k] · [k, n]`: the right operand is shared.
+    Left,
+    /// `[m, k] · [b, k, n]`: the left operand is shared.
+    Right,
+}
+
+/// `out[i] = a[i] · b[i]` for `batch` products of `m×k` by `k×n`, with a shared operand as
+/// `which` says. A shared right operand is one product of `(batch·m)×k` by `k×n`. Small
+/// products run in parallel across the batch; large ones one after the other, each using the
+/// pool inside `gemm`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_batched<T: Num>(
+    which: Batched,
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    b: &[T],
+    out: &mut [T],
+) {
+    if which == Batched::Left {
+        return matmul(batch * m, k, n, a, b, out);
+    }
+    if batch == 0 || m == 0 || n == 0 {
+        return;
+    }
+    let a_step = if which == Batched::Both { m * k } else { 0 };
+    let b_step = k * n;
+    let one = |i: usize, out: &mut [T]| {
+        let a = &a[i * a_step..i * a_step + m * k];
+        let b = &b[i * b_step..(i + 1) * b_step];
+        matmul(m, k, n, a, b, out);
+    };
+    let small = m * n * k < 48 * 48 * 48;
+    if small && batch > 1 && batch * m * n * k >= 1 << 18 {
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(i, o)| one(i, o));
+    } else {
+        for (i, o) in out.chunks_exact_mut(m * n).enumerate() {
+            one(i, o);
+        }
     }
 }
 

@@ -2,9 +2,11 @@
 
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
+pub(crate) mod nn;
 pub(crate) mod num;
 pub(crate) mod random;
 pub(crate) mod reduce;
+pub(crate) mod shape;
 
 /// Below this many elements a kernel runs on the calling thread: splitting costs more than it
 /// saves (a task hand-off is a few microseconds; 32 Ki f32 adds take about as long).

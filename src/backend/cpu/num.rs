@@ -15,6 +15,11 @@ pub(crate) trait Num: Element {
     fn neg(self) -> Self;
     fn abs(self) -> Self;
     fn is_zero(self) -> bool;
+    /// `true` for a float NaN; never for integers.
+    fn is_nan(self) -> bool;
+    /// As `i64`: exact for every integer (unlike going through `f64`, which rounds `i64` values
+    /// beyond 2^53); floats truncate toward zero and saturate.
+    fn to_i64(self) -> i64;
     /// `self` raised to a float power (integers through f64, rounded toward zero).
     fn pow_f64(self, exponent: f64) -> Self;
 }
@@ -71,6 +76,14 @@ macro_rules! int_num {
             #[inline(always)]
             fn is_zero(self) -> bool {
                 self == 0
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                false
+            }
+            #[inline(always)]
+            fn to_i64(self) -> i64 {
+                self as i64
             }
             #[inline(always)]
             fn pow_f64(self, exponent: f64) -> Self {
@@ -130,6 +143,14 @@ macro_rules! float_num {
             #[inline(always)]
             fn is_zero(self) -> bool {
                 self == 0.0
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+            #[inline(always)]
+            fn to_i64(self) -> i64 {
+                self as i64
             }
             #[inline(always)]
             fn pow_f64(self, exponent: f64) -> Self {

@@ -1,8 +1,15 @@
 //! Reductions. Float sums accumulate in eight lanes per 4096-element block (vectorised), blocks
 //! are combined in f64, and large inputs are split across the pool; integer sums wrap in i64.
+//!
+//! Reductions over axes see the input as `[outer, n, inner]` (the reduced axis between the kept
+//! ones): `inner == 1` is a reduction of contiguous rows (the last axis), `outer == 1` one of
+//! whole rows into a row of accumulators (the first axis). Several reduced axes are folded one
+//! group at a time, last first. Work is split across the pool by outer rows when there are
+//! enough of them, else by columns or by slices of the reduced axis.
 
 use rayon::prelude::*;
 
+use super::num::Num;
 use super::{chunk_len, PAR_MIN};
 use crate::Element;
 
@@ -47,15 +54,359 @@ pub(crate) fn sum_float<T: Element>(x: &[T]) -> f64 {
         .sum()
 }
 
-/// The wrapping sum of an integer slice, in i64.
-pub(crate) fn sum_int<T: Element>(x: &[T]) -> i64 {
-    let int = |v: T| v.to_f64() as i64;
+/// The wrapping sum of an integer slice, in i64 (exact: elements convert with
+/// [`Num::to_i64`], not through f64).
+pub(crate) fn sum_int<T: Num>(x: &[T]) -> i64 {
+    let int = |v: T| v.to_i64();
     if x.len() < PAR_MIN {
         return x.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v)));
     }
     x.par_chunks(chunk_len(x.len()))
         .map(|c| c.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v))))
         .reduce(|| 0, i64::wrapping_add)
+}
+
+/// Columns per tile of a column fold: the tile of accumulators stays in L1.
+const COLUMN_TILE: usize = 512;
+
+/// Folds a non-empty row with eight independent accumulators (so sums vectorise), then combines
+/// the lanes pairwise.
+#[inline]
+fn fold_row<T, A, C, F>(row: &[T], conv: &C, comb: &F) -> A
+where
+    T: Copy,
+    A: Copy,
+    C: Fn(T) -> A,
+    F: Fn(A, A) -> A,
+{
+    debug_assert!(!row.is_empty());
+    if row.len() < 16 {
+        return row[1..]
+            .iter()
+            .fold(conv(row[0]), |acc, &v| comb(acc, conv(v)));
+    }
+    let mut lanes: [A; 8] = std::array::from_fn(|l| conv(row[l]));
+    let mut chunks = row[8..].chunks_exact(8);
+    for c in &mut chunks {
+        for (lane, &v) in lanes.iter_mut().zip(c) {
+            *lane = comb(*lane, conv(v));
+        }
+    }
+    let [l0, l1, l2, l3, l4, l5, l6, l7] = lanes;
+    let mut acc = comb(
+        comb(comb(l0, l1), comb(l2, l3)),
+        comb(comb(l4, l5), comb(l6, l7)),
+    );
+    for &v in chunks.remainder() {
+        acc = comb(acc, conv(v));
+    }
+    acc
+}
+
+/// Folds the `n` rows of `x` (`[n, width]`, `width == out.len()`) into `out`, column by column,
+/// in tiles so the accumulators stay in cache.
+fn fold_columns<T, A, C, F>(x: &[T], n: usize, width: usize, out: &mut [A], conv: &C, comb: &F)
+where
+    T: Copy,
+    A: Copy,
+    C: Fn(T) -> A,
+    F: Fn(A, A) -> A,
+{
+    fold_column_range(x, n, width, 0, out, conv, comb);
+}
+
+/// Like [`fold_columns`] for columns `[first, first + out.len())` of the `[n, width]` block `x`.
+fn fold_column_range<T, A, C, F>(
+    x: &[T],
+    n: usize,
+    width: usize,
+    first: usize,
+    out: &mut [A],
+    conv: &C,
+    comb: &F,
+) where
+    T: Copy,
+    A: Copy,
+    C: Fn(T) -> A,
+    F: Fn(A, A) -> A,
+{
+    debug_assert!(n >= 1 && x.len() == n * width && first + out.len() <= width);
+    let mut start = 0;
+    for tile in out.chunks_mut(COLUMN_TILE) {
+        let (col, len) = (first + start, tile.len());
+        for (o, &v) in tile.iter_mut().zip(&x[col..col + len]) {
+            *o = conv(v);
+        }
+        for i in 1..n {
+            let row = &x[i * width + col..i * width + col + len];
+            for (o, &v) in tile.iter_mut().zip(row) {
+                *o = comb(*o, conv(v));
+            }
+        }
+        start += len;
+    }
+}
+
+/// Folds `[outer, n, inner]` blocks of `x` (each `n * inner` long) into `out` (`[outer, inner]`)
+/// on the calling thread.
+fn fold_blocks<T, A, C, F>(x: &[T], n: usize, inner: usize, out: &mut [A], conv: &C, comb: &F)
+where
+    T: Copy,
+    A: Copy,
+    C: Fn(T) -> A,
+    F: Fn(A, A) -> A,
+{
+    if inner == 1 {
+        for (o, row) in out.iter_mut().zip(x.chunks_exact(n)) {
+            *o = fold_row(row, conv, comb);
+        }
+    } else {
+        for (o, block) in out.chunks_exact_mut(inner).zip(x.chunks_exact(n * inner)) {
+            fold_columns(block, n, inner, o, conv, comb);
+        }
+    }
+}
+
+/// `out[o, j] = fold(conv(x[o, 0, j]), conv(x[o, 1, j]), …)` with `comb`, for `x` seen as
+/// `[outer, n, inner]` with `n ≥ 1` and `out` as `[outer, inner]`. Parallel for large inputs.
+pub(crate) fn fold_axis<T, A, C, F>(
+    x: &[T],
+    outer: usize,
+    n: usize,
+    inner: usize,
+    out: &mut [A],
+    conv: &C,
+    comb: &F,
+) where
+    T: Copy + Send + Sync,
+    A: Copy + Send + Sync,
+    C: Fn(T) -> A + Sync,
+    F: Fn(A, A) -> A + Sync,
+{
+    debug_assert!(n >= 1 && x.len() == outer * n * inner && out.len() == outer * inner);
+    if out.is_empty() {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if x.len() < PAR_MIN || threads < 2 {
+        return fold_blocks(x, n, inner, out, conv, comb);
+    }
+    let block = n * inner;
+    if outer >= threads {
+        let per_task = chunk_len(x.len()).div_ceil(block).max(1);
+        out.par_chunks_mut(per_task * inner)
+            .zip(x.par_chunks(per_task * block))
+            .for_each(|(o, x)| fold_blocks(x, n, inner, o, conv, comb));
+        return;
+    }
+    // Few outer blocks, each large: split each one.
+    let task_len = chunk_len(block);
+    for (x, out) in x.chunks_exact(block).zip(out.chunks_exact_mut(inner)) {
+        if inner >= n && inner > COLUMN_TILE {
+            // Wide: split the columns.
+            let cols = task_len.div_ceil(n).max(COLUMN_TILE);
+            out.par_chunks_mut(cols)
+                .enumerate()
+                .for_each(|(t, o)| fold_column_range(x, n, inner, t * cols, o, conv, comb));
+        } else {
+            // Tall: fold slices of the reduced axis into partial rows, then combine them in
+            // order (the same order a sequential fold would use).
+            let rows = task_len.div_ceil(inner).max(1);
+            let partials: Vec<Vec<A>> = x
+                .par_chunks(rows * inner)
+                .map(|x| {
+                    let mut part = Vec::with_capacity(inner);
+                    let first = conv(x[0]);
+                    part.resize(inner, first);
+                    fold_blocks(x, x.len() / inner, inner, &mut part, conv, comb);
+                    part
+                })
+                .collect();
+            let mut parts = partials.into_iter();
+            if let Some(first) = parts.next() {
+                out.copy_from_slice(&first);
+            }
+            for part in parts {
+                for (o, p) in out.iter_mut().zip(part) {
+                    *o = comb(*o, p);
+                }
+            }
+        }
+    }
+}
+
+/// Folds the axes of `x` (shape `dims`) marked in `reduced`, writing the kept axes, in order, to
+/// `out`. An empty reduction (a reduced axis of size 0) writes `empty`.
+///
+/// Size-1 axes are ignored and adjacent axes of the same kind merged, so a reduction is one
+/// [`fold_axis`] per run of reduced axes (a sum over the last or first axis of a contiguous
+/// array is a single pass). Later passes fold the accumulators with `comb`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fold_axes<T, A, C, F>(
+    x: &[T],
+    dims: &[usize],
+    reduced: &[bool],
+    out: &mut [A],
+    empty: A,
+    conv: &C,
+    comb: &F,
+) where
+    T: Copy + Send + Sync,
+    A: Copy + Send + Sync,
+    C: Fn(T) -> A + Sync,
+    F: Fn(A, A) -> A + Sync,
+{
+    debug_assert_eq!(dims.len(), reduced.len());
+    if out.is_empty() {
+        return;
+    }
+    if x.is_empty() {
+        out.fill(empty);
+        return;
+    }
+    let mut groups: Vec<(usize, bool)> = Vec::with_capacity(dims.len());
+    for (&d, &r) in dims.iter().zip(reduced) {
+        push_group(&mut groups, d, r);
+    }
+    let Some(last) = groups.iter().rposition(|g| g.1) else {
+        // Every reduced axis has size 1: nothing to combine.
+        super::elementwise::map(x, out, conv);
+        return;
+    };
+    let split = |groups: &[(usize, bool)], at: usize| {
+        let outer: usize = groups[..at].iter().map(|g| g.0).product();
+        let inner: usize = groups[at + 1..].iter().map(|g| g.0).product();
+        (outer, groups[at].0, inner)
+    };
+    let (outer, n, inner) = split(&groups, last);
+    if !groups[..last].iter().any(|g| g.1) {
+        return fold_axis(x, outer, n, inner, out, conv, comb);
+    }
+    let mut acc = vec![empty; outer * inner];
+    fold_axis(x, outer, n, inner, &mut acc, conv, comb);
+    let mut groups = remove_group(&groups, last);
+    let identity = |v: A| v;
+    while let Some(last) = groups.iter().rposition(|g| g.1) {
+        let (outer, n, inner) = split(&groups, last);
+        if !groups[..last].iter().any(|g| g.1) {
+            return fold_axis(&acc, outer, n, inner, out, &identity, comb);
+        }
+        let mut next = vec![empty; outer * inner];
+        fold_axis(&acc, outer, n, inner, &mut next, &identity, comb);
+        acc = next;
+        groups = remove_group(&groups, last);
+    }
+    // Not reached: the loop returns at the first reduced group.
+    out.copy_from_slice(&acc);
+}
+
+fn push_group(groups: &mut Vec<(usize, bool)>, size: usize, reduced: bool) {
+    if size == 1 {
+        return;
+    }
+    match groups.last_mut() {
+        Some((n, r)) if *r == reduced => *n *= size,
+        _ => groups.push((size, reduced)),
+    }
+}
+
+fn remove_group(groups: &[(usize, bool)], at: usize) -> Vec<(usize, bool)> {
+    let mut merged = Vec::with_capacity(groups.len());
+    for (i, &(size, reduced)) in groups.iter().enumerate() {
+        if i != at {
+            push_group(&mut merged, size, reduced);
+        }
+    }
+    merged
+}
+
+/// Whether `v` beats the best so far for `argmax`: larger, or the first NaN (NaN is the
+/// maximum, as in PyTorch). Ties keep the earlier index.
+#[inline(always)]
+fn beats<T: Num>(v: T, best: T) -> bool {
+    v > best || (v.is_nan() && !best.is_nan())
+}
+
+/// The index of the maximum of a non-empty row (first on ties; first NaN if any).
+fn argmax_row<T: Num>(row: &[T]) -> (T, usize) {
+    let mut best = (row[0], 0);
+    for (i, &v) in row.iter().enumerate().skip(1) {
+        if beats(v, best.0) {
+            best = (v, i);
+        }
+    }
+    best
+}
+
+/// `argmax` over the `n` rows of a `[n, width]` block, into `out` (`width` long).
+fn argmax_columns<T: Num>(x: &[T], n: usize, width: usize, out: &mut [i64]) {
+    let mut best: Vec<T> = x[..width].to_vec();
+    out.fill(0);
+    for i in 1..n {
+        let row = &x[i * width..(i + 1) * width];
+        for ((b, o), &v) in best.iter_mut().zip(out.iter_mut()).zip(row) {
+            if beats(v, *b) {
+                *b = v;
+                *o = i as i64;
+            }
+        }
+    }
+}
+
+fn argmax_blocks<T: Num>(x: &[T], n: usize, inner: usize, out: &mut [i64]) {
+    if inner == 1 {
+        for (o, row) in out.iter_mut().zip(x.chunks_exact(n)) {
+            *o = argmax_row(row).1 as i64;
+        }
+    } else {
+        for (o, block) in out.chunks_exact_mut(inner).zip(x.chunks_exact(n * inner)) {
+            argmax_columns(block, n, inner, o);
+        }
+    }
+}
+
+/// `out[o, j]` = the index along the middle axis of the maximum of `x` seen as
+/// `[outer, n, inner]`, `n ≥ 1` (first on ties; the first NaN if any). Parallel for large inputs.
+pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize, out: &mut [i64]) {
+    debug_assert!(n >= 1 && x.len() == outer * n * inner && out.len() == outer * inner);
+    if out.is_empty() {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    if x.len() < PAR_MIN || threads < 2 {
+        return argmax_blocks(x, n, inner, out);
+    }
+    let block = n * inner;
+    if outer >= threads {
+        let per_task = chunk_len(x.len()).div_ceil(block).max(1);
+        out.par_chunks_mut(per_task * inner)
+            .zip(x.par_chunks(per_task * block))
+            .for_each(|(o, x)| argmax_blocks(x, n, inner, o));
+        return;
+    }
+    for (x, out) in x.chunks_exact(block).zip(out.chunks_exact_mut(inner)) {
+        if inner == 1 {
+            // One long row: the best of each slice, then the best of those (earliest on ties).
+            let len = chunk_len(n);
+            let bests: Vec<(T, usize)> = x
+                .par_chunks(len)
+                .enumerate()
+                .map(|(t, s)| {
+                    let (v, i) = argmax_row(s);
+                    (v, t * len + i)
+                })
+                .collect();
+            let mut best = bests[0];
+            for &(v, i) in &bests[1..] {
+                if beats(v, best.0) {
+                    best = (v, i);
+                }
+            }
+            out[0] = best.1 as i64;
+        } else {
+            argmax_columns(x, n, inner, out);
+        }
+    }
 }
 
 #[cfg(test)]

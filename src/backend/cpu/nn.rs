@@ -1,0 +1,155 @@
+//! Neural-network kernels: softmax and log-softmax (numerically stable: the maximum is
+//! subtracted first), one-hot encoding and gathering one element per position (`pick`).
+
+use rayon::prelude::*;
+
+use super::num::{Float, Num};
+use super::{chunk_len, PAR_MIN};
+use crate::Element;
+
+/// Softmax (or log-softmax with `log`) along the middle axis of `x` seen as `[outer, n, inner]`.
+/// Sums accumulate in f64. Parallel over outer blocks for large inputs.
+pub(crate) fn softmax<T: Float>(
+    x: &[T],
+    outer: usize,
+    n: usize,
+    inner: usize,
+    out: &mut [T],
+    log: bool,
+) {
+    debug_assert!(x.len() == outer * n * inner && out.len() == x.len());
+    let block = n * inner;
+    if block == 0 || outer == 0 {
+        return;
+    }
+    let run = |x: &[T], out: &mut [T]| {
+        for (x, out) in x.chunks_exact(block).zip(out.chunks_exact_mut(block)) {
+            if inner == 1 {
+                softmax_row(x, out, log);
+            } else {
+                softmax_columns(x, inner, out, log);
+            }
+        }
+    };
+    if x.len() < PAR_MIN || outer < 2 {
+        return run(x, out);
+    }
+    let per_task = chunk_len(x.len()).div_ceil(block).max(1);
+    out.par_chunks_mut(per_task * block)
+        .zip(x.par_chunks(per_task * block))
+        .for_each(|(o, x)| run(x, o));
+}
+
+fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {
+    let max = x[1..].iter().fold(x[0], |m, &v| m.max_nan(v));
+    if log {
+        let sum: f64 = x.iter().map(|&v| v.sub(max).exp().to_f64()).sum();
+        let shift = max.add(T::from_f64(sum.ln()));
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = v.sub(shift);
+        }
+    } else {
+        let mut sum = 0.0f64;
+        for (o, &v) in out.iter_mut().zip(x) {
+            let e = v.sub(max).exp();
+            *o = e;
+            sum += e.to_f64();
+        }
+        let scale = T::from_f64(1.0 / sum);
+        for o in out.iter_mut() {
+            *o = o.mul(scale);
+        }
+    }
+}
+
+/// Softmax down the columns of a `[n, width]` block.
+fn softmax_columns<T: Float>(x: &[T], width: usize, out: &mut [T], log: bool) {
+    let mut max: Vec<T> = x[..width].to_vec();
+    for row in x.chunks_exact(width).skip(1) {
+        for (m, &v) in max.iter_mut().zip(row) {
+            *m = m.max_nan(v);
+        }
+    }
+    let mut sum = vec![0.0f64; width];
+    for (orow, row) in out.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+        for (((o, &v), &m), s) in orow.iter_mut().zip(row).zip(&max).zip(&mut sum) {
+            let e = v.sub(m).exp();
+            *s += e.to_f64();
+            if !log {
+                *o = e;
+            }
+        }
+    }
+    if log {
+        let shift: Vec<T> = max
+            .iter()
+            .zip(&sum)
+            .map(|(&m, &s)| m.add(T::from_f64(s.ln())))
+            .collect();
+        for (orow, row) in out.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+            for ((o, &v), &c) in orow.iter_mut().zip(row).zip(&shift) {
+                *o = v.sub(c);
+            }
+        }
+    } else {
+        let scale: Vec<T> = sum.iter().map(|&s| T::from_f64(1.0 / s)).collect();
+        for orow in out.chunks_exact_mut(width) {
+            for (o, &c) in orow.iter_mut().zip(&scale) {
+                *o = o.mul(c);
+            }
+        }
+    }
+}
+
+/// An index as `i64` (exact for `i32`/`u8`; `i64` values beyond 2^53 round but stay far out of
+/// any valid range).
+#[inline(always)]
+fn index<I: Element>(v: I) -> i64 {
+    v.to_f64() as i64
+}
+
+/// The position and value of the first index not in `0..bound`, if any.
+pub(crate) fn first_out_of_range<I: Element>(indices: &[I], bound: usize) -> Option<(usize, i64)> {
+    indices.iter().enumerate().find_map(|(p, &v)| {
+        let i = index(v);
+        (i < 0 || i as u64 >= bound as u64).then_some((p, i))
+    })
+}
+
+/// `out[p, indices[p]] = 1`, zeros elsewhere, for `out` of `[indices.len(), depth]`. Every
+/// index must be in `0..depth` (checked by the caller; an index outside is skipped).
+pub(crate) fn one_hot<I: Element, T: Element>(indices: &[I], depth: usize, out: &mut [T]) {
+    out.fill(T::ZERO);
+    if depth == 0 {
+        return;
+    }
+    for (row, &v) in out.chunks_exact_mut(depth).zip(indices) {
+        if let Some(slot) = usize::try_from(index(v)).ok().and_then(|i| row.get_mut(i)) {
+            *slot = T::ONE;
+        }
+    }
+}
+
+/// `out[o, j] = x[o, indices[o, j], j]` for `x` seen as `[outer, n, inner]` and `indices`/`out`
+/// as `[outer, inner]`. Every index must be in `0..n` (checked by the caller; an index outside
+/// gives zero).
+pub(crate) fn pick<T: Num, I: Element>(
+    x: &[T],
+    n: usize,
+    inner: usize,
+    indices: &[I],
+    out: &mut [T],
+) {
+    if inner == 0 {
+        return;
+    }
+    for (p, (o, &v)) in out.iter_mut().zip(indices).enumerate() {
+        let (outer, j) = (p / inner, p % inner);
+        *o = usize::try_from(index(v))
+            .ok()
+            .filter(|&i| i < n)
+            .and_then(|i| x.get((outer * n + i) * inner + j))
+            .copied()
+            .unwrap_or(T::ZERO);
+    }
+}

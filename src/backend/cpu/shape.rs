@@ -1,0 +1,332 @@
+//! Copies that rearrange elements: transposes (cache-blocked), general permutations, and the
+//! block copies behind `narrow`, `concat` and `stack`.
+//!
+//! Copies that only move whole runs of bytes work on bytes, so they are compiled once; the
+//! ones that move single elements are generic over the element type.
+
+use rayon::prelude::*;
+
+use super::{chunk_len, PAR_MIN};
+
+/// Side of a transpose tile: a 32 × 32 tile of up to 8-byte elements is 8 KiB, in L1.
+const TILE: usize = 32;
+
+/// `dst[d0 + a·d_a + b] = src[s0 + a + b·s_b]` for `a < na`, `b < nb`: a strided 2-D transpose.
+///
+/// Each tile is read row by row from `src` into a small contiguous buffer (transposing there)
+/// and written row by row to `dst`, so every cache line of `src` and `dst` is touched in one
+/// burst. Scattering straight into `dst` instead thrashes the cache when the row stride is a
+/// power of two (1024 × 1024 f32: every row of a tile maps to the same cache set).
+#[allow(clippy::too_many_arguments)]
+fn transpose_tiles<T: Copy + Default>(
+    src: &[T],
+    s0: usize,
+    s_b: usize,
+    na: usize,
+    nb: usize,
+    dst: &mut [T],
+    d0: usize,
+    d_a: usize,
+) {
+    let mut buf = [[T::default(); TILE]; TILE];
+    for ab in (0..na).step_by(TILE) {
+        let h = TILE.min(na - ab);
+        for bb in (0..nb).step_by(TILE) {
+            let w = TILE.min(nb - bb);
+            if h == TILE && w == TILE {
+                // Full tile: constant bounds, so the copies unroll without bounds checks.
+                for (b, column) in (0..TILE).map(|b| (b, s0 + (bb + b) * s_b + ab)) {
+                    let row: &[T] = &src[column..column + TILE];
+                    for (line, &v) in buf.iter_mut().zip(row) {
+                        line[b] = v;
+                    }
+                }
+                for (a, line) in buf.iter().enumerate() {
+                    let to = d0 + (ab + a) * d_a + bb;
+                    dst[to..to + TILE].copy_from_slice(line);
+                }
+                continue;
+            }
+            for b in 0..w {
+                let from = s0 + (bb + b) * s_b + ab;
+                for (line, &v) in buf.iter_mut().zip(&src[from..from + h]) {
+                    line[b] = v;
+                }
+            }
+            for (a, line) in buf.iter().enumerate().take(h) {
+                let to = d0 + (ab + a) * d_a + bb;
+                dst[to..to + w].copy_from_slice(&line[..w]);
+            }
+        }
+    }
+}
+
+/// `dst[j, i] = src[i, j]` for `src` of `rows × cols` (row-major) and `dst` of `cols × rows`.
+/// Cache-blocked (see [`transpose_tiles`]); parallel over destination rows for large matrices.
+pub(crate) fn transpose<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    rows: usize,
+    cols: usize,
+    dst: &mut [T],
+) {
+    debug_assert!(src.len() == rows * cols && dst.len() == rows * cols);
+    if dst.is_empty() {
+        return;
+    }
+    if rows == 1 || cols == 1 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    if dst.len() < PAR_MIN || rayon::current_num_threads() < 2 {
+        return transpose_tiles(src, 0, cols, cols, rows, dst, 0, rows);
+    }
+    // Whole tiles of destination rows per task.
+    let per_task = chunk_len(dst.len()).div_ceil(rows).next_multiple_of(TILE);
+    dst.par_chunks_mut(per_task * rows)
+        .enumerate()
+        .for_each(|(t, d)| {
+            let count = d.len() / rows;
+            transpose_tiles(src, t * per_task, cols, count, rows, d, 0, rows);
+        });
+}
+
+/// The permutation `perm` of `src` (shape `dims`, row-major) into `dst`: output axis `k` is
+/// input axis `perm[k]`.
+///
+/// Axes of size 1 are dropped and output axes that stay adjacent in the input merged. Then an
+/// identity is one copy, a 2-D transpose uses [`transpose`], a permutation that keeps the last
+/// axis copies whole rows, and any other is a set of strided 2-D transposes between the output
+/// axis that is contiguous in the input and the last output axis.
+pub(crate) fn permute<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    dims: &[usize],
+    perm: &[usize],
+    dst: &mut [T],
+) {
+    debug_assert!(dims.len() == perm.len() && src.len() == dst.len());
+    if dst.is_empty() {
+        return;
+    }
+    let in_strides = strides(dims);
+    // (size, input stride) per output axis, merged.
+    let mut axes: Vec<(usize, usize)> = Vec::with_capacity(dims.len());
+    for &p in perm {
+        let (size, stride) = (dims[p], in_strides[p]);
+        if size == 1 {
+            continue;
+        }
+        match axes.last_mut() {
+            Some(last) if last.1 == stride * size => *last = (last.0 * size, stride),
+            _ => axes.push((size, stride)),
+        }
+    }
+    match axes.as_slice() {
+        [] | [_] => dst.copy_from_slice(src),
+        // Output [a, b] reading input [b, a]: a transpose.
+        &[(a, 1), (b, s)] if s == a => transpose(src, b, a, dst),
+        [.., (_, 1)] => gather_rows(src, &axes, dst),
+        _ => gather_tiled(src, &axes, dst),
+    }
+}
+
+/// Row-major strides of `dims`, in elements.
+fn strides(dims: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    strides
+}
+
+/// `dst` in row-major order of `axes` (size, source stride), read from `src`, whose last axis
+/// is contiguous in `src`: whole rows are copied.
+fn gather_rows<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
+    let Some(&(inner, inner_stride)) = axes.last() else {
+        dst.copy_from_slice(src);
+        return;
+    };
+    debug_assert_eq!(inner_stride, 1);
+    let outer = &axes[..axes.len() - 1];
+    let run = |first_row: usize, dst: &mut [T]| {
+        // Odometer over the outer axes, starting at `first_row`.
+        let mut index = vec![0; outer.len()];
+        let mut offset = 0;
+        let mut rest = first_row;
+        for (k, &(size, stride)) in outer.iter().enumerate().rev() {
+            index[k] = rest % size;
+            rest /= size;
+            offset += index[k] * stride;
+        }
+        for row in dst.chunks_exact_mut(inner) {
+            row.copy_from_slice(&src[offset..offset + inner]);
+            for (k, &(size, stride)) in outer.iter().enumerate().rev() {
+                index[k] += 1;
+                offset += stride;
+                if index[k] < size {
+                    break;
+                }
+                index[k] = 0;
+                offset -= stride * size;
+            }
+        }
+    };
+    if dst.len() < PAR_MIN || dst.len() / inner < 2 {
+        return run(0, dst);
+    }
+    let rows_per_task = chunk_len(dst.len()).div_ceil(inner).max(1);
+    dst.par_chunks_mut(rows_per_task * inner)
+        .enumerate()
+        .for_each(|(t, d)| run(t * rows_per_task, d));
+}
+
+/// The offset in `src` of row-major index `flat` over `axes` (size, source stride).
+fn offset_of(mut flat: usize, axes: &[(usize, usize)]) -> usize {
+    let mut offset = 0;
+    for &(size, stride) in axes.iter().rev() {
+        offset += (flat % size) * stride;
+        flat /= size;
+    }
+    offset
+}
+
+/// `dst` in row-major order of `axes` (size, source stride), read from `src`, when the last
+/// axis is not contiguous in `src`. Output axis `p` is (the input's last axis is never dropped
+/// or merged away), so for every index of the axes before `p` (a contiguous region of `dst`,
+/// split across the pool) and every index of the axes between `p` and the last, the
+/// `axes[p] × axes[last]` block is a strided 2-D transpose.
+fn gather_tiled<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    axes: &[(usize, usize)],
+    dst: &mut [T],
+) {
+    let last = axes.len() - 1;
+    let Some(p) = axes.iter().position(|a| a.1 == 1) else {
+        // Not reached for a permutation of a contiguous array; kept total for safety.
+        return gather_elements(src, axes, dst);
+    };
+    let (na, (nb, s_b)) = (axes[p].0, axes[last]);
+    let outer = &axes[..p];
+    let middle = &axes[p + 1..last];
+    let middle_count: usize = middle.iter().map(|a| a.0).product();
+    let region = na * middle_count * nb;
+    let run = |first: usize, dst: &mut [T]| {
+        for (k, region_dst) in dst.chunks_exact_mut(region).enumerate() {
+            let base = offset_of(first + k, outer);
+            for mi in 0..middle_count {
+                let s0 = base + offset_of(mi, middle);
+                transpose_tiles(src, s0, s_b, na, nb, region_dst, mi * nb, middle_count * nb);
+            }
+        }
+    };
+    let regions = dst.len() / region;
+    if dst.len() < PAR_MIN || regions < 2 {
+        return run(0, dst);
+    }
+    let per_task = chunk_len(dst.len()).div_ceil(region).max(1);
+    dst.par_chunks_mut(per_task * region)
+        .enumerate()
+        .for_each(|(t, d)| run(t * per_task, d));
+}
+
+/// `dst` in row-major order of `axes`, one element at a time.
+fn gather_elements<T: Copy>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
+    for (flat, o) in dst.iter_mut().enumerate() {
+        *o = src[offset_of(flat, axes)];
+    }
+}
+
+/// For `src` seen as `[outer, n, inner]` (bytes), copies `[outer, start..start + len, inner]`
+/// into `dst`. `inner` is in bytes.
+pub(crate) fn narrow(
+    src: &[u8],
+    outer: usize,
+    n: usize,
+    inner: usize,
+    start: usize,
+    dst: &mut [u8],
+) {
+    let len = dst.len().checked_div(outer * inner).unwrap_or(0);
+    if len == 0 {
+        return;
+    }
+    for (o, d) in dst.chunks_exact_mut(len * inner).enumerate() {
+        let from = (o * n + start) * inner;
+        d.copy_from_slice(&src[from..from + len * inner]);
+    }
+}
+
+/// Concatenates, for each of `outer` rows, the row of every source: row `o` of `dst` is
+/// `srcs[0][o] ++ srcs[1][o] ++ …`, where row `o` of `srcs[k]` is the `row_bytes[k]` bytes at
+/// `o * row_bytes[k]`. `concat` and `stack` are both this copy.
+pub(crate) fn interleave(srcs: &[&[u8]], row_bytes: &[usize], outer: usize, dst: &mut [u8]) {
+    let total: usize = row_bytes.iter().sum();
+    if total == 0 || outer == 0 {
+        return;
+    }
+    let run = |first: usize, dst: &mut [u8]| {
+        for (o, d) in dst.chunks_exact_mut(total).enumerate() {
+            let o = first + o;
+            let mut at = 0;
+            for (src, &len) in srcs.iter().zip(row_bytes) {
+                d[at..at + len].copy_from_slice(&src[o * len..(o + 1) * len]);
+                at += len;
+            }
+        }
+    };
+    if dst.len() < PAR_MIN * 4 || outer < 2 {
+        return run(0, dst);
+    }
+    let rows_per_task = (chunk_len(dst.len() / 4) * 4).div_ceil(total).max(1);
+    dst.par_chunks_mut(rows_per_task * total)
+        .enumerate()
+        .for_each(|(t, d)| run(t * rows_per_task, d));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference_permute(src: &[u32], dims: &[usize], perm: &[usize]) -> Vec<u32> {
+        let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+        let st = strides(dims);
+        let n: usize = dims.iter().product();
+        (0..n)
+            .map(|flat| {
+                let mut rest = flat;
+                let mut offset = 0;
+                for k in (0..out_dims.len()).rev() {
+                    offset += (rest % out_dims[k]) * st[perm[k]];
+                    rest /= out_dims[k];
+                }
+                src[offset]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn permutations_match_the_index_formula() {
+        let cases: &[(&[usize], &[usize])] = &[
+            (&[3, 5], &[1, 0]),
+            (&[1, 7], &[1, 0]),
+            (&[2, 3, 4], &[0, 2, 1]),
+            (&[2, 3, 4], &[2, 0, 1]),
+            (&[2, 3, 4], &[1, 0, 2]),
+            (&[2, 1, 4, 3], &[3, 1, 0, 2]),
+            (&[300, 257], &[1, 0]),
+            (&[4, 90, 130], &[0, 2, 1]),
+            (&[40, 30, 50], &[2, 1, 0]),
+            (&[40, 30, 50], &[1, 0, 2]),
+        ];
+        for &(dims, perm) in cases {
+            let n: usize = dims.iter().product();
+            let src: Vec<u32> = (0..n as u32).collect();
+            let mut dst = vec![0; n];
+            permute(&src, dims, perm, &mut dst);
+            assert_eq!(
+                dst,
+                reference_permute(&src, dims, perm),
+                "{dims:?} {perm:?}"
+            );
+        }
+    }
+}

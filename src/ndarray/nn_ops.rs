@@ -1,0 +1,268 @@
+//! Matrix products and the neural-network ops: `matmul` (2-D and batched 3-D), `softmax`,
+//! `log_softmax`, `one_hot` and `pick`.
+
+use crate::backend::cpu::matmul::{matmul, matmul_batched, Batched};
+use crate::backend::cpu::nn;
+use crate::dtype::dispatch;
+use crate::error::Ctx;
+use crate::{DType, Element, NDArray, Result, Shape};
+
+use super::exec;
+use super::ops::{check_device, check_same, normalize_axis};
+use super::reduce_ops::split_at_axis;
+
+/// `true` for the dtypes that can hold indices.
+fn is_index_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::I32 | DType::I64 | DType::U8)
+}
+
+impl NDArray {
+    /// The matrix product. Shapes:
+    /// - `[m, k] · [k, n] → [m, n]`;
+    /// - `[b, m, k] · [b, k, n] → [b, m, n]` (one product per batch entry);
+    /// - `[b, m, k] · [k, n] → [b, m, n]` (the right operand shared by the batch);
+    /// - `[m, k] · [b, k, n] → [b, m, n]` (the left operand shared).
+    ///
+    /// Both operands must have one dtype and device. Floats use `gemm`; integers wrap. Other
+    /// ranks, inner dimensions that differ or batch sizes that differ give `ShapeMismatch`.
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let x = m.from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], [2, 2, 2])?;
+    /// let w = m.from_slice(&[1.0f32, 0.0, 0.0, 2.0], [2, 2])?;
+    /// let y = x.matmul(&w)?;
+    /// assert_eq!(y.dims(), &[2, 2, 2]);
+    /// assert_eq!(y.to_vec::<f32>()?, vec![1.0, 4.0, 3.0, 8.0, 5.0, 12.0, 7.0, 16.0]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn matmul(&self, other: &NDArray) -> Result<NDArray> {
+        let ctx = Ctx::new("matmul");
+        check_same(&ctx, self, other)?;
+        let (batch, which, m, k, k2, n) = match (self.dims(), other.dims()) {
+            (&[m, k], &[k2, n]) => (None, Batched::Left, m, k, k2, n),
+            (&[b, m, k], &[b2, k2, n]) => {
+                if b != b2 {
+                    return Err(ctx.shape(format!(
+                        "matmul of {} and {}: batch sizes {b} and {b2} differ",
+                        self.shape(),
+                        other.shape()
+                    )));
+                }
+                (Some(b), Batched::Both, m, k, k2, n)
+            }
+            (&[b, m, k], &[k2, n]) => (Some(b), Batched::Left, m, k, k2, n),
+            (&[m, k], &[b, k2, n]) => (Some(b), Batched::Right, m, k, k2, n),
+            _ => {
+                return Err(ctx.shape(format!(
+                    "matmul needs 2-D or 3-D (batched) operands, got {} and {}",
+                    self.shape(),
+                    other.shape()
+                )))
+            }
+        };
+        if k != k2 {
+            return Err(ctx.shape(format!(
+                "matmul of {} and {}: inner dimensions {k} and {k2} differ",
+                self.shape(),
+                other.shape()
+            )));
+        }
+        let shape = match batch {
+            None => Shape::new(&[m, n]),
+            Some(b) => Shape::new(&[b, m, n]),
+        };
+        let dtype = self.dtype();
+        exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
+            dispatch!(dtype, T => {
+                let (a, b, out) = (a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>());
+                match batch {
+                    None => matmul(m, k, n, a, b, out),
+                    Some(batch) => matmul_batched(which, batch, m, k, n, a, b, out),
+                }
+            });
+            Ok(())
+        })
+    }
+
+    fn softmax_impl(&self, ctx: Ctx, axis: isize, log: bool) -> Result<NDArray> {
+        let dtype = self.dtype();
+        if !dtype.is_float() {
+            return Err(self.dtype_error(&ctx, "f32 or f64"));
+        }
+        let index = normalize_axis(&ctx, axis, self.shape())?;
+        let (outer, n, inner) = split_at_axis(self.dims(), index);
+        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
+            match dtype {
+                DType::F32 => nn::softmax(
+                    a.as_slice::<f32>(),
+                    outer,
+                    n,
+                    inner,
+                    out.as_mut_slice(),
+                    log,
+                ),
+                _ => nn::softmax(
+                    a.as_slice::<f64>(),
+                    outer,
+                    n,
+                    inner,
+                    out.as_mut_slice(),
+                    log,
+                ),
+            }
+            Ok(())
+        })
+    }
+
+    /// `exp(x) / sum(exp(x))` along `axis` (negative counts from the end), for floats.
+    /// Numerically stable: the maximum along the axis is subtracted first, so large inputs do
+    /// not overflow.
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let p = m.from_slice(&[1000.0f64, 1000.0], [1, 2])?.softmax(-1)?;
+    /// assert_eq!(p.to_vec::<f64>()?, vec![0.5, 0.5]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn softmax(&self, axis: isize) -> Result<NDArray> {
+        self.softmax_impl(Ctx::new("softmax"), axis, false)
+    }
+
+    /// `x - max - log(sum(exp(x - max)))` along `axis` (negative counts from the end), for
+    /// floats: the logarithm of [`softmax`](Self::softmax), computed without overflow or
+    /// `log(0)`.
+    #[track_caller]
+    pub fn log_softmax(&self, axis: isize) -> Result<NDArray> {
+        self.softmax_impl(Ctx::new("log_softmax"), axis, true)
+    }
+
+    /// The one-hot encoding of an integer index array (`I32`, `I64` or `U8`): shape
+    /// `[..., depth]` of `dtype`, 1 at each index and 0 elsewhere. An index that is negative or
+    /// not below `depth` gives `InvalidArgument` (checked before anything is written).
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let m = Manager::new_base();
+    /// let labels = m.from_slice(&[2i64, 0], [2])?;
+    /// let y = labels.one_hot(3, DType::F32)?;
+    /// assert_eq!(y.dims(), &[2, 3]);
+    /// assert_eq!(y.to_vec::<f32>()?, vec![0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn one_hot(&self, depth: usize, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("one_hot");
+        let from = self.dtype();
+        if !is_index_dtype(from) {
+            return Err(self.dtype_error(&ctx, "integer indices (i32, i64 or u8)"));
+        }
+        let mut out = self.dims().to_vec();
+        out.push(depth);
+        let shape = Shape::new(&out);
+        if shape.checked_size().is_none() {
+            return Err(ctx.invalid(format!(
+                "one_hot of shape {} with depth {depth}: the result is too large",
+                self.shape()
+            )));
+        }
+        // Checked before allocating; checked again under the lock the kernel holds, in case
+        // another thread changed the indices in between.
+        exec::read_all(
+            &ctx,
+            &[self],
+            |b| dispatch!(from, I => check_indices(&ctx, self, b[0].as_slice::<I>(), depth, "depth")),
+        )?;
+        exec::op1(&ctx, self, shape, dtype, |idx, out| {
+            dispatch!(from, I => {
+                let idx = idx.as_slice::<I>();
+                check_indices(&ctx, self, idx, depth, "depth")?;
+                dispatch!(dtype, T => nn::one_hot(idx, depth, out.as_mut_slice::<T>()));
+            });
+            Ok(())
+        })
+    }
+
+    /// Gathers one element per position along `axis` (negative counts from the end):
+    /// `indices` has `self`'s shape without `axis`, and so does the result, with
+    /// `result[.., i, ..] = self[.., indices[.., i, ..], ..]` (the index taking `axis`'s place).
+    /// For `x` of `[N, C]` and `indices` of `[N]` with axis 1 this is `x[i, indices[i]]`, the
+    /// probability of each row's label.
+    ///
+    /// `indices` must be `I32`, `I64` or `U8` (`DTypeMismatch`) and on `self`'s device; a wrong
+    /// shape gives `ShapeMismatch`, an index that is negative or not below the size of `axis`
+    /// gives `InvalidArgument`.
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let probs = m.from_slice(&[0.1f32, 0.9, 0.8, 0.2, 0.5, 0.5], [3, 2])?;
+    /// let labels = m.from_slice(&[1i64, 0, 1], [3])?;
+    /// assert_eq!(probs.pick(&labels, 1)?.to_vec::<f32>()?, vec![0.9, 0.8, 0.5]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn pick(&self, indices: &NDArray, axis: isize) -> Result<NDArray> {
+        let ctx = Ctx::new("pick");
+        check_device(&ctx, self, indices)?;
+        let from = indices.dtype();
+        if !is_index_dtype(from) {
+            return Err(indices.dtype_error(&ctx, "integer indices (i32, i64 or u8)"));
+        }
+        let index = normalize_axis(&ctx, axis, self.shape())?;
+        let mut expected = self.dims().to_vec();
+        expected.remove(index);
+        if indices.dims() != expected.as_slice() {
+            return Err(ctx.shape(format!(
+                "pick along axis {axis} of shape {} needs indices of shape {}, got {}",
+                self.shape(),
+                Shape::new(&expected),
+                indices.shape()
+            )));
+        }
+        let (_, n, inner) = split_at_axis(self.dims(), index);
+        exec::read_all(
+            &ctx,
+            &[indices],
+            |b| dispatch!(from, I => check_indices(&ctx, indices, b[0].as_slice::<I>(), n, "the size of the axis")),
+        )?;
+        let dtype = self.dtype();
+        exec::op2(
+            &ctx,
+            self,
+            indices,
+            indices.shape().clone(),
+            dtype,
+            |x, idx, out| {
+                dispatch!(from, I => {
+                    let idx = idx.as_slice::<I>();
+                    check_indices(&ctx, indices, idx, n, "the size of the axis")?;
+                    dispatch!(dtype, T => nn::pick(x.as_slice::<T>(), n, inner, idx, out.as_mut_slice::<T>()));
+                });
+                Ok(())
+            },
+        )
+    }
+}
+
+/// `InvalidArgument` naming the first index of `indices` (array `array`) outside `0..bound`.
+fn check_indices<I: Element>(
+    ctx: &Ctx,
+    array: &NDArray,
+    indices: &[I],
+    bound: usize,
+    what: &str,
+) -> Result<()> {
+    match nn::first_out_of_range(indices, bound) {
+        None => Ok(()),
+        Some((position, value)) => Err(ctx.invalid(format!(
+            "index {value} at flat position {position} of {} (shape {}) is out of range: it must \
+             be at least 0 and below {what}, {bound}",
+            array.0.describe(),
+            array.shape()
+        ))),
+    }
+}

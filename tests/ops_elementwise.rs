@@ -1,0 +1,431 @@
+//! Elementwise ops and comparisons against plain reference loops: NumPy broadcasting (size-1
+//! dims, rank mismatch, scalars, empty arrays), every dtype, sizes on both sides of the
+//! parallel threshold, and the error paths.
+
+use ndscope::{DType, Error, Manager, NDArray};
+use proptest::prelude::*;
+
+/// Deterministic small values (exact in every dtype), some negative.
+fn values(n: usize, seed: u64) -> Vec<i64> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % 19) as i64 - 9
+        })
+        .collect()
+}
+
+fn size(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// An array of `dtype` and `shape` holding `vals` (u8 takes them modulo 256... kept to 0..=9).
+fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64]) -> NDArray {
+    match dtype {
+        DType::F32 => m.from_vec(vals.iter().map(|&v| v as f32 * 0.5).collect(), shape),
+        DType::F64 => m.from_vec(vals.iter().map(|&v| v as f64 * 0.5).collect(), shape),
+        DType::I32 => m.from_vec(vals.iter().map(|&v| v as i32).collect(), shape),
+        DType::I64 => m.from_vec(vals.to_vec(), shape),
+        DType::U8 => m.from_vec(
+            vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
+            shape,
+        ),
+    }
+    .unwrap()
+}
+
+/// The elements as f64, whatever the dtype.
+fn as_f64(a: &NDArray) -> Vec<f64> {
+    match a.dtype() {
+        DType::F32 => a
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F64 => a.to_vec::<f64>().unwrap(),
+        DType::I32 => a
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::I64 => a
+            .to_vec::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|v| v as f64)
+            .collect(),
+        DType::U8 => a
+            .to_vec::<u8>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    }
+}
+
+/// The NumPy broadcast of two shapes, by the textbook rule.
+fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    (0..n)
+        .map(|i| {
+            let da = if i + a.len() >= n {
+                a[i + a.len() - n]
+            } else {
+                1
+            };
+            let db = if i + b.len() >= n {
+                b[i + b.len() - n]
+            } else {
+                1
+            };
+            match (da, db) {
+                _ if da == db => Some(da),
+                (1, _) => Some(db),
+                (_, 1) => Some(da),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// The flat index into an array of `shape` of the element that broadcasts to multi-index `idx`
+/// of `out`.
+fn source_index(shape: &[usize], out: &[usize], idx: &[usize]) -> usize {
+    let offset = out.len() - shape.len();
+    shape.iter().enumerate().fold(0, |acc, (i, &d)| {
+        acc * d + if d == 1 { 0 } else { idx[offset + i] }
+    })
+}
+
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for d in (0..shape.len()).rev() {
+        idx[d] = flat % shape[d];
+        flat /= shape[d];
+    }
+    idx
+}
+
+/// `f` applied with broadcasting, by the index formula.
+fn reference_zip(
+    a: &[f64],
+    ash: &[usize],
+    b: &[f64],
+    bsh: &[usize],
+    f: impl Fn(f64, f64) -> f64,
+) -> (Vec<usize>, Vec<f64>) {
+    let out = broadcast(ash, bsh).expect("shapes broadcast");
+    let data = (0..size(&out))
+        .map(|flat| {
+            let idx = unravel(flat, &out);
+            f(
+                a[source_index(ash, &out, &idx)],
+                b[source_index(bsh, &out, &idx)],
+            )
+        })
+        .collect();
+    (out, data)
+}
+
+const SHAPE_PAIRS: &[(&[usize], &[usize])] = &[
+    (&[], &[]),
+    (&[7], &[]),
+    (&[], &[7]),
+    (&[1], &[33]),
+    (&[33], &[33]),
+    (&[2, 1, 3], &[4, 1]),
+    (&[5, 1], &[1, 7]),
+    (&[3, 1, 1, 2], &[1, 4, 5, 1]),
+    (&[0, 3], &[3]),
+    (&[2, 0], &[1, 1]),
+    (&[300, 257], &[257]),
+    (&[300, 1], &[300, 128]),
+    (&[1200, 40], &[1200, 40]),
+];
+
+fn compare_all(op: &str) {
+    let m = Manager::new_base();
+    for dtype in DType::ALL {
+        for (i, &(ash, bsh)) in SHAPE_PAIRS.iter().enumerate() {
+            let (av, bv) = (
+                values(size(ash), i as u64),
+                values(size(bsh), 100 + i as u64),
+            );
+            let (a, b) = (array(&m, dtype, ash, &av), array(&m, dtype, bsh, &bv));
+            let got = match op {
+                "gt" => a.gt(&b),
+                "lt" => a.lt(&b),
+                _ => a.eq(&b),
+            }
+            .unwrap();
+            let (shape, want) = reference_zip(&as_f64(&a), ash, &as_f64(&b), bsh, |x, y| {
+                let r = match op {
+                    "gt" => x > y,
+                    "lt" => x < y,
+                    _ => x == y,
+                };
+                f64::from(u8::from(r))
+            });
+            assert_eq!(got.dtype(), DType::U8);
+            assert_eq!(got.dims(), shape.as_slice(), "{op} {dtype} {ash:?} {bsh:?}");
+            assert_eq!(as_f64(&got), want, "{op} {dtype} {ash:?} {bsh:?}");
+        }
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn gt_broadcasts_and_gives_u8_zero_or_one() {
+    compare_all("gt");
+}
+
+#[test]
+fn lt_broadcasts_and_gives_u8_zero_or_one() {
+    compare_all("lt");
+}
+
+#[test]
+fn eq_broadcasts_and_gives_u8_zero_or_one() {
+    compare_all("eq");
+}
+
+#[test]
+fn comparisons_with_nan_are_false() {
+    let m = Manager::new_base();
+    let a = m.from_slice(&[f32::NAN, 1.0, f32::NAN], [3]).unwrap();
+    let b = m.from_slice(&[f32::NAN, f32::NAN, 0.0], [3]).unwrap();
+    assert_eq!(a.gt(&b).unwrap().to_vec::<u8>().unwrap(), vec![0, 0, 0]);
+    assert_eq!(a.lt(&b).unwrap().to_vec::<u8>().unwrap(), vec![0, 0, 0]);
+    assert_eq!(a.eq(&a).unwrap().to_vec::<u8>().unwrap(), vec![0, 1, 0]);
+    assert_eq!(
+        a.eq_scalar(f64::NAN).unwrap().to_vec::<u8>().unwrap(),
+        vec![0, 0, 0]
+    );
+}
+
+#[test]
+fn scalar_comparisons_match_reference_for_every_dtype() {
+    let m = Manager::new_base();
+    for dtype in DType::ALL {
+        for n in [0, 1, 7, 33, 40_000] {
+            let a = array(&m, dtype, &[n], &values(n, n as u64));
+            let x = as_f64(&a);
+            for value in [-2.0, 0.0, 1.5, 3.0] {
+                let check = |got: NDArray, f: fn(f64, f64) -> bool| {
+                    assert_eq!(got.dtype(), DType::U8);
+                    let want: Vec<f64> = x
+                        .iter()
+                        .map(|&v| f64::from(u8::from(f(v, value))))
+                        .collect();
+                    assert_eq!(as_f64(&got), want, "{dtype} n={n} value={value}");
+                };
+                check(a.gt_scalar(value).unwrap(), |v, s| v > s);
+                check(a.lt_scalar(value).unwrap(), |v, s| v < s);
+                check(a.eq_scalar(value).unwrap(), |v, s| v == s);
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_scalar_comparison_does_not_truncate_the_scalar() {
+    let m = Manager::new_base();
+    let a = m.from_slice(&[2i32, 3], [2]).unwrap();
+    assert_eq!(
+        a.gt_scalar(2.5).unwrap().to_vec::<u8>().unwrap(),
+        vec![0, 1]
+    );
+    assert_eq!(
+        a.eq_scalar(2.5).unwrap().to_vec::<u8>().unwrap(),
+        vec![0, 0]
+    );
+    assert_eq!(
+        a.lt_scalar(2.5).unwrap().to_vec::<u8>().unwrap(),
+        vec![1, 0]
+    );
+}
+
+#[test]
+fn float_scalar_comparison_uses_the_array_precision() {
+    let m = Manager::new_base();
+    let a = m.from_slice(&[0.1f32, 0.2], [2]).unwrap();
+    assert_eq!(
+        a.eq_scalar(0.1).unwrap().to_vec::<u8>().unwrap(),
+        vec![1, 0]
+    );
+}
+
+#[test]
+fn comparison_of_different_dtypes_is_a_dtype_mismatch() {
+    let m = Manager::new_base();
+    let a = m.zeros([3], DType::F32).unwrap();
+    let b = m.zeros([3], DType::F64).unwrap();
+    assert!(matches!(a.gt(&b), Err(Error::DTypeMismatch { .. })));
+    assert!(matches!(a.eq(&b), Err(Error::DTypeMismatch { .. })));
+}
+
+#[test]
+fn comparison_of_shapes_that_do_not_broadcast_is_a_shape_mismatch() {
+    let m = Manager::new_base();
+    let a = m.zeros([2, 3], DType::I32).unwrap();
+    let b = m.zeros([4], DType::I32).unwrap();
+    let err = a.lt(&b).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("lt") && text.contains("[2, 3]") && text.contains("[4]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn comparison_of_a_closed_array_is_array_closed() {
+    let m = Manager::new_base();
+    let a = m.zeros([3], DType::F32).unwrap();
+    let b = m.zeros([3], DType::F32).unwrap();
+    b.close().unwrap();
+    assert!(matches!(a.gt(&b), Err(Error::ArrayClosed { .. })));
+    assert!(matches!(b.gt_scalar(1.0), Err(Error::ArrayClosed { .. })));
+}
+
+#[test]
+fn binary_arithmetic_broadcasts_like_numpy_for_every_dtype() {
+    let m = Manager::new_base();
+    type Op = (
+        &'static str,
+        fn(&NDArray, &NDArray) -> ndscope::Result<NDArray>,
+        fn(f64, f64) -> f64,
+    );
+    let ops: [Op; 5] = [
+        ("add", |a, b| a.add(b), |x, y| x + y),
+        ("sub", |a, b| a.sub(b), |x, y| x - y),
+        ("mul", |a, b| a.mul(b), |x, y| x * y),
+        ("maximum", |a, b| a.maximum(b), f64::max),
+        ("minimum", |a, b| a.minimum(b), f64::min),
+    ];
+    for dtype in [DType::F32, DType::F64, DType::I32, DType::I64] {
+        for (i, &(ash, bsh)) in SHAPE_PAIRS.iter().enumerate() {
+            let a = array(&m, dtype, ash, &values(size(ash), i as u64));
+            let b = array(&m, dtype, bsh, &values(size(bsh), 50 + i as u64));
+            for (name, op, f) in ops {
+                let got = op(&a, &b).unwrap();
+                let (shape, want) = reference_zip(&as_f64(&a), ash, &as_f64(&b), bsh, f);
+                assert_eq!(got.dtype(), dtype);
+                assert_eq!(
+                    got.dims(),
+                    shape.as_slice(),
+                    "{name} {dtype} {ash:?} {bsh:?}"
+                );
+                assert_eq!(as_f64(&got), want, "{name} {dtype} {ash:?} {bsh:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_division_by_zero_is_invalid_and_float_division_is_ieee() {
+    let m = Manager::new_base();
+    let a = m.from_slice(&[4i32, 9], [2]).unwrap();
+    let z = m.from_slice(&[2i32, 0], [2]).unwrap();
+    assert!(matches!(a.div(&z), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        a.div_scalar(0.0),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let f = m.from_slice(&[1.0f64, -1.0], [2]).unwrap();
+    let zf = m.zeros([1], DType::F64).unwrap();
+    assert_eq!(
+        f.div(&zf).unwrap().to_vec::<f64>().unwrap(),
+        vec![f64::INFINITY, f64::NEG_INFINITY]
+    );
+    assert_eq!(
+        a.div_scalar(2.0).unwrap().to_vec::<i32>().unwrap(),
+        vec![2, 4]
+    );
+}
+
+#[test]
+fn unary_ops_match_reference_on_both_sides_of_the_parallel_threshold() {
+    let m = Manager::new_base();
+    for n in [0usize, 1, 7, 33, 40_001] {
+        let x: Vec<f64> = values(n, 7).iter().map(|&v| v as f64 * 0.25).collect();
+        let a = m.from_slice(&x, [n]).unwrap();
+        let check = |got: NDArray, f: fn(f64) -> f64, name: &str| {
+            let want: Vec<f64> = x.iter().map(|&v| f(v)).collect();
+            let got = got.to_vec::<f64>().unwrap();
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    g == w || (g.is_nan() && w.is_nan()) || (g - w).abs() < 1e-12,
+                    "{name} n={n}"
+                );
+            }
+        };
+        check(a.neg().unwrap(), |v| -v, "neg");
+        check(a.abs().unwrap(), f64::abs, "abs");
+        check(a.square().unwrap(), |v| v * v, "square");
+        check(a.relu().unwrap(), |v| v.max(0.0), "relu");
+        check(a.exp().unwrap(), f64::exp, "exp");
+        check(a.tanh().unwrap(), f64::tanh, "tanh");
+        check(
+            a.sigmoid().unwrap(),
+            |v| 1.0 / (1.0 + (-v).exp()),
+            "sigmoid",
+        );
+        check(a.mul_scalar(3.0).unwrap(), |v| v * 3.0, "mul_scalar");
+        check(a.add_scalar(-1.5).unwrap(), |v| v - 1.5, "add_scalar");
+    }
+    let ints = m.from_slice(&[1i32, 2], [2]).unwrap();
+    assert!(matches!(ints.exp(), Err(Error::DTypeMismatch { .. })));
+}
+
+/// Two shapes that broadcast: a result shape, and each operand a suffix of it with some
+/// dimensions set to 1.
+fn broadcastable_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+    prop::collection::vec(0usize..5, 0..5).prop_flat_map(|out| {
+        let n = out.len();
+        (
+            Just(out),
+            0..=n,
+            0..=n,
+            prop::collection::vec(any::<bool>(), n),
+            prop::collection::vec(any::<bool>(), n),
+        )
+            .prop_map(|(out, la, lb, ones_a, ones_b)| {
+                let pick = |len: usize, ones: &[bool]| -> Vec<usize> {
+                    (out.len() - len..out.len())
+                        .map(|i| if ones[i] { 1 } else { out[i] })
+                        .collect()
+                };
+                (pick(la, &ones_a), pick(lb, &ones_b))
+            })
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn broadcasting_matches_the_reference_for_random_shapes(
+        (ash, bsh) in broadcastable_pair(),
+        seed in any::<u64>(),
+        dtype in prop::sample::select(DType::ALL.to_vec()),
+    ) {
+        let m = Manager::new_base();
+        let a = array(&m, dtype, &ash, &values(size(&ash), seed));
+        let b = array(&m, dtype, &bsh, &values(size(&bsh), seed ^ 0xABCD));
+        let (shape, want) = reference_zip(&as_f64(&a), &ash, &as_f64(&b), &bsh, f64::max);
+        let got = a.maximum(&b).unwrap();
+        prop_assert_eq!(got.dims(), shape.as_slice());
+        prop_assert_eq!(as_f64(&got), want);
+        let (_, want) = reference_zip(&as_f64(&a), &ash, &as_f64(&b), &bsh, |x, y| f64::from(u8::from(x > y)));
+        prop_assert_eq!(as_f64(&a.gt(&b).unwrap()), want);
+        m.close().unwrap();
+    }
+}

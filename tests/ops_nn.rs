@@ -1,0 +1,502 @@
+//! Matrix products (2-D and batched 3-D), softmax / log-softmax, one-hot and pick against plain
+//! reference loops, with odd and large sizes, empty arrays and every error path.
+
+use ndscope::{DType, Error, Manager, NDArray};
+
+fn size(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Deterministic small integers in -8..=8 (exact in every float product we form).
+fn values(n: usize, seed: u64) -> Vec<i64> {
+    let mut s = seed ^ 0xD1B5_4A32_D192_ED03;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % 17) as i64 - 8
+        })
+        .collect()
+}
+
+fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64]) -> NDArray {
+    match dtype {
+        DType::F32 => m.from_vec(vals.iter().map(|&v| v as f32).collect(), shape),
+        DType::F64 => m.from_vec(vals.iter().map(|&v| v as f64).collect(), shape),
+        DType::I32 => m.from_vec(vals.iter().map(|&v| v as i32).collect(), shape),
+        DType::I64 => m.from_vec(vals.to_vec(), shape),
+        DType::U8 => m.from_vec(
+            vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
+            shape,
+        ),
+    }
+    .unwrap()
+}
+
+fn as_f64(a: &NDArray) -> Vec<f64> {
+    match a.dtype() {
+        DType::F32 => a
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F64 => a.to_vec::<f64>().unwrap(),
+        DType::I32 => a
+            .to_vec::<i32>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::I64 => a
+            .to_vec::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|v| v as f64)
+            .collect(),
+        DType::U8 => a
+            .to_vec::<u8>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+    }
+}
+
+/// `a[m×k] · b[k×n]` by the definition.
+fn reference_matmul(m: usize, k: usize, n: usize, a: &[f64], b: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            out[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_of_matrices_matches_the_reference() {
+    let mg = Manager::new_base();
+    for dtype in [DType::F32, DType::F64, DType::I32, DType::I64] {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (1, 7, 1),
+            (7, 1, 33),
+            (33, 17, 7),
+            (64, 64, 64),
+            (0, 3, 4),
+            (3, 0, 4),
+        ] {
+            let a = array(&mg, dtype, &[m, k], &values(m * k, 1));
+            let b = array(&mg, dtype, &[k, n], &values(k * n, 2));
+            let c = a.matmul(&b).unwrap();
+            assert_eq!(c.dims(), &[m, n]);
+            assert_eq!(c.dtype(), dtype);
+            assert_eq!(
+                as_f64(&c),
+                reference_matmul(m, k, n, &as_f64(&a), &as_f64(&b)),
+                "{dtype} {m}x{k}x{n}"
+            );
+        }
+    }
+}
+
+#[test]
+fn batched_matmul_multiplies_each_batch_entry() {
+    let mg = Manager::new_base();
+    for dtype in [DType::F32, DType::F64, DType::I64] {
+        for &(b, m, k, n) in &[
+            (1, 1, 1, 1),
+            (3, 2, 5, 7),
+            (7, 33, 17, 9),
+            (40, 16, 16, 16),
+            (2, 70, 60, 50),
+            (0, 2, 3, 4),
+        ] {
+            let x = array(&mg, dtype, &[b, m, k], &values(b * m * k, 3));
+            let y = array(&mg, dtype, &[b, k, n], &values(b * k * n, 4));
+            let z = x.matmul(&y).unwrap();
+            assert_eq!(z.dims(), &[b, m, n]);
+            let (xv, yv) = (as_f64(&x), as_f64(&y));
+            let want: Vec<f64> = (0..b)
+                .flat_map(|i| {
+                    reference_matmul(
+                        m,
+                        k,
+                        n,
+                        &xv[i * m * k..(i + 1) * m * k],
+                        &yv[i * k * n..(i + 1) * k * n],
+                    )
+                })
+                .collect();
+            assert_eq!(as_f64(&z), want, "{dtype} {b}x{m}x{k}x{n}");
+        }
+    }
+}
+
+#[test]
+fn batched_matmul_with_a_shared_right_operand() {
+    let mg = Manager::new_base();
+    for &(b, m, k, n) in &[(1, 1, 1, 1), (5, 3, 7, 2), (9, 33, 17, 40), (0, 2, 3, 4)] {
+        let x = array(&mg, DType::F32, &[b, m, k], &values(b * m * k, 5));
+        let w = array(&mg, DType::F32, &[k, n], &values(k * n, 6));
+        let z = x.matmul(&w).unwrap();
+        assert_eq!(z.dims(), &[b, m, n]);
+        let (xv, wv) = (as_f64(&x), as_f64(&w));
+        let want: Vec<f64> = (0..b)
+            .flat_map(|i| reference_matmul(m, k, n, &xv[i * m * k..(i + 1) * m * k], &wv))
+            .collect();
+        assert_eq!(as_f64(&z), want, "{b}x{m}x{k}x{n}");
+    }
+}
+
+#[test]
+fn batched_matmul_with_a_shared_left_operand() {
+    let mg = Manager::new_base();
+    let (b, m, k, n) = (4, 3, 5, 6);
+    let x = array(&mg, DType::F64, &[m, k], &values(m * k, 7));
+    let y = array(&mg, DType::F64, &[b, k, n], &values(b * k * n, 8));
+    let z = x.matmul(&y).unwrap();
+    assert_eq!(z.dims(), &[b, m, n]);
+    let (xv, yv) = (as_f64(&x), as_f64(&y));
+    let want: Vec<f64> = (0..b)
+        .flat_map(|i| reference_matmul(m, k, n, &xv, &yv[i * k * n..(i + 1) * k * n]))
+        .collect();
+    assert_eq!(as_f64(&z), want);
+}
+
+#[test]
+fn matmul_shape_errors_are_shape_mismatches() {
+    let mg = Manager::new_base();
+    let z = |shape: &[usize]| mg.zeros(shape, DType::F32).unwrap();
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[2, 3], &[4, 5]),
+        (&[2, 2, 3], &[3, 3, 4]),
+        (&[2, 2, 3], &[2, 4, 4]),
+        (&[2, 3], &[3]),
+        (&[3], &[3, 2]),
+        (&[1, 2, 2, 3], &[3, 2]),
+        (&[], &[]),
+    ];
+    for &(a, b) in cases {
+        let err = z(a).matmul(&z(b)).unwrap_err();
+        assert!(
+            matches!(err, Error::ShapeMismatch { .. }),
+            "{a:?} {b:?}: {err}"
+        );
+        assert!(err.to_string().contains("matmul"));
+    }
+    let f64s = mg.zeros([3, 2], DType::F64).unwrap();
+    assert!(matches!(
+        z(&[2, 3]).matmul(&f64s),
+        Err(Error::DTypeMismatch { .. })
+    ));
+}
+
+/// Softmax along axis `ax` of `x` (shape `dims`) in f64, by the definition with the maximum
+/// subtracted; `log` gives log-softmax.
+fn reference_softmax(x: &[f64], dims: &[usize], ax: usize, log: bool) -> Vec<f64> {
+    let outer: usize = dims[..ax].iter().product();
+    let n = dims[ax];
+    let inner: usize = dims[ax + 1..].iter().product();
+    let mut out = vec![0.0; x.len()];
+    for o in 0..outer {
+        for j in 0..inner {
+            let at = |i: usize| (o * n + i) * inner + j;
+            let max = (0..n).map(|i| x[at(i)]).fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = (0..n).map(|i| (x[at(i)] - max).exp()).sum();
+            for i in 0..n {
+                out[at(i)] = if log {
+                    x[at(i)] - max - sum.ln()
+                } else {
+                    (x[at(i)] - max).exp() / sum
+                };
+            }
+        }
+    }
+    out
+}
+
+fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * w.abs().max(1.0),
+            "{what} [{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn softmax_and_log_softmax_match_the_reference_along_every_axis() {
+    let mg = Manager::new_base();
+    let shapes: &[&[usize]] = &[
+        &[1],
+        &[7],
+        &[3, 5],
+        &[2, 3, 4],
+        &[1, 33, 1],
+        &[200, 300],
+        &[3, 40_000],
+        &[6, 2000, 3],
+    ];
+    for dtype in [DType::F32, DType::F64] {
+        for (s, &dims) in shapes.iter().enumerate() {
+            let a = array(&mg, dtype, dims, &values(size(dims), 10 + s as u64))
+                .mul_scalar(0.75)
+                .unwrap();
+            let x = as_f64(&a);
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+            for axis in -(dims.len() as isize)..dims.len() as isize {
+                let ax = (axis + dims.len() as isize) as usize % dims.len();
+                let p = a.softmax(axis).unwrap();
+                assert_eq!(p.dims(), dims);
+                assert_eq!(p.dtype(), dtype);
+                assert_close(
+                    &as_f64(&p),
+                    &reference_softmax(&x, dims, ax, false),
+                    tol,
+                    &format!("softmax {dtype} {dims:?} {axis}"),
+                );
+                let lp = a.log_softmax(axis).unwrap();
+                assert_close(
+                    &as_f64(&lp),
+                    &reference_softmax(&x, dims, ax, true),
+                    tol,
+                    &format!("log_softmax {dtype} {dims:?} {axis}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn softmax_does_not_overflow_on_large_inputs() {
+    let mg = Manager::new_base();
+    let a = mg
+        .from_slice(&[1000.0f32, 1001.0, -1000.0, 89.0, 90.0, 91.0], [2, 3])
+        .unwrap();
+    let p = a.softmax(1).unwrap().to_vec::<f32>().unwrap();
+    assert!(p.iter().all(|v| v.is_finite()), "{p:?}");
+    assert!((p[0] + p[1] + p[2] - 1.0).abs() < 1e-6);
+    let lp = a.log_softmax(1).unwrap().to_vec::<f32>().unwrap();
+    assert!(lp.iter().all(|v| v.is_finite()), "{lp:?}");
+    assert!(
+        (lp[2] - (-2001.0 - (1.0f32 + (-1.0f32).exp()).ln())).abs() < 1e-2,
+        "{lp:?}"
+    );
+    let cols = a.softmax(0).unwrap().to_vec::<f32>().unwrap();
+    assert!(cols.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn softmax_of_empty_arrays_is_empty() {
+    let mg = Manager::new_base();
+    let a = mg.zeros([0, 4], DType::F32).unwrap();
+    assert_eq!(a.softmax(-1).unwrap().dims(), &[0, 4]);
+    let b = mg.zeros([3, 0], DType::F64).unwrap();
+    assert_eq!(b.log_softmax(1).unwrap().dims(), &[3, 0]);
+}
+
+#[test]
+fn softmax_needs_floats_and_a_valid_axis() {
+    let mg = Manager::new_base();
+    let ints = mg.zeros([2, 3], DType::I32).unwrap();
+    assert!(matches!(ints.softmax(1), Err(Error::DTypeMismatch { .. })));
+    assert!(matches!(
+        ints.log_softmax(1),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    let f = mg.zeros([2, 3], DType::F32).unwrap();
+    assert!(matches!(f.softmax(2), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        f.log_softmax(-3),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+#[test]
+fn one_hot_matches_the_reference_for_every_index_dtype() {
+    let mg = Manager::new_base();
+    for from in [DType::I32, DType::I64, DType::U8] {
+        for to in DType::ALL {
+            for dims in [&[][..], &[1], &[7], &[3, 5], &[0], &[2, 0, 3], &[5000]] {
+                let depth = 9;
+                let idx: Vec<i64> = (0..size(dims)).map(|i| (i * 7 % depth) as i64).collect();
+                let a = array(&mg, from, dims, &idx);
+                let y = a.one_hot(depth, to).unwrap();
+                let mut out = dims.to_vec();
+                out.push(depth);
+                assert_eq!(y.dims(), out.as_slice());
+                assert_eq!(y.dtype(), to);
+                let want: Vec<f64> = (0..size(&out))
+                    .map(|p| f64::from(u8::from(idx[p / depth] == (p % depth) as i64)))
+                    .collect();
+                assert_eq!(as_f64(&y), want, "{from} -> {to} {dims:?}");
+            }
+        }
+    }
+    let empty_depth = mg
+        .zeros([0], DType::I64)
+        .unwrap()
+        .one_hot(0, DType::F32)
+        .unwrap();
+    assert_eq!(empty_depth.dims(), &[0, 0]);
+}
+
+#[test]
+fn one_hot_index_out_of_range_or_negative_is_invalid() {
+    let mg = Manager::new_base();
+    let a = mg.from_slice(&[0i64, 3, 1], [3]).unwrap();
+    let err = a.one_hot(3, DType::F32).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(err.to_string().contains("index 3"), "{err}");
+    let b = mg.from_slice(&[0i32, -1], [2]).unwrap();
+    assert!(matches!(
+        b.one_hot(5, DType::F32),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let c = mg.from_slice(&[0u8], [1]).unwrap();
+    assert!(matches!(
+        c.one_hot(0, DType::U8),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let f = mg.zeros([3], DType::F32).unwrap();
+    assert!(matches!(
+        f.one_hot(3, DType::F32),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    // The input is untouched.
+    assert_eq!(a.to_vec::<i64>().unwrap(), vec![0, 3, 1]);
+}
+
+/// `pick` by the definition: result[idx without axis] = x[idx with indices[..] at axis].
+fn reference_pick(x: &[f64], dims: &[usize], ax: usize, idx: &[i64]) -> Vec<f64> {
+    let outer: usize = dims[..ax].iter().product();
+    let n = dims[ax];
+    let inner: usize = dims[ax + 1..].iter().product();
+    (0..outer * inner)
+        .map(|p| {
+            let (o, j) = (p / inner, p % inner);
+            x[(o * n + idx[p] as usize) * inner + j]
+        })
+        .collect()
+}
+
+#[test]
+fn pick_gathers_one_element_per_row_along_any_axis() {
+    let mg = Manager::new_base();
+    let shapes: &[&[usize]] = &[
+        &[1],
+        &[7],
+        &[4, 3],
+        &[1, 33],
+        &[2, 3, 4],
+        &[1000, 10],
+        &[0, 5],
+    ];
+    for dtype in DType::ALL {
+        for from in [DType::I32, DType::I64, DType::U8] {
+            for (s, &dims) in shapes.iter().enumerate() {
+                let a = array(&mg, dtype, dims, &values(size(dims), 20 + s as u64));
+                let x = as_f64(&a);
+                for ax in 0..dims.len() {
+                    let mut rest = dims.to_vec();
+                    let n = rest.remove(ax);
+                    if n == 0 {
+                        // Every index is out of range of an empty axis.
+                        let indices = mg.zeros(&rest[..], from).unwrap();
+                        assert!(matches!(
+                            a.pick(&indices, ax as isize),
+                            Err(Error::InvalidArgument { .. })
+                        ));
+                        continue;
+                    }
+                    // Indices below 200 so they fit u8 too.
+                    let idx: Vec<i64> = (0..size(&rest))
+                        .map(|p| ((p * 5 + 3) % n.min(200)) as i64)
+                        .collect();
+                    let indices = array(&mg, from, &rest, &idx);
+                    for axis in [ax as isize, ax as isize - dims.len() as isize] {
+                        let got = a.pick(&indices, axis).unwrap();
+                        assert_eq!(got.dims(), rest.as_slice());
+                        assert_eq!(got.dtype(), dtype);
+                        assert_eq!(
+                            as_f64(&got),
+                            reference_pick(&x, dims, ax, &idx),
+                            "{dtype} {from} {dims:?} axis {axis}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pick_takes_each_rows_label() {
+    let mg = Manager::new_base();
+    let probs = mg
+        .from_slice(&[0.1f32, 0.7, 0.2, 0.3, 0.3, 0.4], [2, 3])
+        .unwrap();
+    let labels = mg.from_slice(&[1i64, 2], [2]).unwrap();
+    assert_eq!(
+        probs.pick(&labels, 1).unwrap().to_vec::<f32>().unwrap(),
+        vec![0.7, 0.4]
+    );
+    assert_eq!(
+        probs.pick(&labels, -1).unwrap().to_vec::<f32>().unwrap(),
+        vec![0.7, 0.4]
+    );
+}
+
+#[test]
+fn pick_errors_name_the_problem() {
+    let mg = Manager::new_base();
+    let x = mg.zeros([2, 3], DType::F32).unwrap();
+    let out_of_range = mg.from_slice(&[0i64, 3], [2]).unwrap();
+    let err = x.pick(&out_of_range, 1).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    let negative = mg.from_slice(&[-1i32, 0], [2]).unwrap();
+    assert!(matches!(
+        x.pick(&negative, 1),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let wrong_shape = mg.from_slice(&[0i64, 1, 1], [3]).unwrap();
+    assert!(matches!(
+        x.pick(&wrong_shape, 1),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert!(x.pick(&wrong_shape, 0).is_ok());
+    let matrix = mg.zeros([2, 1], DType::I64).unwrap();
+    assert!(matches!(
+        x.pick(&matrix, 1),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    let floats = mg.zeros([2], DType::F32).unwrap();
+    assert!(matches!(
+        x.pick(&floats, 1),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    let ok = mg.zeros([2], DType::I64).unwrap();
+    assert!(matches!(x.pick(&ok, 2), Err(Error::InvalidArgument { .. })));
+    let s = mg.scalar(1.0f32).unwrap();
+    assert!(matches!(s.pick(&ok, 0), Err(Error::InvalidArgument { .. })));
+    ok.close().unwrap();
+    assert!(matches!(x.pick(&ok, 1), Err(Error::ArrayClosed { .. })));
+}
+
+#[test]
+fn nn_results_land_with_the_first_inputs_owner() {
+    let model = Manager::new_base();
+    let batch = Manager::new_base();
+    let x = batch.zeros([4, 3], DType::F32).unwrap();
+    let w = model.zeros([3, 2], DType::F32).unwrap();
+    let y = x.matmul(&w).unwrap();
+    assert_eq!(y.manager().unwrap(), batch);
+    let labels = batch.zeros([4], DType::I64).unwrap();
+    assert_eq!(y.pick(&labels, 1).unwrap().manager().unwrap(), batch);
+    model.cap();
+    assert!(matches!(w.softmax(1), Err(Error::Capped { .. })));
+}
