@@ -11,7 +11,7 @@
 //! Run it with `cargo run --release --example train_mlp -- [flags]`:
 //!
 //! ```text
-//! --epochs N        passes over the training set (default 4)
+//! --epochs N        passes over the training set (default 8)
 //! --batch N         samples per step (default 128)
 //! --hidden A,B,...  hidden layer widths (default 256,128)
 //! --samples N       training samples (default 120000; 10000 more are held out)
@@ -38,6 +38,8 @@ use ndscope::{fmt_bytes, manual_seed, memory_usage, Device, Manager, NDArray, Wo
 const FEATURES: usize = 784;
 const CLASSES: usize = 10;
 const HELD_OUT: usize = 10_000;
+/// How far apart the blobs are, relative to their noise.
+const SPREAD: f64 = 0.17;
 
 struct Args {
     epochs: usize,
@@ -53,7 +55,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
-        epochs: 4,
+        epochs: 8,
         batch: 128,
         hidden: vec![256, 128],
         samples: 120_000,
@@ -146,7 +148,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     sizes.extend(&args.hidden);
     sizes.push(CLASSES);
     let t0 = Instant::now();
-    let (x, y) = make_data(&data, total, FEATURES, CLASSES, 3, 0.12)?;
+    let (x, y) = make_data(&data, total, FEATURES, CLASSES, 3, SPREAD)?;
     let net = Mlp::new(&model, &sizes)?;
     model.cap(); // from here on, a temporary landing in the model fails at its line
     let trainer = model.new_sub_manager()?.with_name("trainer");
