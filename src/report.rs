@@ -154,10 +154,14 @@ fn build_node(state: &State, key: ManagerKey) -> ManagerReport {
 }
 
 impl ManagerReport {
-    /// Arrays owned in the whole subtree (borrowed ones are counted where they are owned;
-    /// detached ones under the system manager).
+    /// Arrays held in the whole subtree, each counted once, where [`NDArray::manager`] says it
+    /// is: owned ones, borrowed ones (at their borrower), and, for the system manager, detached
+    /// ones.
+    ///
+    /// [`NDArray::manager`]: crate::NDArray::manager
     pub fn total_arrays(&self) -> usize {
         self.arrays.len()
+            + self.borrowed.len()
             + self.detached.len()
             + self
                 .children
@@ -169,6 +173,7 @@ impl ManagerReport {
     /// Bytes of the arrays counted by [`total_arrays`](Self::total_arrays).
     pub fn total_bytes(&self) -> usize {
         self.arrays.iter().map(|a| a.bytes).sum::<usize>()
+            + self.borrowed.iter().map(|a| a.bytes).sum::<usize>()
             + self.detached.iter().map(|a| a.bytes).sum::<usize>()
             + self
                 .children
