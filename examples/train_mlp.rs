@@ -188,7 +188,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let (l, c) = in_step(&|_batch| {
                 let (xb, yb) = batch_of(step * args.batch, args.batch)?;
                 let out = net.train_step(&xb, &yb, args.lr, args.momentum)?;
-                Ok((out.loss.to_scalar::<f32>()? as f64, out.correct.to_scalar::<i64>()?))
+                Ok((
+                    out.loss.to_scalar::<f32>()? as f64,
+                    out.correct.to_scalar::<i64>()?,
+                ))
             })?;
             loss += l;
             correct += c;
@@ -245,10 +248,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // The job's own checks: it learned, and memory stayed flat.
     let (first, last) = (&epochs[0], &epochs[epochs.len() - 1]);
     if epochs.len() > 1 && last.loss >= first.loss {
-        return Err(format!("the loss did not fall: {:.4} → {:.4}", first.loss, last.loss).into());
+        return Err(format!(
+            "the loss did not fall: {:.4} → {:.4}",
+            first.loss, last.loss
+        )
+        .into());
     }
     if held_accuracy <= 0.90 {
-        return Err(format!("held-out accuracy {:.2}% is not above 90%", 100.0 * held_accuracy).into());
+        return Err(format!(
+            "held-out accuracy {:.2}% is not above 90%",
+            100.0 * held_accuracy
+        )
+        .into());
     }
     if epochs.iter().any(|e| e.live != first.live) {
         let lives: Vec<String> = epochs.iter().map(|e| fmt_bytes(e.live)).collect();

@@ -703,3 +703,47 @@ fn ret_list_returns_every_array_or_none() -> Result<()> {
     assert_eq!(owner(good.get(0).unwrap()), child);
     parent.close()
 }
+
+#[test]
+fn closing_a_subtree_returns_borrowed_arrays_to_the_nearest_lender_outside_it() {
+    // A lends to S1, S1 lends on to S2; S1 and S2 are children of P. Closing P closes both
+    // borrowers in one call: the array goes back to A whichever sibling was created first.
+    for s1_first in [true, false] {
+        let a = Manager::new_base().with_name("A");
+        let p = Manager::new_base().with_name("P");
+        let (s1, s2) = if s1_first {
+            let s1 = p.new_sub_manager().unwrap();
+            (s1, p.new_sub_manager().unwrap())
+        } else {
+            let s2 = p.new_sub_manager().unwrap();
+            (p.new_sub_manager().unwrap(), s2)
+        };
+        let x = a.ones([3], DType::F32).unwrap();
+        x.temp_attach(&s1).unwrap();
+        x.temp_attach(&s2).unwrap();
+        p.close().unwrap();
+        assert!(x.is_open(), "s1 created first: {s1_first}");
+        assert_eq!(x.manager().unwrap(), a, "s1 created first: {s1_first}");
+        assert_eq!(a.report().arrays.len(), 1);
+        a.close().unwrap();
+    }
+}
+
+#[test]
+fn closing_a_subtree_closes_arrays_borrowed_within_it() {
+    // Owned by S1, borrowed by its sibling S2: no lender outside P, so closing P frees it.
+    for s1_first in [true, false] {
+        let p = Manager::new_base();
+        let (s1, s2) = if s1_first {
+            let s1 = p.new_sub_manager().unwrap();
+            (s1, p.new_sub_manager().unwrap())
+        } else {
+            let s2 = p.new_sub_manager().unwrap();
+            (p.new_sub_manager().unwrap(), s2)
+        };
+        let x = s1.ones([3], DType::F32).unwrap();
+        x.temp_attach(&s2).unwrap();
+        p.close().unwrap();
+        assert!(!x.is_open(), "s1 created first: {s1_first}");
+    }
+}

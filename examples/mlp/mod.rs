@@ -39,11 +39,19 @@ impl Mlp {
         let mut layers = Vec::new();
         for (i, pair) in sizes.windows(2).enumerate() {
             let (fan_in, fan_out) = (pair[0], pair[1]);
-            let w = model.randn([fan_in, fan_out], DType::F32)?.with_name(&format!("w{}", i + 1));
+            let w = model
+                .randn([fan_in, fan_out], DType::F32)?
+                .with_name(&format!("w{}", i + 1));
             w.mul_scalar_((2.0 / fan_in as f64).sqrt())?;
-            let b = model.zeros([fan_out], DType::F32)?.with_name(&format!("b{}", i + 1));
-            let vw = model.zeros([fan_in, fan_out], DType::F32)?.with_name(&format!("vw{}", i + 1));
-            let vb = model.zeros([fan_out], DType::F32)?.with_name(&format!("vb{}", i + 1));
+            let b = model
+                .zeros([fan_out], DType::F32)?
+                .with_name(&format!("b{}", i + 1));
+            let vw = model
+                .zeros([fan_in, fan_out], DType::F32)?
+                .with_name(&format!("vw{}", i + 1));
+            let vb = model
+                .zeros([fan_out], DType::F32)?
+                .with_name(&format!("vb{}", i + 1));
             layers.push(Dense { w, b, vw, vb });
         }
         Ok(Mlp {
@@ -59,14 +67,24 @@ impl Mlp {
         for (i, layer) in self.layers.iter().enumerate() {
             inputs.push(h.clone());
             let z = h.matmul(&layer.w)?.add(&layer.b)?;
-            h = if i + 1 < self.layers.len() { z.relu()? } else { z };
+            h = if i + 1 < self.layers.len() {
+                z.relu()?
+            } else {
+                z
+            };
         }
         Ok((h, inputs))
     }
 
     /// One step of SGD with momentum on a batch: forward, softmax cross-entropy against
     /// `labels` (`[batch]`, i64), backward, and the in-place update of every parameter.
-    pub fn train_step(&self, x: &NDArray, labels: &NDArray, lr: f64, momentum: f64) -> Result<StepOut> {
+    pub fn train_step(
+        &self,
+        x: &NDArray,
+        labels: &NDArray,
+        lr: f64,
+        momentum: f64,
+    ) -> Result<StepOut> {
         let batch = x.dims()[0] as f64;
         let (logits, inputs) = self.forward(x)?;
         let log_probs = logits.log_softmax(1)?;
@@ -131,7 +149,9 @@ pub fn make_data(
     spread: f64,
 ) -> Result<(NDArray, NDArray)> {
     data.scope(|tmp| {
-        let centers = tmp.randn([classes * clusters, features], DType::F32)?.mul_scalar(spread)?;
+        let centers = tmp
+            .randn([classes * clusters, features], DType::F32)?
+            .mul_scalar(spread)?;
         let which: Vec<i64> = (0..n as i64)
             .map(|i| (i * 7919) % (classes * clusters) as i64)
             .collect();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::arena::{
-    self, ArrayList, CloseReason, ManagerEntry, ManagerKey, ManagerShared, Owner, State,
+    self, ArrayList, CloseReason, Lender, ManagerEntry, ManagerKey, ManagerShared, Owner, State,
 };
 use crate::error::Ctx;
 use crate::{Device, Manager, Result};
@@ -93,22 +93,37 @@ impl State {
 
     /// Closes `key` and its subtree, children first. Each manager frees the arrays it owns and
     /// gives each borrowed array back to the manager it came from (or closes it if that one is
-    /// closed too), frees its workspaces and, if it is a workspace cycle, ends the cycle.
+    /// closed already), frees its workspaces and, if it is a workspace cycle, ends the cycle.
+    ///
+    /// The subtree closes as one: a lender that is closing in the same call is passed over, and
+    /// the array goes back to the nearest lender outside the subtree (or is closed if there is
+    /// none). So the outcome never depends on the order in which siblings were created.
     pub(crate) fn close_manager(&mut self, ctx: &Ctx, key: ManagerKey) {
         if !self.managers.contains_key(key) {
             return;
         }
-        for manager in self.subtree(key).into_iter().rev() {
-            self.close_one(ctx, manager);
+        let order = self.subtree(key);
+        let mut closing = order.clone();
+        closing.sort_unstable();
+        for manager in order.into_iter().rev() {
+            self.close_one(ctx, manager, &closing);
         }
     }
 
-    fn close_one(&mut self, ctx: &Ctx, key: ManagerKey) {
+    fn close_one(&mut self, ctx: &Ctx, key: ManagerKey, closing: &[ManagerKey]) {
         let cycle_of = self.managers[key].cycle_of;
         let shared = Arc::clone(&self.managers[key].shared);
         while let Some(array) = self.managers[key].arrays.head {
             let name = Arc::clone(&shared);
-            let back = self.arrays[array].returns.pop();
+            let back = loop {
+                match self.arrays[array].returns.pop() {
+                    Some(Lender {
+                        owner: Owner::Manager(lender),
+                        ..
+                    }) if closing.binary_search(&lender).is_ok() => continue,
+                    other => break other,
+                }
+            };
             match back {
                 Some(lender) if self.owner_is_open(lender.owner) => {
                     self.return_borrowed(ctx, array, lender, name);

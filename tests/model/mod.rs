@@ -357,9 +357,10 @@ impl Model {
             .collect()
     }
 
-    /// Closes `m` and its subtree, children first: the subtree in breadth-first order (children
-    /// newest first), closed from the back. Each manager closes the arrays it owns and gives each
-    /// array it borrows back to its lender, or closes it if the lender is closed already.
+    /// Closes `m` and its subtree, children first. Each manager closes the arrays it owns and
+    /// gives each array it borrows back to its nearest lender outside the closing subtree (lenders
+    /// closing in the same call are passed over), or closes it if that lender is closed already
+    /// or there is none. The outcome does not depend on the order of siblings.
     fn close_subtree(&mut self, m: usize) {
         let mut order = vec![m];
         let mut i = 0;
@@ -368,12 +369,19 @@ impl Model {
             order.extend(children);
             i += 1;
         }
+        let closing = order.clone();
         for &k in order.iter().rev() {
             for a in &mut self.arrays {
                 if !a.open || a.holder != Holder::Manager(k) {
                     continue;
                 }
-                match a.lenders.pop() {
+                let lender = loop {
+                    match a.lenders.pop() {
+                        Some(Holder::Manager(l)) if closing.contains(&l) => continue,
+                        other => break other,
+                    }
+                };
+                match lender {
                     Some(Holder::Manager(l)) if self.managers[l].open => {
                         a.holder = Holder::Manager(l);
                     }
