@@ -500,3 +500,95 @@ fn nn_results_land_with_the_first_inputs_owner() {
     model.cap();
     assert!(matches!(w.softmax(1), Err(Error::Capped { .. })));
 }
+
+#[test]
+fn op_results_in_a_reused_workspace_never_show_stale_bytes() {
+    use ndscope::{concat, LearningPolicy, WorkspaceConfig};
+    // A fixed block: the second cycle's results land exactly where the first cycle left
+    // garbage (same sizes, same order), so any element an op forgot to write would show it.
+    let trainer = Manager::new_base();
+    let conf = WorkspaceConfig::builder()
+        .learning(LearningPolicy::None)
+        .initial_size(1 << 20)
+        .build()
+        .unwrap();
+    let ws = trainer.workspace("ops", conf).unwrap();
+    type Step = fn(&Manager, &[NDArray]) -> Vec<NDArray>;
+    let inputs = |m: &Manager| -> Vec<NDArray> {
+        vec![
+            m.from_slice(&[1.0f32, 5.0, 3.0, 2.0, 0.0, 4.0], [2, 3])
+                .unwrap(),
+            m.from_slice(&[2i64, 0], [2]).unwrap(),
+            m.zeros([3, 0], DType::F32).unwrap(),
+            m.zeros([0, 2], DType::F32).unwrap(),
+        ]
+    };
+    let garbage: Step = |m, _| {
+        let g = |shape: &[usize], dtype| m.full(shape, 7.0, dtype).unwrap();
+        vec![
+            g(&[2], DType::F32),
+            g(&[3], DType::F32),
+            g(&[2], DType::F32),
+            g(&[3], DType::I64),
+            g(&[2, 3], DType::F32),
+            g(&[2, 4], DType::F64),
+            g(&[2], DType::F32),
+            g(&[3, 2], DType::F32),
+            g(&[4, 3], DType::F32),
+            g(&[2, 3], DType::U8),
+            g(&[3, 2], DType::F32),
+        ]
+    };
+    let real: Step = |_, x| {
+        vec![
+            x[0].sum(&[1], false).unwrap(),
+            x[0].mean(&[0], false).unwrap(),
+            x[0].max(1, false).unwrap(),
+            x[0].argmax(0).unwrap(),
+            x[0].softmax(1).unwrap(),
+            x[1].one_hot(4, DType::F64).unwrap(),
+            x[0].pick(&x[1], 1).unwrap(),
+            x[0].transpose().unwrap(),
+            concat(&[x[0].clone(), x[0].clone()], 0).unwrap(),
+            x[0].gt_scalar(2.0).unwrap(),
+            x[2].matmul(&x[3]).unwrap(),
+        ]
+    };
+    for (cycle, step) in [garbage, real].into_iter().enumerate() {
+        let got = ws
+            .cycle(|m| {
+                let x = inputs(m);
+                let out = step(m, &x);
+                Ok(out.iter().map(as_f64).collect::<Vec<_>>())
+            })
+            .unwrap();
+        if cycle == 1 {
+            let e = |v: f64| v.exp();
+            let (s0, s1) = (e(1.0) + e(5.0) + e(3.0), e(2.0) + e(0.0) + e(4.0));
+            let softmax: Vec<f64> = [
+                e(1.0) / s0,
+                e(5.0) / s0,
+                e(3.0) / s0,
+                e(2.0) / s1,
+                e(0.0) / s1,
+                e(4.0) / s1,
+            ]
+            .to_vec();
+            assert_eq!(got[0], vec![9.0, 6.0]);
+            assert_eq!(got[1], vec![1.5, 2.5, 3.5]);
+            assert_eq!(got[2], vec![5.0, 4.0]);
+            assert_eq!(got[3], vec![1.0, 0.0, 1.0]);
+            assert_close(&got[4], &softmax, 1e-6, "softmax");
+            assert_eq!(got[5], vec![0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]);
+            assert_eq!(got[6], vec![3.0, 2.0]);
+            assert_eq!(got[7], vec![1.0, 2.0, 5.0, 0.0, 3.0, 4.0]);
+            assert_eq!(got[8], [[1.0, 5.0, 3.0, 2.0, 0.0, 4.0]; 2].concat());
+            assert_eq!(got[9], vec![0.0, 1.0, 1.0, 0.0, 0.0, 1.0]);
+            assert_eq!(got[10], vec![0.0; 6]);
+        }
+    }
+    let stats = ws.stats();
+    assert_eq!(stats.spilled_count, 0, "{stats:?}");
+    assert_eq!(stats.cycles, 2);
+    trainer.close().unwrap();
+}

@@ -282,22 +282,25 @@ pub(crate) fn fold_axes<T, A, C, F>(
     if !groups[..last].iter().any(|g| g.1) {
         return fold_axis(x, outer, n, inner, out, conv, comb);
     }
+    // Several runs: fold the last into accumulators, then fold the accumulators run by run
+    // (each pass removes one run and merges its kept neighbours) until the first run, which
+    // folds into `out`.
     let mut acc = vec![empty; outer * inner];
     fold_axis(x, outer, n, inner, &mut acc, conv, comb);
     let mut groups = remove_group(&groups, last);
     let identity = |v: A| v;
     while let Some(last) = groups.iter().rposition(|g| g.1) {
         let (outer, n, inner) = split(&groups, last);
-        if !groups[..last].iter().any(|g| g.1) {
-            return fold_axis(&acc, outer, n, inner, out, &identity, comb);
+        if groups[..last].iter().any(|g| g.1) {
+            let mut next = vec![empty; outer * inner];
+            fold_axis(&acc, outer, n, inner, &mut next, &identity, comb);
+            acc = next;
+            groups = remove_group(&groups, last);
+        } else {
+            fold_axis(&acc, outer, n, inner, out, &identity, comb);
+            break;
         }
-        let mut next = vec![empty; outer * inner];
-        fold_axis(&acc, outer, n, inner, &mut next, &identity, comb);
-        acc = next;
-        groups = remove_group(&groups, last);
     }
-    // Not reached: the loop returns at the first reduced group.
-    out.copy_from_slice(&acc);
 }
 
 fn push_group(groups: &mut Vec<(usize, bool)>, size: usize, reduced: bool) {

@@ -190,10 +190,10 @@ fn offset_of(mut flat: usize, axes: &[(usize, usize)]) -> usize {
 }
 
 /// `dst` in row-major order of `axes` (size, source stride), read from `src`, when the last
-/// axis is not contiguous in `src`. Output axis `p` is (the input's last axis is never dropped
-/// or merged away), so for every index of the axes before `p` (a contiguous region of `dst`,
-/// split across the pool) and every index of the axes between `p` and the last, the
-/// `axes[p] × axes[last]` block is a strided 2-D transpose.
+/// axis is not contiguous in `src`. Some other output axis `p` is (the input's innermost axis
+/// of size above 1 has stride 1, and merging keeps it), so for every index of the axes before
+/// `p` (a contiguous region of `dst`; regions are split across the pool) and every index of the
+/// axes between `p` and the last, the `axes[p] × axes[last]` block is a strided 2-D transpose.
 fn gather_tiled<T: Copy + Default + Send + Sync>(
     src: &[T],
     axes: &[(usize, usize)],
