@@ -429,3 +429,41 @@ proptest! {
         m.close().unwrap();
     }
 }
+
+#[test]
+fn integer_scalar_ops_refuse_fractional_or_out_of_range_scalars() {
+    let m = Manager::new_base();
+    let a = m.from_slice(&[2i32, 4, 6], [3]).unwrap();
+    for (name, result) in [
+        ("add_scalar", a.add_scalar(0.5)),
+        ("sub_scalar", a.sub_scalar(1e12)),
+        ("mul_scalar", a.mul_scalar(0.5)),
+        ("div_scalar", a.div_scalar(2.5)),
+    ] {
+        let err = result.unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }),
+            "{name}: {err}"
+        );
+        assert!(err.to_string().contains("whole number"), "{name}: {err}");
+    }
+    let err = a.mul_scalar_(0.5).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }));
+    assert_eq!(
+        a.to_vec::<i32>().unwrap(),
+        vec![2, 4, 6],
+        "a refused in-place op changes nothing"
+    );
+    assert_eq!(
+        a.mul_scalar(3.0).unwrap().to_vec::<i32>().unwrap(),
+        vec![6, 12, 18]
+    );
+    assert_eq!(
+        a.div_scalar(-2.0).unwrap().to_vec::<i32>().unwrap(),
+        vec![-1, -2, -3]
+    );
+    let u = m.from_slice(&[250u8], [1]).unwrap();
+    assert!(u.add_scalar(-1.0).is_err(), "-1 does not fit u8");
+    assert!(u.add_scalar(256.0).is_err(), "256 does not fit u8");
+    m.close().unwrap();
+}

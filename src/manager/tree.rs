@@ -115,12 +115,17 @@ impl State {
         let shared = Arc::clone(&self.managers[key].shared);
         while let Some(array) = self.managers[key].arrays.head {
             let name = Arc::clone(&shared);
+            // Lenders closing in this same call are passed over; if all are, the array goes
+            // down with its original owner, the last one passed over.
+            let mut original: Option<(ManagerKey, Arc<ManagerShared>)> = None;
             let back = loop {
                 match self.arrays[array].returns.pop() {
                     Some(Lender {
                         owner: Owner::Manager(lender),
-                        ..
-                    }) if closing.binary_search(&lender).is_ok() => continue,
+                        shared,
+                    }) if closing.binary_search(&lender).is_ok() => {
+                        original = shared.map(|s| (lender, s));
+                    }
                     other => break other,
                 }
             };
@@ -138,14 +143,8 @@ impl State {
                     );
                 }
                 None => {
-                    let reason = match cycle_of.and_then(|ws| self.workspaces.get(ws)) {
-                        Some(ws) => CloseReason::CycleEnded {
-                            workspace: Arc::clone(&ws.shared.name),
-                            cycle: ws.open.map_or(0, |tag| tag.generation),
-                            manager: name,
-                        },
-                        None => CloseReason::ManagerClosed { manager: name },
-                    };
+                    let (owner, shared) = original.unwrap_or((key, name));
+                    let reason = self.closing_reason(owner, shared);
                     self.remove_array(array, reason);
                 }
             }
@@ -169,6 +168,20 @@ impl State {
             self.managers[next].prev_sibling = prev;
         }
         self.managers.remove(key);
+    }
+
+    /// Why an array owned by `key` (closing now) is closed: its workspace cycle ended, or its
+    /// manager closed.
+    fn closing_reason(&self, key: ManagerKey, shared: Arc<ManagerShared>) -> CloseReason {
+        let cycle = self.managers.get(key).and_then(|m| m.cycle_of);
+        match cycle.and_then(|ws| self.workspaces.get(ws)) {
+            Some(ws) => CloseReason::CycleEnded {
+                workspace: Arc::clone(&ws.shared.name),
+                cycle: ws.open.map_or(0, |tag| tag.generation),
+                manager: shared,
+            },
+            None => CloseReason::ManagerClosed { manager: shared },
+        }
     }
 
     fn owner_is_open(&self, owner: Owner) -> bool {

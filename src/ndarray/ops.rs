@@ -374,8 +374,26 @@ impl NDArray {
         self.compare_scalar(Ctx::new("eq_scalar"), value, Compare::Eq)
     }
 
+    /// For an integer array, `value` must be a whole number that fits its dtype: integer arrays
+    /// do not become floats (no type promotion), and truncating 0.5 to 0 silently would be a trap.
+    pub(crate) fn check_int_scalar(&self, ctx: &Ctx, what: &str, value: f64) -> Result<()> {
+        let dtype = self.dtype();
+        if dtype.is_float() {
+            return Ok(());
+        }
+        let fits = dispatch!(dtype, T => T::from_f64(value).to_f64() == value);
+        if fits {
+            return Ok(());
+        }
+        Err(ctx.invalid(format!(
+            "{what} {value} is not a whole number that fits {dtype}, the dtype of {} (convert the array with to_dtype first)",
+            self.0.describe()
+        )))
+    }
+
     fn scalar_op(&self, ctx: Ctx, value: f64, op: Binary) -> Result<NDArray> {
         let dtype = self.dtype();
+        self.check_int_scalar(&ctx, "scalar", value)?;
         if op == Binary::Div && !dtype.is_float() && (value as i64 == 0) {
             return Err(ctx.invalid(format!(
                 "integer division by zero: divisor {value} is 0 in {dtype}"
@@ -391,25 +409,27 @@ impl NDArray {
         })
     }
 
-    /// `self + value` (the scalar converted to the array's dtype).
+    /// `self + value`. For integer arrays `value` must be a whole number that fits the dtype
+    /// (`InvalidArgument` otherwise; there is no promotion to float).
     #[track_caller]
     pub fn add_scalar(&self, value: f64) -> Result<NDArray> {
         self.scalar_op(Ctx::new("add_scalar"), value, Binary::Add)
     }
 
-    /// `self - value`.
+    /// `self - value` (integer arrays: see [`add_scalar`](Self::add_scalar)).
     #[track_caller]
     pub fn sub_scalar(&self, value: f64) -> Result<NDArray> {
         self.scalar_op(Ctx::new("sub_scalar"), value, Binary::Sub)
     }
 
-    /// `self * value`.
+    /// `self * value` (integer arrays: see [`add_scalar`](Self::add_scalar)).
     #[track_caller]
     pub fn mul_scalar(&self, value: f64) -> Result<NDArray> {
         self.scalar_op(Ctx::new("mul_scalar"), value, Binary::Mul)
     }
 
-    /// `self / value`. For integer arrays a value that converts to 0 gives `InvalidArgument`.
+    /// `self / value`. For integer arrays `value` must be a non-zero whole number that fits the
+    /// dtype; division truncates toward zero.
     #[track_caller]
     pub fn div_scalar(&self, value: f64) -> Result<NDArray> {
         self.scalar_op(Ctx::new("div_scalar"), value, Binary::Div)
@@ -582,11 +602,12 @@ impl NDArray {
         self.inplace_binary(Ctx::new("mul_"), other, Binary::Mul)
     }
 
-    /// `self *= value` in place.
+    /// `self *= value` in place (integer arrays: see [`add_scalar`](Self::add_scalar)).
     #[track_caller]
     pub fn mul_scalar_(&self, value: f64) -> Result<()> {
         let ctx = Ctx::new("mul_scalar_");
         let dtype = self.dtype();
+        self.check_int_scalar(&ctx, "scalar", value)?;
         exec::inplace(&ctx, self, |x| {
             dispatch!(dtype, T => {
                 let y = T::from_f64(value);
@@ -615,15 +636,7 @@ impl NDArray {
         let ctx = Ctx::new("axpy_");
         self.check_inplace_source(&ctx, x)?;
         let dtype = self.dtype();
-        if !dtype.is_float() {
-            let fits = dispatch!(dtype, T => T::from_f64(alpha).to_f64() == alpha);
-            if !fits {
-                return Err(ctx.invalid(format!(
-                    "alpha {alpha} is not a whole number that fits {dtype}, the dtype of target {}",
-                    self.0.describe()
-                )));
-            }
-        }
+        self.check_int_scalar(&ctx, "alpha", alpha)?;
         let (sx, sb) = (self.shape().clone(), x.shape().clone());
         exec::inplace_with(&ctx, self, x, |target, source| {
             dispatch!(dtype, T => {
