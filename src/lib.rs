@@ -19,7 +19,7 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
-pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList};
+pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
 pub use shape::Shape;
 pub use workspace::{

@@ -1,7 +1,7 @@
 //! Matrix products (2-D and batched 3-D), softmax / log-softmax, one-hot and pick against plain
 //! reference loops, with odd and large sizes, empty arrays and every error path.
 
-use ndscope::{DType, Error, Manager, NDArray};
+use ndscope::{DType, Error, Manager, NDArray, Transpose};
 
 fn size(shape: &[usize]) -> usize {
     shape.iter().product()
@@ -591,4 +591,187 @@ fn op_results_in_a_reused_workspace_never_show_stale_bytes() {
     assert_eq!(stats.spilled_count, 0, "{stats:?}");
     assert_eq!(stats.cycles, 2);
     trainer.close().unwrap();
+}
+
+/// `x` (`[rows, cols]`, row-major) transposed.
+fn transposed(x: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    (0..rows * cols)
+        .map(|i| x[(i % rows) * cols + i / rows])
+        .collect()
+}
+
+#[test]
+fn matmul_t_reads_transposed_operands_without_copies_and_matches_the_reference() {
+    let m = Manager::new_base();
+    // Short results (m ≤ n/8) and tall ones take different routes inside: cover both.
+    for &(rows, k, n) in &[
+        (3, 5, 7),
+        (16, 64, 200),
+        (40, 33, 48),
+        (1, 9, 1024),
+        (70, 1, 8),
+    ] {
+        for dtype in [DType::F32, DType::F64, DType::I64] {
+            let (av, bv) = (values(rows * k, 1), values(k * n, 2));
+            let (af, bf): (Vec<f64>, Vec<f64>) = (
+                av.iter().map(|&v| v as f64).collect(),
+                bv.iter().map(|&v| v as f64).collect(),
+            );
+            let expect = reference_matmul(rows, k, n, &af, &bf);
+            for t in [
+                Transpose::None,
+                Transpose::Left,
+                Transpose::Right,
+                Transpose::Both,
+            ] {
+                // Store each operand the way `t` says it is read.
+                let (a_store, a_shape) = match t {
+                    Transpose::Left | Transpose::Both => (transposed(&af, rows, k), [k, rows]),
+                    _ => (af.clone(), [rows, k]),
+                };
+                let (b_store, b_shape) = match t {
+                    Transpose::Right | Transpose::Both => (transposed(&bf, k, n), [n, k]),
+                    _ => (bf.clone(), [k, n]),
+                };
+                let to_i = |v: &[f64]| -> Vec<i64> { v.iter().map(|&x| x as i64).collect() };
+                let a = array(&m, dtype, &a_shape, &to_i(&a_store));
+                let b = array(&m, dtype, &b_shape, &to_i(&b_store));
+                let c = a.matmul_t(&b, t).unwrap();
+                assert_eq!(c.dims(), &[rows, n], "{t:?} {rows}×{k}×{n} {dtype}");
+                assert_eq!(as_f64(&c), expect, "{t:?} {rows}×{k}×{n} {dtype}");
+            }
+        }
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn matmul_t_temporaries_are_placed_like_the_result_and_closed() {
+    // A capped model owns w; the batch owns g. Without an active scope the result goes to g's
+    // owner, and so must every temporary the product makes internally (never the model).
+    let model = Manager::new_base();
+    let w = model.ones([1024, 64], DType::F32).unwrap(); // read as wᵀ: [64, 1024]
+    model.cap();
+    let batch = Manager::new_base();
+    for rows in [4, 512] {
+        let g = batch.ones([rows, 64], DType::F32).unwrap();
+        let y = g.matmul_t(&w, Transpose::Right).unwrap();
+        assert_eq!(y.dims(), &[rows, 1024]);
+        assert_eq!(y.manager().unwrap(), batch);
+        assert!(y.to_vec::<f32>().unwrap().iter().all(|&v| v == 64.0));
+        let report = batch.report();
+        assert_eq!(
+            report.arrays.len(),
+            2,
+            "g and y only: no temporary left behind"
+        );
+        y.close().unwrap();
+        g.close().unwrap();
+    }
+    assert_eq!(model.report().arrays.len(), 1);
+    model.close().unwrap();
+    batch.close().unwrap();
+}
+
+#[test]
+fn matmul_t_errors_name_the_transposed_shapes() {
+    let m = Manager::new_base();
+    let a = m.ones([2, 3], DType::F32).unwrap();
+    let b = m.ones([2, 3], DType::F32).unwrap();
+    assert!(a.matmul_t(&b, Transpose::Right).is_ok(), "[2,3]·[3,2]");
+    assert!(a.matmul_t(&b, Transpose::Left).is_ok(), "[3,2]·[2,3]");
+    let err = a.matmul_t(&b, Transpose::None).unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+    assert!(
+        err.to_string().contains("inner dimensions 3 and 2"),
+        "{err}"
+    );
+    let v = m.ones([4], DType::F32).unwrap();
+    assert!(matches!(
+        a.matmul_t(&v, Transpose::Right),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    let i = m.ones([2, 3], DType::I32).unwrap();
+    assert!(matches!(
+        a.matmul_t(&i, Transpose::Right),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    m.close().unwrap();
+}
+
+#[test]
+fn addmm_accumulates_the_product_in_place() {
+    let m = Manager::new_base();
+    for &(rows, k, n) in &[(7, 3, 5), (64, 16, 96), (1, 1, 1)] {
+        for dtype in [DType::F32, DType::F64, DType::I32] {
+            let (av, bv, cv) = (values(k * rows, 3), values(k * n, 4), values(rows * n, 5));
+            let af: Vec<f64> = av.iter().map(|&v| v as f64).collect();
+            let bf: Vec<f64> = bv.iter().map(|&v| v as f64).collect();
+            // a is stored [k, rows] and read transposed: the weight-gradient shape xᵀ·g.
+            let product = reference_matmul(rows, k, n, &transposed(&af, k, rows), &bf);
+            let a = array(&m, dtype, &[k, rows], &av);
+            let b = array(&m, dtype, &[k, n], &bv);
+            let c = array(&m, dtype, &[rows, n], &cv);
+            c.addmm_(&a, &b, Transpose::Left, 2.0, 3.0).unwrap();
+            let want: Vec<f64> = cv
+                .iter()
+                .zip(&product)
+                .map(|(&c, &p)| 2.0 * c as f64 + 3.0 * p)
+                .collect();
+            assert_eq!(as_f64(&c), want, "{rows}×{k}×{n} {dtype}");
+        }
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn failed_addmm_changes_nothing_and_allocates_nothing() {
+    let m = Manager::new_base();
+    let x = m.ones([4, 3], DType::F32).unwrap();
+    let g = m.ones([4, 5], DType::F32).unwrap();
+    let v = m.full([3, 5], 7.0, DType::F32).unwrap();
+    m.cap(); // in-place ops must not need a new array
+    let cases = [
+        v.addmm_(&x, &g, Transpose::None, 1.0, 1.0).unwrap_err(), // [4,3]·[4,5]: inner 3 ≠ 4
+        v.addmm_(&g, &x, Transpose::Left, 1.0, 1.0).unwrap_err(), // product [5,3] ≠ [3,5]
+        v.addmm_(&v, &g, Transpose::None, 1.0, 1.0).unwrap_err(), // target is an operand
+    ];
+    assert!(
+        matches!(cases[0], Error::ShapeMismatch { .. }),
+        "{}",
+        cases[0]
+    );
+    assert!(
+        matches!(cases[1], Error::ShapeMismatch { .. }),
+        "{}",
+        cases[1]
+    );
+    assert!(
+        matches!(cases[2], Error::InvalidArgument { .. }),
+        "{}",
+        cases[2]
+    );
+    let i = m.ones([3, 5], DType::I32);
+    assert!(matches!(i, Err(Error::Capped { .. })));
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![7.0; 15]);
+    v.addmm_(&x, &g, Transpose::Left, 0.5, 1.0).unwrap();
+    assert_eq!(
+        v.to_vec::<f32>().unwrap(),
+        vec![7.5; 15],
+        "0.5·7 + (xᵀ·g = 4)"
+    );
+    m.close().unwrap();
+}
+
+#[test]
+fn integer_addmm_refuses_fractional_scales() {
+    let m = Manager::new_base();
+    let a = m.ones([2, 2], DType::I64).unwrap();
+    let c = m.ones([2, 2], DType::I64).unwrap();
+    let err = c.addmm_(&a, &a, Transpose::None, 0.5, 1.0).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert_eq!(c.to_vec::<i64>().unwrap(), vec![1; 4]);
+    c.addmm_(&a, &a, Transpose::None, 1.0, 2.0).unwrap();
+    assert_eq!(c.to_vec::<i64>().unwrap(), vec![5; 4]);
+    m.close().unwrap();
 }

@@ -8,7 +8,7 @@
 
 #![allow(dead_code)]
 
-use ndscope::{DType, Manager, NDArray, Result};
+use ndscope::{DType, Manager, NDArray, Result, Transpose};
 
 /// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and their velocities.
 pub struct Dense {
@@ -98,22 +98,27 @@ impl Mlp {
             .div_scalar(batch)?;
         for (i, layer) in self.layers.iter().enumerate().rev() {
             let input = &inputs[i];
-            let dw = input.transpose()?.matmul(&grad)?;
             let db = grad.sum(&[0], false)?;
-            if i > 0 {
-                // Through this layer's weights (before they change) and the ReLU below it:
-                // relu'(z) is 1 exactly where the layer's input h = relu(z) is positive.
-                let dh = grad.matmul(&layer.w.transpose()?)?;
+            // Through this layer's weights (before they change) and the ReLU below it:
+            // relu'(z) is 1 exactly where the layer's input h = relu(z) is positive.
+            let below = if i > 0 {
+                let dh = grad.matmul_t(&layer.w, Transpose::Right)?; // grad · wᵀ, no copy of w
                 let active = input.gt_scalar(0.0)?.to_dtype(DType::F32)?;
-                grad = dh.mul(&active)?;
-            }
-            // v ← μ·v + g;  w ← w − lr·v
-            layer.vw.mul_scalar_(momentum)?;
-            layer.vw.add_(&dw)?;
+                Some(dh.mul(&active)?)
+            } else {
+                None
+            };
+            // v ← μ·v + inputᵀ·grad in one gemm (no weight-gradient temporary); w ← w − lr·v
+            layer
+                .vw
+                .addmm_(input, &grad, Transpose::Left, momentum, 1.0)?;
             layer.w.axpy_(-lr, &layer.vw)?;
             layer.vb.mul_scalar_(momentum)?;
             layer.vb.add_(&db)?;
             layer.b.axpy_(-lr, &layer.vb)?;
+            if let Some(below) = below {
+                grad = below;
+            }
         }
         Ok(StepOut { loss, correct })
     }

@@ -333,3 +333,53 @@ pub(crate) fn inplace_with(
         kernel(&mut t, Some(&s))
     }
 }
+
+/// Runs an in-place kernel on `target` with two sources, neither of which is `target` (the
+/// caller checks; `a` and `b` may be the same array). Locks are taken in address order, so
+/// crossed calls cannot deadlock.
+pub(crate) fn inplace_with2(
+    ctx: &Ctx,
+    target: &NDArray,
+    a: &NDArray,
+    b: &NDArray,
+    kernel: impl FnOnce(&mut Buffer, &Buffer, &Buffer) -> Result<()>,
+) -> Result<()> {
+    enum Slot<'a> {
+        Write(WriteGuard<'a>),
+        Read(ReadGuard<'a>),
+    }
+    let arrays = [target, a, b];
+    let mut order = [(addr(target), 0usize), (addr(a), 1), (addr(b), 2)];
+    order.sort_unstable();
+    let mut slots: Vec<(usize, Slot<'_>)> = Vec::with_capacity(3);
+    for (pos, &(address, role)) in order.iter().enumerate() {
+        if pos > 0 && order[pos - 1].0 == address {
+            continue; // `a` and `b` are the same array: lock it once
+        }
+        let slot = if role == 0 {
+            Slot::Write(write(ctx, &arrays[0].0)?)
+        } else {
+            Slot::Read(read(ctx, &arrays[role].0)?)
+        };
+        slots.push((role, slot));
+    }
+    let (mut out, mut ra, mut rb): (Option<&mut Buffer>, Option<&Buffer>, Option<&Buffer>) =
+        (None, None, None);
+    for (role, slot) in slots.iter_mut() {
+        match slot {
+            Slot::Write(g) => out = Some(&mut **g),
+            Slot::Read(g) => {
+                let buffer: &Buffer = g;
+                if *role == 1 {
+                    ra = Some(buffer);
+                } else {
+                    rb = Some(buffer);
+                }
+            }
+        }
+    }
+    match (out, ra.or(rb), rb.or(ra)) {
+        (Some(out), Some(ra), Some(rb)) => kernel(out, ra, rb),
+        _ => Err(ctx.invalid("the in-place target is also a source")),
+    }
+}

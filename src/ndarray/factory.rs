@@ -114,7 +114,7 @@ impl Manager {
         self.create_filled(&ctx, shape, dtype, |out, _| {
             dispatch!(dtype, T => {
                 let v = T::from_f64(value);
-                elementwise::map_inplace(out.as_mut_slice::<T>(), |_| v);
+                elementwise::map_inplace(out.as_mut_slice::<T>(), move |_| v);
             })
         })
     }

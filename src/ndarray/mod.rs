@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 pub use factory::manual_seed;
 pub use list::NDList;
+pub use nn_ops::Transpose;
 pub use shape_ops::{concat, stack};
 
 use crate::arena::{self, ArrayInner, CloseReason, Owner};

@@ -343,12 +343,12 @@ impl NDArray {
             dispatch_float!(dtype, T => {
                 // Floats compare in their own precision, so `x.eq_scalar(0.1)` finds the f32 0.1.
                 let y = T::from_f64(value);
-                with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, |x: T| u8::from(f(x, y))));
+                with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x, y))));
             }, _ => {
                 // Integers compare exactly against the f64 value, so `x.gt_scalar(2.5)` is false
                 // for 2 (no truncation of the scalar).
                 dispatch!(dtype, T => {
-                    with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, |x: T| u8::from(f(x.to_f64(), value))));
+                    with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x.to_f64(), value))));
                 })
             });
             Ok(())
@@ -403,7 +403,7 @@ impl NDArray {
             dispatch!(dtype, T => {
                 let y = T::from_f64(value);
                 let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
-                with_binary!(op, T, f => elementwise::map(a, out, |x| f(x, y)));
+                with_binary!(op, T, f => elementwise::map(a, out, move |x| f(x, y)));
             });
             Ok(())
         })
@@ -442,7 +442,7 @@ impl NDArray {
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             dispatch!(dtype, T => {
-                elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), |x| x.pow_f64(exponent));
+                elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), move |x| x.pow_f64(exponent));
             });
             Ok(())
         })
@@ -611,7 +611,7 @@ impl NDArray {
         exec::inplace(&ctx, self, |x| {
             dispatch!(dtype, T => {
                 let y = T::from_f64(value);
-                elementwise::map_inplace(x.as_mut_slice::<T>(), |v| v.mul(y));
+                elementwise::map_inplace(x.as_mut_slice::<T>(), move |v| v.mul(y));
             });
             Ok(())
         })
@@ -643,8 +643,8 @@ impl NDArray {
                 let a = T::from_f64(alpha);
                 let target = target.as_mut_slice::<T>();
                 match source {
-                    Some(b) => broadcast_zip_inplace(target, sx.dims(), b.as_slice::<T>(), sb.dims(), |v, y| v.add(a.mul(y))),
-                    None => elementwise::map_inplace(target, |v| v.add(a.mul(v))),
+                    Some(b) => broadcast_zip_inplace(target, sx.dims(), b.as_slice::<T>(), sb.dims(), move |v, y| v.add(a.mul(y))),
+                    None => elementwise::map_inplace(target, move |v| v.add(a.mul(v))),
                 }
             });
             Ok(())
@@ -689,7 +689,7 @@ impl NDArray {
         exec::inplace(&ctx, self, |x| {
             dispatch!(dtype, T => {
                 let v = T::from_f64(value);
-                elementwise::map_inplace(x.as_mut_slice::<T>(), |_| v);
+                elementwise::map_inplace(x.as_mut_slice::<T>(), move |_| v);
             });
             Ok(())
         })

@@ -5,7 +5,6 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use super::num::Num;
-use crate::Element;
 
 /// `out[m×n] = a[m×k] · b[k×n]`, all row-major and contiguous.
 pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {
@@ -18,7 +17,7 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
         return;
     }
     if T::DTYPE.is_float() {
-        float_gemm(m, k, n, a, b, out);
+        gemm_general(m, k, n, a, false, b, false, out, None);
     } else {
         int_matmul(k, n, a, b, out);
     }
@@ -75,17 +74,66 @@ pub(crate) fn matmul_batched<T: Num>(
     }
 }
 
-fn float_gemm<T: Element>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {
-    // Tiny products are faster on the calling thread; gemm has its own threshold too.
+/// `out[m×n] = op(a) · op(b)`, or with `accumulate = Some((s, p))`, `out = s·out + p·op(a)·op(b)`,
+/// where `op` transposes an operand stored transposed: `a` is stored `[m, k]`, or `[k, m]` when
+/// `ta`; `b` is stored `[k, n]`, or `[n, k]` when `tb`. Floats read the transposed operands
+/// through strides (no copy); integers use a plain loop.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_general<T: Num>(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[T],
+    ta: bool,
+    b: &[T],
+    tb: bool,
+    out: &mut [T],
+    accumulate: Option<(T, T)>,
+) {
+    debug_assert!(a.len() == m * k && b.len() == k * n && out.len() == m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        match accumulate {
+            Some((s, _)) => out.iter_mut().for_each(|o| *o = o.mul(s)),
+            None => out.iter_mut().for_each(|o| *o = T::ZERO),
+        }
+        return;
+    }
+    // Element (i, p) of op(a) is a[i·a_rs + p·a_cs]; (p, j) of op(b) is b[p·b_rs + j·b_cs].
+    let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if tb { (1, k) } else { (n, 1) };
+    if !T::DTYPE.is_float() {
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = T::ZERO;
+                for p in 0..k {
+                    acc = acc.add(a[i * a_rs + p * a_cs].mul(b[p * b_rs + j * b_cs]));
+                }
+                let o = &mut out[i * n + j];
+                *o = match accumulate {
+                    Some((s, q)) => o.mul(s).add(acc.mul(q)),
+                    None => acc,
+                };
+            }
+        }
+        return;
+    }
     let parallelism = if m * n * k >= 48 * 48 * 48 {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None
     };
-    // SAFETY: the three slices hold m·k, k·n and m·n elements (checked by the caller's shapes
-    // and the debug assertion above); the strides describe row-major contiguous matrices inside
-    // them; `out` does not alias `a` or `b` (it is a distinct `&mut`); with `read_dst = false`
-    // gemm writes `out = beta · a · b` without reading it; T is f32 or f64, which gemm supports.
+    let (read_dst, dst_scale, product_scale) = match accumulate {
+        Some((s, q)) => (true, s, q),
+        None => (false, T::ZERO, T::ONE),
+    };
+    // SAFETY: `a` holds m·k elements and (i, p) ↦ i·a_rs + p·a_cs stays inside it for i < m,
+    // p < k (whether stored [m, k] or [k, m]); likewise `b` for its k·n elements; `out` holds
+    // m·n elements, row-major, and aliases neither input (a distinct `&mut`). With `read_dst`
+    // gemm computes out = dst_scale·out + product_scale·op(a)·op(b), otherwise it writes
+    // product_scale·op(a)·op(b) without reading `out`. T is f32 or f64, which gemm supports.
     unsafe {
         gemm::gemm(
             m,
@@ -94,15 +142,15 @@ fn float_gemm<T: Element>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            read_dst,
             a.as_ptr(),
-            1,
-            k as isize,
+            a_cs as isize,
+            a_rs as isize,
             b.as_ptr(),
-            1,
-            n as isize,
-            T::ZERO,
-            T::ONE,
+            b_cs as isize,
+            b_rs as isize,
+            dst_scale,
+            product_scale,
             false,
             false,
             false,
@@ -135,6 +183,36 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn transposed_and_accumulating_products_agree_with_the_definition() {
+        let (m, k, n) = (37, 19, 23);
+        let a: Vec<f64> = (0..m * k).map(|i| (i % 11) as f64 - 5.0).collect();
+        let b: Vec<f64> = (0..k * n).map(|i| (i % 5) as f64 * 0.25).collect();
+        let expect = naive(m, k, n, &a, &b);
+        let transpose = |x: &[f64], rows: usize, cols: usize| -> Vec<f64> {
+            (0..cols * rows)
+                .map(|i| x[(i % rows) * cols + i / rows])
+                .collect()
+        };
+        let (at, bt) = (transpose(&a, m, k), transpose(&b, k, n));
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (a_in, b_in) = (if ta { &at } else { &a }, if tb { &bt } else { &b });
+            let mut out = vec![f64::NAN; m * n];
+            gemm_general(m, k, n, a_in, ta, b_in, tb, &mut out, None);
+            assert_eq!(out, expect, "ta {ta} tb {tb}");
+            let mut acc = vec![2.0; m * n];
+            gemm_general(m, k, n, a_in, ta, b_in, tb, &mut acc, Some((0.5, 3.0)));
+            let want: Vec<f64> = expect.iter().map(|e| 1.0 + 3.0 * e).collect();
+            assert_eq!(acc, want, "accumulate ta {ta} tb {tb}");
+            let ai: Vec<i64> = a_in.iter().map(|&x| x as i64).collect();
+            let bi: Vec<i64> = b_in.iter().map(|&x| (x * 4.0) as i64).collect();
+            let mut oi = vec![1i64; m * n];
+            gemm_general(m, k, n, &ai, ta, &bi, tb, &mut oi, Some((2, 1)));
+            let want: Vec<i64> = expect.iter().map(|e| 2 + (e * 4.0) as i64).collect();
+            assert_eq!(oi, want, "integers ta {ta} tb {tb}");
+        }
     }
 
     #[test]

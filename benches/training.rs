@@ -1,0 +1,193 @@
+//! Training speed (issue: training on CPU), each as a ratio in one run:
+//! - `matmul` 1024² f32 through ndscope vs calling the `gemm` crate directly (target ≥ 0.95);
+//! - an MLP training step 784→1024→1024→10 at batch 256 vs its FLOP floor at the measured
+//!   matmul rate (target ≥ 0.75 of it);
+//! - the same step at batch 16 (overhead-bound);
+//! - elementwise `add` of 1M f32 vs a memcpy of the same bytes.
+//!
+//! Medians are saved to `target/ndscope-bench/training.json`; `benches/peers/mlp_step.py` reads
+//! them to print the ratio against PyTorch on the same machine.
+
+// criterion's macros generate undocumented public functions.
+#![allow(missing_docs)]
+
+#[path = "common/mod.rs"]
+mod common;
+#[path = "../examples/mlp/mod.rs"]
+mod mlp;
+
+use std::hint::black_box;
+
+use common::{bench, human, median_ns, ratio, save};
+use criterion::{criterion_group, Criterion};
+use ndscope::{manual_seed, DType, Manager, Workspace, WorkspaceConfig};
+
+const N: usize = 1024;
+
+fn trainer() -> (Manager, Workspace) {
+    let t = Manager::new_base().with_name("trainer");
+    let ws = t.workspace("bench", WorkspaceConfig::default()).unwrap();
+    (t, ws)
+}
+
+fn matmul(c: &mut Criterion) {
+    let group = "matmul_1024_f32";
+    let (t, ws) = trainer();
+    manual_seed(1);
+    let a = t.randn([N, N], DType::F32).unwrap();
+    let b = t.randn([N, N], DType::F32).unwrap();
+    let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    let mut out = vec![0f32; N * N];
+    let mut g = c.benchmark_group(group);
+    g.sample_size(20);
+    bench(&mut g, group, "gemm crate directly", || {
+        // SAFETY: the slices hold N·N elements each, laid out row-major as the strides say, and
+        // `out` aliases neither input.
+        unsafe {
+            gemm::gemm(
+                N,
+                N,
+                N,
+                out.as_mut_ptr(),
+                1,
+                N as isize,
+                false,
+                av.as_ptr(),
+                1,
+                N as isize,
+                bv.as_ptr(),
+                1,
+                N as isize,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(0),
+            )
+        };
+        black_box(&out);
+    });
+    bench(&mut g, group, "ndscope in a workspace cycle", || {
+        ws.cycle(|_| a.matmul(&b).map(|r| black_box(r).size()))
+            .unwrap();
+    });
+    bench(&mut g, group, "ndscope in a plain scope", || {
+        t.scope(|_| a.matmul(&b).map(|r| black_box(r).size()))
+            .unwrap();
+    });
+    g.finish();
+    t.close().unwrap();
+}
+
+fn mlp_step(c: &mut Criterion, batch: usize, group: &str) {
+    let (t, ws) = trainer();
+    manual_seed(2);
+    let model = Manager::new_base().with_name("model");
+    let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10]).unwrap();
+    model.cap();
+    let x = t.randn([batch, 784], DType::F32).unwrap();
+    let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
+    let y = t.from_vec(labels, [batch]).unwrap();
+    let mut g = c.benchmark_group(group);
+    g.sample_size(if batch >= 256 { 20 } else { 50 });
+    bench(&mut g, group, "ndscope step in a workspace cycle", || {
+        ws.cycle(|_| {
+            net.train_step(&x, &y, 0.01, 0.9)
+                .map(|o| black_box(o.loss).size())
+        })
+        .unwrap();
+    });
+    bench(&mut g, group, "ndscope step in a plain scope", || {
+        t.scope(|_| {
+            net.train_step(&x, &y, 0.01, 0.9)
+                .map(|o| black_box(o.loss).size())
+        })
+        .unwrap();
+    });
+    g.finish();
+    println!(
+        "  {group}: {:.2} GFLOP per step",
+        net.step_flops(batch) / 1e9
+    );
+    model.close().unwrap();
+    t.close().unwrap();
+}
+
+fn mlp_steps(c: &mut Criterion) {
+    mlp_step(c, 256, "mlp_step_b256");
+    mlp_step(c, 16, "mlp_step_b16");
+}
+
+fn add_vs_memcpy(c: &mut Criterion) {
+    let group = "add_1M_f32";
+    let (t, ws) = trainer();
+    let a = t.ones([1 << 20], DType::F32).unwrap();
+    let b = t.ones([1 << 20], DType::F32).unwrap();
+    let src = vec![1f32; 1 << 20];
+    let mut dst = vec![0f32; 1 << 20];
+    let mut g = c.benchmark_group(group);
+    bench(&mut g, group, "ndscope add in a workspace cycle", || {
+        ws.cycle(|_| a.add(&b).map(|r| black_box(r).size()))
+            .unwrap();
+    });
+    bench(&mut g, group, "ndscope add_ in place", || {
+        a.add_(&b).unwrap()
+    });
+    bench(&mut g, group, "memcpy of the same 4 MiB", || {
+        dst.copy_from_slice(black_box(&src));
+        black_box(&dst);
+    });
+    g.finish();
+    t.close().unwrap();
+}
+
+criterion_group!(benches, matmul, mlp_steps, add_vs_memcpy);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+
+    println!("\nratios (medians of the last samples, all measured in this run):");
+    ratio(
+        "matmul 1024² f32, gemm direct / ndscope (target ≥ 0.95)",
+        "matmul_1024_f32/gemm crate directly",
+        "matmul_1024_f32/ndscope in a workspace cycle",
+    );
+    let mut extra = Vec::new();
+    if let Some(gemm_ns) = median_ns("matmul_1024_f32/gemm crate directly") {
+        let rate = 2.0 * (N * N * N) as f64 / gemm_ns; // FLOP per ns = GFLOP/s
+        println!("  matmul rate: {rate:.0} GFLOP/s");
+        extra.push(("matmul_gflops", rate));
+        let model = Manager::new_base();
+        let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10]).unwrap();
+        for (batch, group) in [(256, "mlp_step_b256"), (16, "mlp_step_b16")] {
+            let floor = net.step_flops(batch) / rate;
+            if let Some(step) = median_ns(&format!("{group}/ndscope step in a workspace cycle")) {
+                println!(
+                    "  MLP step batch {batch}: FLOP floor {} / step {} = {:.3}{}",
+                    human(floor),
+                    human(step),
+                    floor / step,
+                    if batch == 256 {
+                        " (target ≥ 0.75)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+        }
+        model.close().unwrap();
+    }
+    ratio(
+        "add 1M f32 / memcpy 4 MiB",
+        "add_1M_f32/ndscope add in a workspace cycle",
+        "add_1M_f32/memcpy of the same 4 MiB",
+    );
+    ratio(
+        "add_ 1M f32 in place / memcpy 4 MiB",
+        "add_1M_f32/ndscope add_ in place",
+        "add_1M_f32/memcpy of the same 4 MiB",
+    );
+    save("training", &extra);
+}
