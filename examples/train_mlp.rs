@@ -14,7 +14,7 @@
 //! --epochs N        passes over the training set (default 8)
 //! --batch N         samples per step (default 128)
 //! --hidden A,B,...  hidden layer widths (default 256,128)
-//! --samples N       training samples (default 120000; 10000 more are held out)
+//! --samples N       training samples (default 180000; 10000 more are held out)
 //! --lr X            learning rate (default 0.02)
 //! --momentum X      SGD momentum (default 0.9)
 //! --seed N          seed of every random number (default 7)
@@ -58,7 +58,7 @@ fn parse_args() -> Result<Args, String> {
         epochs: 8,
         batch: 128,
         hidden: vec![256, 128],
-        samples: 120_000,
+        samples: 180_000,
         lr: 0.02,
         momentum: 0.9,
         seed: 7,
