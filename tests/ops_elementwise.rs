@@ -5,69 +5,17 @@
 use ndscope::{DType, Error, Manager, NDArray};
 use proptest::prelude::*;
 
-/// Deterministic small values (exact in every dtype), some negative.
+mod common;
+use common::{as_f64, size};
+
+/// Test data in -9..=9.
 fn values(n: usize, seed: u64) -> Vec<i64> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % 19) as i64 - 9
-        })
-        .collect()
+    common::values(n, seed, 9)
 }
 
-fn size(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
-
-/// An array of `dtype` and `shape` holding `vals` (u8 takes them modulo 256... kept to 0..=9).
+/// An array of `vals` (floats scaled by 0.5).
 fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64]) -> NDArray {
-    match dtype {
-        DType::F32 => m.from_vec(vals.iter().map(|&v| v as f32 * 0.5).collect(), shape),
-        DType::F64 => m.from_vec(vals.iter().map(|&v| v as f64 * 0.5).collect(), shape),
-        DType::I32 => m.from_vec(vals.iter().map(|&v| v as i32).collect(), shape),
-        DType::I64 => m.from_vec(vals.to_vec(), shape),
-        DType::U8 => m.from_vec(
-            vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
-            shape,
-        ),
-    }
-    .unwrap()
-}
-
-/// The elements as f64, whatever the dtype.
-fn as_f64(a: &NDArray) -> Vec<f64> {
-    match a.dtype() {
-        DType::F32 => a
-            .to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::F64 => a.to_vec::<f64>().unwrap(),
-        DType::I32 => a
-            .to_vec::<i32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::I64 => a
-            .to_vec::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|v| v as f64)
-            .collect(),
-        DType::U8 => a
-            .to_vec::<u8>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-    }
+    common::array(m, dtype, shape, vals, 0.5)
 }
 
 /// The NumPy broadcast of two shapes, by the textbook rule.

@@ -5,64 +5,17 @@
 use ndscope::{DType, Error, Manager, NDArray};
 use proptest::prelude::*;
 
-fn size(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
+mod common;
+use common::{as_f64, size};
 
+/// Test data in -10..=10.
 fn values(n: usize, seed: u64) -> Vec<i64> {
-    let mut s = seed ^ 0x2545_F491_4F6C_DD1D;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % 21) as i64 - 10
-        })
-        .collect()
+    common::values(n, seed, 10)
 }
 
+/// An array of `vals` (floats scaled by 0.5).
 fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64]) -> NDArray {
-    match dtype {
-        DType::F32 => m.from_vec(vals.iter().map(|&v| v as f32 * 0.5).collect(), shape),
-        DType::F64 => m.from_vec(vals.iter().map(|&v| v as f64 * 0.5).collect(), shape),
-        DType::I32 => m.from_vec(vals.iter().map(|&v| v as i32).collect(), shape),
-        DType::I64 => m.from_vec(vals.to_vec(), shape),
-        DType::U8 => m.from_vec(
-            vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
-            shape,
-        ),
-    }
-    .unwrap()
-}
-
-fn as_f64(a: &NDArray) -> Vec<f64> {
-    match a.dtype() {
-        DType::F32 => a
-            .to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::F64 => a.to_vec::<f64>().unwrap(),
-        DType::I32 => a
-            .to_vec::<i32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::I64 => a
-            .to_vec::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|v| v as f64)
-            .collect(),
-        DType::U8 => a
-            .to_vec::<u8>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-    }
+    common::array(m, dtype, shape, vals, 0.5)
 }
 
 /// `target[i] = f(target[i], src[broadcast i])` by the index formula.

@@ -3,65 +3,17 @@
 
 use ndscope::{DType, Error, Manager, NDArray, Transpose};
 
-fn size(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
+mod common;
+use common::{as_f64, size};
 
-/// Deterministic small integers in -8..=8 (exact in every float product we form).
+/// Test data in -8..=8.
 fn values(n: usize, seed: u64) -> Vec<i64> {
-    let mut s = seed ^ 0xD1B5_4A32_D192_ED03;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % 17) as i64 - 8
-        })
-        .collect()
+    common::values(n, seed, 8)
 }
 
+/// An array of `vals` (floats scaled by 1.0).
 fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64]) -> NDArray {
-    match dtype {
-        DType::F32 => m.from_vec(vals.iter().map(|&v| v as f32).collect(), shape),
-        DType::F64 => m.from_vec(vals.iter().map(|&v| v as f64).collect(), shape),
-        DType::I32 => m.from_vec(vals.iter().map(|&v| v as i32).collect(), shape),
-        DType::I64 => m.from_vec(vals.to_vec(), shape),
-        DType::U8 => m.from_vec(
-            vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
-            shape,
-        ),
-    }
-    .unwrap()
-}
-
-fn as_f64(a: &NDArray) -> Vec<f64> {
-    match a.dtype() {
-        DType::F32 => a
-            .to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::F64 => a.to_vec::<f64>().unwrap(),
-        DType::I32 => a
-            .to_vec::<i32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-        DType::I64 => a
-            .to_vec::<i64>()
-            .unwrap()
-            .into_iter()
-            .map(|v| v as f64)
-            .collect(),
-        DType::U8 => a
-            .to_vec::<u8>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect(),
-    }
+    common::array(m, dtype, shape, vals, 1.0)
 }
 
 /// `a[m×k] · b[k×n]` by the definition.

@@ -222,6 +222,24 @@ fn check_list(ctx: &Ctx, arrays: &[NDArray]) -> Result<()> {
     Ok(())
 }
 
+/// The array of shape `out` that takes, for each of `outer` rows, `row_bytes[i]` bytes from
+/// each input `i` in turn (what `concat` and `stack` are), placed like an op result on the first.
+fn interleave(
+    ctx: &Ctx,
+    arrays: &[NDArray],
+    out: Shape,
+    row_bytes: &[usize],
+    outer: usize,
+) -> Result<NDArray> {
+    let dtype = arrays[0].dtype();
+    let inputs: Vec<&NDArray> = arrays.iter().collect();
+    exec::op(ctx, &inputs, out, dtype, |srcs, dst| {
+        let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
+        kernels::interleave(&srcs, row_bytes, outer, dst.as_bytes_mut());
+        Ok(())
+    })
+}
+
 /// Joins arrays along an existing `axis` (negative counts from the end). They must share dtype,
 /// device, rank and every other dimension. The result is placed like an op result on the first
 /// array. An empty list or an out-of-range axis gives `InvalidArgument`; other dimensions that
@@ -269,18 +287,7 @@ pub fn concat(arrays: &[NDArray], axis: isize) -> Result<NDArray> {
         .iter()
         .map(|a| a.dims()[index] * inner * bytes)
         .collect();
-    let inputs: Vec<&NDArray> = arrays.iter().collect();
-    exec::op(
-        &ctx,
-        &inputs,
-        Shape::new(&out),
-        first.dtype(),
-        |srcs, dst| {
-            let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
-            kernels::interleave(&srcs, &row_bytes, outer, dst.as_bytes_mut());
-            Ok(())
-        },
-    )
+    interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)
 }
 
 /// Joins arrays of one shape along a new `axis`, which may be one past the last (valid are
@@ -314,16 +321,5 @@ pub fn stack(arrays: &[NDArray], axis: isize) -> Result<NDArray> {
     let outer: usize = first.dims()[..index].iter().product();
     let inner: usize = first.dims()[index..].iter().product();
     let row_bytes = vec![inner * first.dtype().size_in_bytes(); arrays.len()];
-    let inputs: Vec<&NDArray> = arrays.iter().collect();
-    exec::op(
-        &ctx,
-        &inputs,
-        Shape::new(&out),
-        first.dtype(),
-        |srcs, dst| {
-            let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
-            kernels::interleave(&srcs, &row_bytes, outer, dst.as_bytes_mut());
-            Ok(())
-        },
-    )
+    interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)
 }
