@@ -19,7 +19,6 @@
 //! finishes on valid memory (the closer waits for it), or, if the close came first, the kernel's
 //! thread finds `None` in the data lock and reports `ArrayClosed`.
 
-pub(crate) mod buffer;
 pub(crate) mod memory;
 
 use std::fmt;
@@ -29,7 +28,7 @@ use std::sync::{Arc, LazyLock, OnceLock};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use slotmap::SlotMap;
 
-pub(crate) use buffer::Buffer;
+pub(crate) use crate::backend::cpu::buffer::Buffer;
 
 use crate::error::{Ctx, Site};
 use crate::workspace::WorkspaceEntry;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::MmapMut;
 
-use crate::arena::buffer::STORAGE_ALIGN;
+use crate::backend::cpu::buffer::STORAGE_ALIGN;
 use crate::arena::memory;
 use crate::error::Ctx;
 use crate::{Device, Error, Result};

@@ -733,10 +733,15 @@ impl State {
                     .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
                 let evict = ws.overlapping(offset, aligned);
                 ws.commit(Slot::Block { offset, wrap }, aligned);
-                // SAFETY: `plan` placed `[offset, offset + aligned)` inside the block, at a
-                // multiple of ALIGNMENT from its 64-byte aligned base, clear of the open cycle's
-                // arrays; the older arrays there (`evict`) are closed before anything is written.
-                let buffer = unsafe { Buffer::block_slice(&block, offset, bytes) };
+                // SAFETY: `plan` placed `[offset, offset + aligned)` inside the block (so the
+                // pointer arithmetic stays in it), at a multiple of ALIGNMENT from its 64-byte
+                // aligned, zero-initialised base, clear of the open cycle's arrays; the older
+                // arrays there (`evict`) are closed before anything is written; the slice keeps
+                // the block alive through its `Arc`.
+                let buffer = unsafe {
+                    let base = block.base().add(offset);
+                    Buffer::block_slice(block, base, bytes)
+                };
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {

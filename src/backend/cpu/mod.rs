@@ -1,5 +1,6 @@
 //! CPU kernels over slices. Large inputs are split across the `rayon` pool.
 
+pub(crate) mod buffer;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;

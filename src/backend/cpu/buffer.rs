@@ -1,19 +1,21 @@
-//! Array storage: a span of bytes on a device, owned by one array.
+//! Array storage: a span of host bytes, owned by one array.
 //!
 //! A buffer is either its own heap allocation (freed, and its reservation released, when the
-//! buffer drops) or a slice of a workspace block (the block outlives every slice through the
-//! `Arc`). Buffers live in the `RwLock` of their array, which is what makes sharing them between
-//! threads sound.
+//! buffer drops) or a slice of a larger block that some owner carves up (a workspace block): the
+//! slice holds an `Arc` to that block, so the block outlives every slice. Buffers live in the
+//! `RwLock` of their array, which is what makes sharing them between threads sound.
 
 use std::alloc::Layout;
 use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::memory;
+use crate::arena::memory;
 use crate::error::Ctx;
-use crate::workspace::Block;
 use crate::{Device, Element, Result};
+
+/// Whatever keeps the memory of a block slice alive (a workspace block).
+pub(crate) type KeepAlive = Arc<dyn std::any::Any + Send + Sync>;
 
 /// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.
 pub(crate) const STORAGE_ALIGN: usize = 64;
@@ -29,8 +31,8 @@ enum Backing {
     Empty,
     /// Our own allocation with this layout, reserved on this device.
     Heap { layout: Layout, device: Device },
-    /// A slice of a workspace block.
-    Block(#[allow(dead_code)] Arc<Block>),
+    /// A slice of a block kept alive by this handle.
+    Block(#[allow(dead_code)] KeepAlive),
 }
 
 // SAFETY: a `Buffer` is the only handle to its bytes (its own allocation, or a block slice that
@@ -110,26 +112,24 @@ impl Buffer {
         })
     }
 
-    /// A slice `[offset, offset + bytes)` of `block`.
+    /// A slice of `bytes` at `base`, inside a block that `keep_alive` keeps allocated.
     ///
     /// # Safety
-    /// The range must lie inside the block, be aligned to `STORAGE_ALIGN`, and not be handed to
-    /// any other live buffer.
-    pub unsafe fn block_slice(block: &Arc<Block>, offset: usize, bytes: usize) -> Buffer {
+    /// `base` must be valid for reads and writes of `bytes` bytes for as long as `keep_alive`
+    /// lives, aligned to `STORAGE_ALIGN`, initialised, and not handed to any other live buffer.
+    pub unsafe fn block_slice(keep_alive: KeepAlive, base: *mut u8, bytes: usize) -> Buffer {
         if bytes == 0 {
             return Buffer::empty();
         }
-        debug_assert!(offset + bytes <= block.capacity());
         Buffer {
-            // SAFETY: the caller guarantees the range is inside the block, whose base pointer is
-            // non-null.
-            ptr: unsafe { NonNull::new_unchecked(block.base().add(offset)) },
+            // SAFETY: the caller guarantees `base` points into a live block, so it is non-null.
+            ptr: unsafe { NonNull::new_unchecked(base) },
             bytes,
-            backing: Backing::Block(Arc::clone(block)),
+            backing: Backing::Block(keep_alive),
         }
     }
 
-    /// `true` if the bytes came from a workspace block.
+    /// `true` if the bytes are a slice of a block (their previous contents are stale).
     pub fn is_block(&self) -> bool {
         matches!(self.backing, Backing::Block(_))
     }
