@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::MmapMut;
 
-use crate::backend::cpu::buffer::STORAGE_ALIGN;
 use crate::arena::memory;
+use crate::backend::cpu::buffer::STORAGE_ALIGN;
 use crate::error::Ctx;
 use crate::{Device, Error, Result};
 
