@@ -2,11 +2,13 @@
 //! - `matmul` 1024² f32 through ndscope vs calling the `gemm` crate directly (target ≥ 0.95);
 //! - an MLP training step 784→1024→1024→10 at batch 256 vs its FLOP floor at the measured
 //!   matmul rate (target ≥ 0.75 of it);
-//! - the same step at batch 16 (overhead-bound);
+//! - the same step at batch 16 (bound by memory traffic and per-op overhead);
+//! - the weight update of its 1024×1024 layer at batch 16: `sgd_dense_update_` (one pass) vs
+//!   `addmm_` then `axpy_`;
 //! - elementwise `add` of 1M f32 vs a memcpy of the same bytes.
 //!
-//! Medians are saved to `target/ndscope-bench/training.json`; `benches/peers/mlp_step.py` reads
-//! them to print the ratio against PyTorch on the same machine.
+//! Medians are saved to `target/ndscope-bench/training.json`. `benches/peers/mlp_step.py` times
+//! the same step against PyTorch on the same machine.
 
 // criterion's macros generate undocumented public functions.
 #![allow(missing_docs)]
@@ -20,7 +22,7 @@ use std::hint::black_box;
 
 use common::{bench, human, median_ns, ratio, save};
 use criterion::{criterion_group, Criterion};
-use ndscope::{manual_seed, DType, Manager, Workspace, WorkspaceConfig};
+use ndscope::{manual_seed, DType, Manager, Transpose, Workspace, WorkspaceConfig};
 
 const N: usize = 1024;
 
@@ -119,6 +121,27 @@ fn mlp_steps(c: &mut Criterion) {
     mlp_step(c, 16, "mlp_step_b16");
 }
 
+fn sgd_update(c: &mut Criterion) {
+    let group = "sgd_update_1024x1024_b16";
+    let (t, _ws) = trainer();
+    manual_seed(3);
+    let x = t.randn([16, N], DType::F32).unwrap();
+    let g = t.randn([16, N], DType::F32).unwrap();
+    let w = t.randn([N, N], DType::F32).unwrap();
+    let v = t.zeros([N, N], DType::F32).unwrap();
+    let mut gr = c.benchmark_group(group);
+    gr.sample_size(50);
+    bench(&mut gr, group, "sgd_dense_update_ (one pass)", || {
+        w.sgd_dense_update_(&v, &x, &g, 1e-6, 0.9).unwrap()
+    });
+    bench(&mut gr, group, "addmm_ then axpy_", || {
+        v.addmm_(&x, &g, Transpose::Left, 0.9, 1.0).unwrap();
+        w.axpy_(-1e-6, &v).unwrap();
+    });
+    gr.finish();
+    t.close().unwrap();
+}
+
 fn add_vs_memcpy(c: &mut Criterion) {
     let group = "add_1M_f32";
     let (t, ws) = trainer();
@@ -142,7 +165,7 @@ fn add_vs_memcpy(c: &mut Criterion) {
     t.close().unwrap();
 }
 
-criterion_group!(benches, matmul, mlp_steps, add_vs_memcpy);
+criterion_group!(benches, matmul, mlp_steps, sgd_update, add_vs_memcpy);
 
 fn main() {
     benches();
@@ -179,6 +202,11 @@ fn main() {
         }
         model.close().unwrap();
     }
+    ratio(
+        "SGD update 1024² at batch 16, addmm_ + axpy_ / sgd_dense_update_",
+        "sgd_update_1024x1024_b16/addmm_ then axpy_",
+        "sgd_update_1024x1024_b16/sgd_dense_update_ (one pass)",
+    );
     ratio(
         "add 1M f32 / memcpy 4 MiB",
         "add_1M_f32/ndscope add in a workspace cycle",

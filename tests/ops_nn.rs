@@ -727,3 +727,148 @@ fn integer_addmm_refuses_fractional_scales() {
     assert_eq!(c.to_vec::<i64>().unwrap(), vec![5; 4]);
     m.close().unwrap();
 }
+
+/// `v ← μ·v + xᵀ·g; w ← w − lr·v` by the definition, in f64.
+fn reference_sgd(
+    (fan_in, batch, fan_out): (usize, usize, usize),
+    x: &[f64],
+    g: &[f64],
+    v: &[f64],
+    w: &[f64],
+    lr: f64,
+    momentum: f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let grad = reference_matmul(fan_in, batch, fan_out, &transposed(x, batch, fan_in), g);
+    let v: Vec<f64> = v
+        .iter()
+        .zip(&grad)
+        .map(|(&v, &d)| if momentum == 0.0 { d } else { momentum * v + d })
+        .collect();
+    let w = w.iter().zip(&v).map(|(&w, &v)| w - lr * v).collect();
+    (v, w)
+}
+
+#[test]
+fn sgd_dense_update_is_addmm_then_axpy_in_one_pass() {
+    let m = Manager::new_base();
+    // Batches inside the fused kernel's range (f32) and past it, ragged and vector-sized widths.
+    for &(fan_in, batch, fan_out) in &[
+        (7, 3, 5),
+        (64, 16, 96),
+        (33, 64, 130),
+        (5, 100, 3),
+        (1, 1, 1),
+    ] {
+        for dtype in [DType::F32, DType::F64] {
+            for momentum in [0.5, 0.0] {
+                let (xv, gv) = (values(batch * fan_in, 6), values(batch * fan_out, 7));
+                let (vv, wv) = (values(fan_in * fan_out, 8), values(fan_in * fan_out, 9));
+                let f = |v: &[i64]| -> Vec<f64> { v.iter().map(|&v| v as f64).collect() };
+                let x = array(&m, dtype, &[batch, fan_in], &xv);
+                let g = array(&m, dtype, &[batch, fan_out], &gv);
+                let v = array(&m, dtype, &[fan_in, fan_out], &vv);
+                let w = array(&m, dtype, &[fan_in, fan_out], &wv);
+                if momentum == 0.0 {
+                    v.fill_(f64::NAN).unwrap(); // without momentum the old velocity is not read
+                }
+                w.sgd_dense_update_(&v, &x, &g, 0.25, momentum).unwrap();
+                let (want_v, want_w) = reference_sgd(
+                    (fan_in, batch, fan_out),
+                    &f(&xv),
+                    &f(&gv),
+                    &f(&vv),
+                    &f(&wv),
+                    0.25,
+                    momentum,
+                );
+                // Inputs in -8..=8, batches ≤ 100 and power-of-two factors keep every value
+                // exact in f32 and f64, whatever the order of summation.
+                let case = format!("{fan_in}×{batch}×{fan_out} {dtype} μ {momentum}");
+                assert_eq!(as_f64(&v), want_v, "velocity, {case}");
+                assert_eq!(as_f64(&w), want_w, "weights, {case}");
+            }
+        }
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn failed_sgd_dense_update_changes_nothing() {
+    let m = Manager::new_base();
+    let x = m.ones([4, 3], DType::F32).unwrap();
+    let g = m.ones([4, 5], DType::F32).unwrap();
+    let v = m.full([3, 5], 7.0, DType::F32).unwrap();
+    let w = m.full([3, 5], 1.0, DType::F32).unwrap();
+    let x64 = m.ones([4, 3], DType::F64).unwrap();
+    let wi = m.ones([3, 5], DType::I32).unwrap();
+    let vi = m.ones([3, 5], DType::I32).unwrap();
+    let (xi, gi) = (
+        m.ones([4, 3], DType::I32).unwrap(),
+        m.ones([4, 5], DType::I32).unwrap(),
+    );
+    let short_g = m.ones([2, 5], DType::F32).unwrap();
+    let closed = m.ones([4, 3], DType::F32).unwrap();
+    closed.close().unwrap();
+    m.cap(); // in-place: must not need a new array
+    type Kind = fn(&Error) -> bool;
+    let shape: Kind = |e| matches!(e, Error::ShapeMismatch { .. });
+    let invalid: Kind = |e| matches!(e, Error::InvalidArgument { .. });
+    let dtype: Kind = |e| matches!(e, Error::DTypeMismatch { .. });
+    let closed_err: Kind = |e| matches!(e, Error::ArrayClosed { .. });
+    let cases: Vec<(Error, Kind)> = vec![
+        (
+            w.sgd_dense_update_(&v, &g, &x, 0.1, 0.9).unwrap_err(),
+            shape,
+        ), // x and g swapped
+        (
+            w.sgd_dense_update_(&v, &x, &short_g, 0.1, 0.9).unwrap_err(),
+            shape,
+        ), // batch 4 ≠ 2
+        (
+            w.sgd_dense_update_(&x, &x, &g, 0.1, 0.9).unwrap_err(),
+            invalid,
+        ), // velocity is x
+        (
+            w.sgd_dense_update_(&w, &x, &g, 0.1, 0.9).unwrap_err(),
+            invalid,
+        ), // velocity is w
+        (
+            w.sgd_dense_update_(&v, &x, &g, f64::NAN, 0.9).unwrap_err(),
+            invalid,
+        ),
+        (
+            w.sgd_dense_update_(&v, &x, &g, 0.1, f64::INFINITY)
+                .unwrap_err(),
+            invalid,
+        ),
+        (
+            w.sgd_dense_update_(&v, &x64, &g, 0.1, 0.9).unwrap_err(),
+            dtype,
+        ),
+        (
+            wi.sgd_dense_update_(&vi, &xi, &gi, 0.1, 0.9).unwrap_err(),
+            dtype,
+        ), // floats only
+        (
+            w.sgd_dense_update_(&v, &closed, &g, 0.1, 0.9).unwrap_err(),
+            closed_err,
+        ),
+    ];
+    for (i, (err, kind)) in cases.iter().enumerate() {
+        assert!(kind(err), "case {i}: {err}");
+        assert!(
+            err.to_string().contains("sgd_dense_update_"),
+            "case {i} names the op: {err}"
+        );
+    }
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![7.0; 15]);
+    assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0; 15]);
+    w.sgd_dense_update_(&v, &x, &g, 0.5, 0.5).unwrap();
+    assert_eq!(
+        v.to_vec::<f32>().unwrap(),
+        vec![7.5; 15],
+        "0.5·7 + (xᵀ·g = 4)"
+    );
+    assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0 - 0.5 * 7.5; 15]);
+    m.close().unwrap();
+}

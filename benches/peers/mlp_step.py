@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """The MLP training step of benches/training.rs (784→1024→1024→10, softmax cross-entropy, SGD
 with momentum 0.9) in PyTorch on the CPU, with as many threads as ndscope's pool uses (one per
-core), and its ratio to ndscope's step from the same machine.
+core), against ndscope's step on the same machine.
 
-Run `cargo bench --bench training` first (it saves its medians to
-target/ndscope-bench/training.json), then `python3 benches/peers/mlp_step.py`. Needs `torch`;
-not part of CI.
+The two are timed in turns (PyTorch, then ndscope's `examples/mlp_step.rs`, then PyTorch
+again, ...) and the ratio is taken round by round, so a comparison holds when a shared machine's
+speed drifts; the median round is printed with the range.
+
+Run from anywhere: `python3 benches/peers/mlp_step.py` (it builds the example with cargo first).
+Needs `torch`; not part of CI.
 """
 
-import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -96,27 +100,47 @@ def median_ms(step, steps):
     return statistics.median(times) * 1e3
 
 
+def ndscope_ms(binary, batch, steps):
+    """The median ms/step that examples/mlp_step.rs prints."""
+    # PyTorch's OpenMP workers keep spinning for a while after its last parallel region (up to
+    # 200 ms with Intel's runtime): let them go to sleep first, or they take the cores from the
+    # process being timed.
+    time.sleep(0.5)
+    out = subprocess.run(
+        [binary, "--batch", str(batch), "--steps", str(steps)], check=True, capture_output=True, text=True
+    ).stdout
+    match = re.search(r"([0-9.]+) ms/step", out)
+    if not match:
+        sys.exit(f"mlp_step.py: unexpected output from {binary}: {out!r}")
+    return float(match.group(1))
+
+
 def main():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "mlp_step"], cwd=root, check=True)
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
+    binary = os.path.join(target, "release", "examples", "mlp_step")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    ours = {}
-    path = os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "ndscope-bench", "training.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            ours = json.load(f)
-    else:
-        print(f"({path} not found: run `cargo bench --bench training` first for the ratios)")
-    print(f"PyTorch {torch.__version__} on the CPU, {threads} threads")
-    for batch, steps in [(256, 40), (16, 300)]:
-        key = f"mlp_step_b{batch}/ndscope step in a workspace cycle"
-        mine = ours.get(key)
-        for name, make in [("autograd + optim.SGD", autograd_step_fn), ("manual backward", manual_step_fn)]:
-            ms = median_ms(make(batch, gen), steps)
-            line = f"batch {batch:>3}, {name:<21}: {ms:8.3f} ms/step"
-            if mine:
-                line += f"   ndscope {mine / 1e6:.3f} ms/step: ndscope is {ms / (mine / 1e6):.2f}x faster"
-            print(line)
+    print(f"PyTorch {torch.__version__} on the CPU, {threads} threads; ndscope with {threads} threads")
+    for batch, steps, rounds in [(256, 30, 5), (16, 300, 7)]:
+        steps_fns = [("autograd + optim.SGD", autograd_step_fn(batch, gen)), ("manual backward", manual_step_fn(batch, gen))]
+        times = {name: [] for name, _ in steps_fns}
+        ours = []
+        for _ in range(rounds):
+            for name, step in steps_fns:
+                times[name].append(median_ms(step, steps))
+            ours.append(ndscope_ms(binary, batch, steps))
+        mine = statistics.median(ours)
+        print(f"batch {batch:>3}: ndscope {mine:7.3f} ms/step (median of {rounds} rounds of {steps} steps)")
+        for name, ms in times.items():
+            ratios = sorted(t / o for t, o in zip(ms, ours))
+            print(
+                f"  PyTorch {name:<21}: {statistics.median(ms):7.3f} ms/step;"
+                f" ndscope is {statistics.median(ratios):.2f}x faster"
+                f" (rounds: {ratios[0]:.2f}x to {ratios[-1]:.2f}x)"
+            )
 
 
 if __name__ == "__main__":

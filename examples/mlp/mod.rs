@@ -108,11 +108,11 @@ impl Mlp {
             } else {
                 None
             };
-            // v ← μ·v + inputᵀ·grad in one gemm (no weight-gradient temporary); w ← w − lr·v
+            // v ← μ·v + inputᵀ·grad; w ← w − lr·v, in one pass over w and v (no weight-gradient
+            // temporary)
             layer
-                .vw
-                .addmm_(input, &grad, Transpose::Left, momentum, 1.0)?;
-            layer.w.axpy_(-lr, &layer.vw)?;
+                .w
+                .sgd_dense_update_(&layer.vw, input, &grad, lr, momentum)?;
             layer.vb.mul_scalar_(momentum)?;
             layer.vb.add_(&db)?;
             layer.b.axpy_(-lr, &layer.vb)?;

@@ -1,6 +1,6 @@
 //! Compute backends. They know nothing of managers: they take raw buffers and shapes.
 //!
-//! `cpu/` holds the loops (with `gemm` for matrix products, and the `rayon` pool for large
+//! `cpu/` holds the loops (with `gemm` for matrix products, and a worker pool of its own for large
 //! elementwise work). The CUDA backend (cudarc: driver, cuBLAS, NVRTC kernels) comes with the
 //! `cuda` feature's own issue; until then the feature builds and reports no devices.
 

@@ -383,3 +383,66 @@ pub(crate) fn inplace_with2(
         _ => Err(ctx.invalid("the in-place target is also a source")),
     }
 }
+
+/// Runs an in-place kernel on two targets with two sources. The targets are distinct and
+/// neither is a source (the caller checks); `a` and `b` may be the same array. Locks are taken
+/// in address order, so crossed calls cannot deadlock.
+pub(crate) fn inplace2_with2(
+    ctx: &Ctx,
+    (t1, t2): (&NDArray, &NDArray),
+    (a, b): (&NDArray, &NDArray),
+    kernel: impl FnOnce(&mut Buffer, &mut Buffer, &Buffer, &Buffer) -> Result<()>,
+) -> Result<()> {
+    enum Slot<'a> {
+        Write(WriteGuard<'a>),
+        Read(ReadGuard<'a>),
+    }
+    let arrays = [t1, t2, a, b];
+    let mut order = [
+        (addr(t1), 0usize),
+        (addr(t2), 1),
+        (addr(a), 2),
+        (addr(b), 3),
+    ];
+    order.sort_unstable();
+    let mut slots: Vec<(usize, Slot<'_>)> = Vec::with_capacity(4);
+    for (pos, &(address, role)) in order.iter().enumerate() {
+        if pos > 0 && order[pos - 1].0 == address {
+            if role < 2 || order[pos - 1].1 < 2 {
+                return Err(ctx.invalid("an in-place target is also another operand"));
+            }
+            continue; // `a` and `b` are the same array: lock it once
+        }
+        let slot = if role < 2 {
+            Slot::Write(write(ctx, &arrays[role].0)?)
+        } else {
+            Slot::Read(read(ctx, &arrays[role].0)?)
+        };
+        slots.push((role, slot));
+    }
+    let (mut o1, mut o2): (Option<&mut Buffer>, Option<&mut Buffer>) = (None, None);
+    let (mut ra, mut rb): (Option<&Buffer>, Option<&Buffer>) = (None, None);
+    for (role, slot) in slots.iter_mut() {
+        match slot {
+            Slot::Write(g) => {
+                if *role == 0 {
+                    o1 = Some(&mut **g);
+                } else {
+                    o2 = Some(&mut **g);
+                }
+            }
+            Slot::Read(g) => {
+                let buffer: &Buffer = g;
+                if *role == 2 {
+                    ra = Some(buffer);
+                } else {
+                    rb = Some(buffer);
+                }
+            }
+        }
+    }
+    match (o1, o2, ra.or(rb), rb.or(ra)) {
+        (Some(o1), Some(o2), Some(ra), Some(rb)) => kernel(o1, o2, ra, rb),
+        _ => Err(ctx.invalid("an in-place target is also another operand")),
+    }
+}

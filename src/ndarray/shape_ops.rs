@@ -146,7 +146,7 @@ impl NDArray {
         let ctx = Ctx::new("narrow");
         let index = normalize_axis(&ctx, axis, self.shape())?;
         let size = self.dims()[index];
-        if !start.checked_add(len).is_some_and(|end| end <= size) {
+        if start.checked_add(len).is_none_or(|end| end > size) {
             return Err(ctx.invalid(format!(
                 "narrow of axis {axis} (size {size}) of shape {} to {len} elements from {start} \
                  runs past its end",

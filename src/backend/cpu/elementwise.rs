@@ -3,9 +3,7 @@
 //! The closures are generic parameters, so each loop is compiled per op and dtype and the
 //! compiler vectorises the contiguous cases.
 
-use rayon::prelude::*;
-
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, pool, PAR_MIN};
 
 /// `out[i] = f(a[i])`.
 pub(crate) fn map<T, U>(a: &[T], out: &mut [U], f: impl Fn(T) -> U + Sync)
@@ -21,13 +19,12 @@ where
         return;
     }
     let chunk = chunk_len(out.len());
-    out.par_chunks_mut(chunk)
-        .zip(a.par_chunks(chunk))
-        .for_each(|(o, a)| {
-            for (o, &x) in o.iter_mut().zip(a) {
-                *o = f(x);
-            }
-        });
+    pool::for_each_chunk_mut(out, chunk, |t, o| {
+        let a = &a[t * chunk..t * chunk + o.len()];
+        for (o, &x) in o.iter_mut().zip(a) {
+            *o = f(x);
+        }
+    });
 }
 
 /// `out[i] = f(a[i], b[i])`.
@@ -44,14 +41,13 @@ where
         return;
     }
     let chunk = chunk_len(out.len());
-    out.par_chunks_mut(chunk)
-        .zip(a.par_chunks(chunk))
-        .zip(b.par_chunks(chunk))
-        .for_each(|((o, a), b)| {
-            for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
-                *o = f(x, y);
-            }
-        });
+    pool::for_each_chunk_mut(out, chunk, |t, o| {
+        let range = t * chunk..t * chunk + o.len();
+        let (a, b) = (&a[range.clone()], &b[range]);
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+    });
 }
 
 /// `x[i] = f(x[i])`.
@@ -66,7 +62,7 @@ where
         return;
     }
     let chunk = chunk_len(x.len());
-    x.par_chunks_mut(chunk).for_each(|x| {
+    pool::for_each_chunk_mut(x, chunk, |_, x| {
         for v in x.iter_mut() {
             *v = f(*v);
         }
@@ -86,13 +82,12 @@ where
         return;
     }
     let chunk = chunk_len(x.len());
-    x.par_chunks_mut(chunk)
-        .zip(b.par_chunks(chunk))
-        .for_each(|(x, b)| {
-            for (v, &y) in x.iter_mut().zip(b) {
-                *v = f(*v, y);
-            }
-        });
+    pool::for_each_chunk_mut(x, chunk, |t, x| {
+        let b = &b[t * chunk..t * chunk + x.len()];
+        for (v, &y) in x.iter_mut().zip(b) {
+            *v = f(*v, y);
+        }
+    });
 }
 
 /// Strides (in elements) of a contiguous array of `shape` as seen from a broadcast result of
@@ -286,9 +281,9 @@ pub(crate) fn broadcast_zip<T, U>(
         return run(0, out);
     }
     let rows_per_task = chunk_len(out.len()).div_ceil(inner).max(1);
-    out.par_chunks_mut(rows_per_task * inner)
-        .enumerate()
-        .for_each(|(task, chunk)| run(task * rows_per_task, chunk));
+    pool::for_each_chunk_mut(out, rows_per_task * inner, |task, chunk| {
+        run(task * rows_per_task, chunk)
+    });
 }
 
 /// `x = f(x, b)` with `b` (`b_shape`) broadcast to `x`'s shape `x_shape`.
@@ -336,9 +331,9 @@ pub(crate) fn broadcast_zip_inplace<T>(
         return run(0, x);
     }
     let rows_per_task = chunk_len(x.len()).div_ceil(inner).max(1);
-    x.par_chunks_mut(rows_per_task * inner)
-        .enumerate()
-        .for_each(|(task, chunk)| run(task * rows_per_task, chunk));
+    pool::for_each_chunk_mut(x, rows_per_task * inner, |task, chunk| {
+        run(task * rows_per_task, chunk)
+    });
 }
 
 #[cfg(test)]

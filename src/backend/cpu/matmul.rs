@@ -2,9 +2,12 @@
 //! loop for integers.
 
 use gemm::Parallelism;
-use rayon::prelude::*;
 
 use super::num::Num;
+use super::pool::{self, SendPtr};
+
+/// Multiply-adds below which a product runs on one thread.
+const PAR_PRODUCT: usize = 48 * 48 * 48;
 
 /// `out[m×n] = a[m×k] · b[k×n]`, all row-major and contiguous.
 pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {
@@ -36,8 +39,8 @@ pub(crate) enum Batched {
 
 /// `out[i] = a[i] · b[i]` for `batch` products of `m×k` by `k×n`, with a shared operand as
 /// `which` says. A shared right operand is one product of `(batch·m)×k` by `k×n`. Small
-/// products run in parallel across the batch; large ones one after the other, each using the
-/// pool inside `gemm`.
+/// products run in parallel across the batch; large ones one after the other, each split across
+/// the pool.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_batched<T: Num>(
     which: Batched,
@@ -62,11 +65,9 @@ pub(crate) fn matmul_batched<T: Num>(
         let b = &b[i * b_step..(i + 1) * b_step];
         matmul(m, k, n, a, b, out);
     };
-    let small = m * n * k < 48 * 48 * 48;
+    let small = m * n * k < PAR_PRODUCT;
     if small && batch > 1 && batch * m * n * k >= 1 << 18 {
-        out.par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|(i, o)| one(i, o));
+        pool::for_each_chunk_mut(out, m * n, one);
     } else {
         for (i, o) in out.chunks_exact_mut(m * n).enumerate() {
             one(i, o);
@@ -120,43 +121,100 @@ pub(crate) fn gemm_general<T: Num>(
         }
         return;
     }
-    let parallelism = if m * n * k >= 48 * 48 * 48 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    warm_once();
     let (read_dst, dst_scale, product_scale) = match accumulate {
         Some((s, q)) => (true, s, q),
         None => (false, T::ZERO, T::ONE),
     };
-    // SAFETY: `a` holds m·k elements and (i, p) ↦ i·a_rs + p·a_cs stays inside it for i < m,
-    // p < k (whether stored [m, k] or [k, m]); likewise `b` for its k·n elements; `out` holds
-    // m·n elements, row-major, and aliases neither input (a distinct `&mut`). With `read_dst`
-    // gemm computes out = dst_scale·out + product_scale·op(a)·op(b), otherwise it writes
-    // product_scale·op(a)·op(b) without reading `out`. T is f32 or f64, which gemm supports.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            read_dst,
-            a.as_ptr(),
-            a_cs as isize,
-            a_rs as isize,
-            b.as_ptr(),
-            b_cs as isize,
-            b_rs as isize,
-            dst_scale,
-            product_scale,
+    let block = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, out: SendPtr<T>| {
+        // SAFETY: `a` holds m·k elements and (i, p) ↦ i·a_rs + p·a_cs stays inside it for i < m,
+        // p < k (whether stored [m, k] or [k, m]); likewise `b` for its k·n elements; `out`
+        // points to m·n elements, row-major, that alias neither input. The block reads rows
+        // `rows` of op(a) and columns `cols` of op(b) and writes only out[rows, cols], so blocks
+        // with disjoint ranges may run at once. With `read_dst` gemm computes
+        // out = dst_scale·out + product_scale·op(a)·op(b), otherwise it writes
+        // product_scale·op(a)·op(b) without reading `out`. T is f32 or f64, which gemm supports.
+        unsafe {
+            gemm::gemm(
+                rows.len(),
+                cols.len(),
+                k,
+                out.get().add(rows.start * n + cols.start),
+                1,
+                n as isize,
+                read_dst,
+                a.as_ptr().add(rows.start * a_rs),
+                a_cs as isize,
+                a_rs as isize,
+                b.as_ptr().add(cols.start * b_cs),
+                b_cs as isize,
+                b_rs as isize,
+                dst_scale,
+                product_scale,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+    };
+    let out = SendPtr(out.as_mut_ptr());
+    let threads = pool::threads();
+    if m * n * k < PAR_PRODUCT || threads < 2 {
+        return block(0..m, 0..n, out);
+    }
+    // One block per thread, split along the longer side of the result (in whole vectors).
+    if n >= m {
+        let cols = n.div_ceil(threads).next_multiple_of(16);
+        pool::run(n.div_ceil(cols), &|t| {
+            block(0..m, t * cols..((t + 1) * cols).min(n), out)
+        });
+    } else {
+        let rows = m.div_ceil(threads).next_multiple_of(8);
+        pool::run(m.div_ceil(rows), &|t| {
+            block(t * rows..((t + 1) * rows).min(m), 0..n, out)
+        });
+    }
+}
+
+thread_local! {
+    static WARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// [`warm_thread`] on this thread's first float product.
+fn warm_once() {
+    if !WARMED.with(|w| w.replace(true)) {
+        warm_thread();
+    }
+}
+
+/// Runs small f32 and f64 products on this thread, so that gemm's per-thread packing buffer
+/// (about the size of the L2 cache, kept for the thread's life) is allocated now. gemm takes it
+/// only for some shapes, and which blocks of a product a pool thread runs depends on timing:
+/// without this, a thread's first such block — at any step of a user's steady loop — would
+/// allocate a megabyte there. Pool helpers call it when they start; other threads at their
+/// first float product.
+pub(crate) fn warm_thread() {
+    WARMED.with(|w| w.set(true));
+    const N: usize = 32; // below the parallel threshold, so this stays on the calling thread
+    fn warm<T: Num>() {
+        let ones = [T::ONE; N * N];
+        let mut out = [T::ZERO; N * N];
+        gemm_general(N, N, N, &ones, false, &ones, false, &mut out, None);
+        gemm_general(
+            N,
+            N,
+            N,
+            &ones,
+            true,
+            &ones,
             false,
-            false,
-            false,
-            parallelism,
+            &mut out,
+            Some((T::ONE, T::ONE)),
         );
     }
+    warm::<f32>();
+    warm::<f64>();
 }
 
 fn int_matmul<T: Num>(k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {

@@ -1,12 +1,14 @@
-//! CPU kernels over slices. Large inputs are split across the `rayon` pool.
+//! CPU kernels over slices. Large inputs are split across the worker pool (`pool`).
 
 pub(crate) mod buffer;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod num;
+pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;
+pub(crate) mod sgd;
 pub(crate) mod shape;
 
 /// Below this many elements a kernel runs on the calling thread: splitting costs more than it
@@ -15,7 +17,7 @@ pub(crate) const PAR_MIN: usize = 1 << 15;
 
 /// Elements per task for parallel loops of `len` elements.
 pub(crate) fn chunk_len(len: usize) -> usize {
-    let threads = rayon::current_num_threads().max(1);
+    let threads = pool::threads().max(1);
     // A few tasks per thread balances uneven cores without drowning in overhead.
     len.div_ceil(threads * 4).max(PAR_MIN / 4)
 }

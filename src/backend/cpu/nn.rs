@@ -1,10 +1,8 @@
 //! Neural-network kernels: softmax and log-softmax (numerically stable: the maximum is
 //! subtracted first), one-hot encoding and gathering one element per position (`pick`).
 
-use rayon::prelude::*;
-
 use super::num::{Float, Num};
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, pool, PAR_MIN};
 use crate::Element;
 
 /// Softmax (or log-softmax with `log`) along the middle axis of `x` seen as `[outer, n, inner]`.
@@ -35,9 +33,8 @@ pub(crate) fn softmax<T: Float>(
         return run(x, out);
     }
     let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-    out.par_chunks_mut(per_task * block)
-        .zip(x.par_chunks(per_task * block))
-        .for_each(|(o, x)| run(x, o));
+    let len = per_task * block;
+    pool::for_each_chunk_mut(out, len, |t, o| run(&x[t * len..t * len + o.len()], o));
 }
 
 fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {

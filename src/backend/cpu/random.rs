@@ -1,9 +1,7 @@
 //! Counter-based random numbers: value `i` of a draw is a pure function of the seed and the
 //! draw's counter offset, so every device (and every thread split) produces the same numbers.
 
-use rayon::prelude::*;
-
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, pool, PAR_MIN};
 use crate::Element;
 
 /// SplitMix64's finaliser: a bijective 64-bit mix.
@@ -43,7 +41,7 @@ fn fill<T: Element>(out: &mut [T], start: u64, value: impl Fn(u64) -> T + Sync) 
         return;
     }
     let chunk = chunk_len(out.len());
-    out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+    pool::for_each_chunk_mut(out, chunk, |c, o| {
         let base = start + (c * chunk) as u64;
         for (i, o) in o.iter_mut().enumerate() {
             *o = value(base + i as u64);

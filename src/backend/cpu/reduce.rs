@@ -7,10 +7,8 @@
 //! group at a time, last first. Work is split across the pool by outer rows when there are
 //! enough of them, else by columns or by slices of the reduced axis.
 
-use rayon::prelude::*;
-
 use super::num::Num;
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, pool, PAR_MIN};
 use crate::Element;
 
 const BLOCK: usize = 4096;
@@ -47,11 +45,11 @@ pub(crate) fn sum_float<T: Element>(x: &[T]) -> f64 {
         return x.chunks(BLOCK).map(block_sum_f64).sum();
     }
     let chunk = chunk_len(x.len()).next_multiple_of(BLOCK);
-    x.par_chunks(chunk)
-        .map(|c| c.chunks(BLOCK).map(block_sum_f64).sum::<f64>())
-        .collect::<Vec<f64>>()
-        .into_iter()
-        .sum()
+    let part = |t: usize| {
+        let c = &x[t * chunk..((t + 1) * chunk).min(x.len())];
+        c.chunks(BLOCK).map(block_sum_f64).sum::<f64>()
+    };
+    pool::fold_tasks(x.len().div_ceil(chunk), part, |a, b| a + b).unwrap_or(0.0)
 }
 
 /// The wrapping sum of an integer slice, in i64 (exact: elements convert with
@@ -61,9 +59,12 @@ pub(crate) fn sum_int<T: Num>(x: &[T]) -> i64 {
     if x.len() < PAR_MIN {
         return x.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v)));
     }
-    x.par_chunks(chunk_len(x.len()))
-        .map(|c| c.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v))))
-        .reduce(|| 0, i64::wrapping_add)
+    let chunk = chunk_len(x.len());
+    let part = |t: usize| {
+        let c = &x[t * chunk..((t + 1) * chunk).min(x.len())];
+        c.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v)))
+    };
+    pool::fold_tasks(x.len().div_ceil(chunk), part, i64::wrapping_add).unwrap_or(0)
 }
 
 /// Columns per tile of a column fold: the tile of accumulators stays in L1.
@@ -187,16 +188,17 @@ pub(crate) fn fold_axis<T, A, C, F>(
     if out.is_empty() {
         return;
     }
-    let threads = rayon::current_num_threads();
+    let threads = pool::threads();
     if x.len() < PAR_MIN || threads < 2 {
         return fold_blocks(x, n, inner, out, conv, comb);
     }
     let block = n * inner;
     if outer >= threads {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        out.par_chunks_mut(per_task * inner)
-            .zip(x.par_chunks(per_task * block))
-            .for_each(|(o, x)| fold_blocks(x, n, inner, o, conv, comb));
+        pool::for_each_chunk_mut(out, per_task * inner, |t, o| {
+            let x = &x[t * per_task * block..][..o.len() / inner * block];
+            fold_blocks(x, n, inner, o, conv, comb)
+        });
         return;
     }
     // Few outer blocks, each large: split each one.
@@ -205,31 +207,30 @@ pub(crate) fn fold_axis<T, A, C, F>(
         if inner >= n && inner > COLUMN_TILE {
             // Wide: split the columns.
             let cols = task_len.div_ceil(n).max(COLUMN_TILE);
-            out.par_chunks_mut(cols)
-                .enumerate()
-                .for_each(|(t, o)| fold_column_range(x, n, inner, t * cols, o, conv, comb));
+            pool::for_each_chunk_mut(out, cols, |t, o| {
+                fold_column_range(x, n, inner, t * cols, o, conv, comb)
+            });
         } else {
             // Tall: fold slices of the reduced axis into partial rows, then combine them in
             // order (the same order a sequential fold would use).
             let rows = task_len.div_ceil(inner).max(1);
-            let partials: Vec<Vec<A>> = x
-                .par_chunks(rows * inner)
-                .map(|x| {
-                    let mut part = Vec::with_capacity(inner);
-                    let first = conv(x[0]);
-                    part.resize(inner, first);
-                    fold_blocks(x, x.len() / inner, inner, &mut part, conv, comb);
-                    part
-                })
-                .collect();
-            let mut parts = partials.into_iter();
-            if let Some(first) = parts.next() {
-                out.copy_from_slice(&first);
-            }
-            for part in parts {
-                for (o, p) in out.iter_mut().zip(part) {
+            let len = rows * inner;
+            let part = |t: usize| {
+                let x = &x[t * len..((t + 1) * len).min(x.len())];
+                let mut part = Vec::with_capacity(inner);
+                let first = conv(x[0]);
+                part.resize(inner, first);
+                fold_blocks(x, x.len() / inner, inner, &mut part, conv, comb);
+                part
+            };
+            let combine = |mut acc: Vec<A>, part: Vec<A>| {
+                for (o, p) in acc.iter_mut().zip(part) {
                     *o = comb(*o, p);
                 }
+                acc
+            };
+            if let Some(total) = pool::fold_tasks(x.len().div_ceil(len), part, combine) {
+                out.copy_from_slice(&total);
             }
         }
     }
@@ -375,37 +376,39 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
     if out.is_empty() {
         return;
     }
-    let threads = rayon::current_num_threads();
+    let threads = pool::threads();
     if x.len() < PAR_MIN || threads < 2 {
         return argmax_blocks(x, n, inner, out);
     }
     let block = n * inner;
     if outer >= threads {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        out.par_chunks_mut(per_task * inner)
-            .zip(x.par_chunks(per_task * block))
-            .for_each(|(o, x)| argmax_blocks(x, n, inner, o));
+        pool::for_each_chunk_mut(out, per_task * inner, |t, o| {
+            let x = &x[t * per_task * block..][..o.len() / inner * block];
+            argmax_blocks(x, n, inner, o)
+        });
         return;
     }
     for (x, out) in x.chunks_exact(block).zip(out.chunks_exact_mut(inner)) {
         if inner == 1 {
             // One long row: the best of each slice, then the best of those (earliest on ties).
             let len = chunk_len(n);
-            let bests: Vec<(T, usize)> = x
-                .par_chunks(len)
-                .enumerate()
-                .map(|(t, s)| {
-                    let (v, i) = argmax_row(s);
-                    (v, t * len + i)
-                })
-                .collect();
-            let mut best = bests[0];
-            for &(v, i) in &bests[1..] {
-                if beats(v, best.0) {
-                    best = (v, i);
+            let best_of = |t: usize| {
+                let (v, i) = argmax_row(&x[t * len..((t + 1) * len).min(x.len())]);
+                (v, t * len + i)
+            };
+            let earlier_unless_beaten = |best: (T, usize), next: (T, usize)| {
+                if beats(next.0, best.0) {
+                    next
+                } else {
+                    best
                 }
+            };
+            if let Some((_, i)) =
+                pool::fold_tasks(x.len().div_ceil(len), best_of, earlier_unless_beaten)
+            {
+                out[0] = i as i64;
             }
-            out[0] = best.1 as i64;
         } else {
             argmax_columns(x, n, inner, out);
         }

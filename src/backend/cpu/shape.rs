@@ -4,9 +4,7 @@
 //! Copies that only move whole runs of bytes work on bytes, so they are compiled once; the
 //! ones that move single elements are generic over the element type.
 
-use rayon::prelude::*;
-
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, pool, PAR_MIN};
 
 /// Side of a transpose tile: a 32 × 32 tile of up to 8-byte elements is 8 KiB, in L1.
 const TILE: usize = 32;
@@ -176,17 +174,15 @@ pub(crate) fn transpose<T: Copy + Default + Send + Sync>(
         dst.copy_from_slice(src);
         return;
     }
-    if dst.len() < PAR_MIN || rayon::current_num_threads() < 2 {
+    if dst.len() < PAR_MIN || pool::threads() < 2 {
         return transpose_tiles(src, 0, cols, cols, rows, dst, 0, rows);
     }
     // Whole tiles of destination rows per task.
     let per_task = chunk_len(dst.len()).div_ceil(rows).next_multiple_of(TILE);
-    dst.par_chunks_mut(per_task * rows)
-        .enumerate()
-        .for_each(|(t, d)| {
-            let count = d.len() / rows;
-            transpose_tiles(src, t * per_task, cols, count, rows, d, 0, rows);
-        });
+    pool::for_each_chunk_mut(dst, per_task * rows, |t, d| {
+        let count = d.len() / rows;
+        transpose_tiles(src, t * per_task, cols, count, rows, d, 0, rows);
+    });
 }
 
 /// The permutation `perm` of `src` (shape `dims`, row-major) into `dst`: output axis `k` is
@@ -273,9 +269,7 @@ fn gather_rows<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &
         return run(0, dst);
     }
     let rows_per_task = chunk_len(dst.len()).div_ceil(inner).max(1);
-    dst.par_chunks_mut(rows_per_task * inner)
-        .enumerate()
-        .for_each(|(t, d)| run(t * rows_per_task, d));
+    pool::for_each_chunk_mut(dst, rows_per_task * inner, |t, d| run(t * rows_per_task, d));
 }
 
 /// The offset in `src` of row-major index `flat` over `axes` (size, source stride).
@@ -322,9 +316,7 @@ fn gather_tiled<T: Copy + Default + Send + Sync>(
         return run(0, dst);
     }
     let per_task = chunk_len(dst.len()).div_ceil(region).max(1);
-    dst.par_chunks_mut(per_task * region)
-        .enumerate()
-        .for_each(|(t, d)| run(t * per_task, d));
+    pool::for_each_chunk_mut(dst, per_task * region, |t, d| run(t * per_task, d));
 }
 
 /// `dst` in row-major order of `axes`, one element at a time.
@@ -376,9 +368,7 @@ pub(crate) fn interleave(srcs: &[&[u8]], row_bytes: &[usize], outer: usize, dst:
         return run(0, dst);
     }
     let rows_per_task = (chunk_len(dst.len() / 4) * 4).div_ceil(total).max(1);
-    dst.par_chunks_mut(rows_per_task * total)
-        .enumerate()
-        .for_each(|(t, d)| run(t * rows_per_task, d));
+    pool::for_each_chunk_mut(dst, rows_per_task * total, |t, d| run(t * rows_per_task, d));
 }
 
 #[cfg(test)]

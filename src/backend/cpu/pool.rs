@@ -1,0 +1,391 @@
+//! The CPU worker pool: the calling thread plus `threads() − 1` helper threads.
+//!
+//! Why not a general work-stealing pool: a training step at small batch is a chain of short
+//! kernels (tens of microseconds each), issued from the user's thread. With a pool the caller
+//! only hands work to, every kernel pays a sleep and a wake-up of the caller on top of the
+//! helpers', and on a machine with as many busy threads as cores the spinning helpers compete
+//! with the caller for them. Here, as in OpenMP runtimes:
+//!
+//! - the caller takes part: it claims tasks like any helper, so `threads()` threads run a job,
+//!   not `threads() + 1`;
+//! - helpers spin for a short while (`SPIN`) after a job before they sleep, so the next kernel
+//!   of a step starts on them within a fraction of a microsecond;
+//! - one job runs at a time. A caller that finds the pool busy (another thread's job, or a
+//!   kernel called from inside a task) runs its tasks itself, in order: never a deadlock, and
+//!   never more threads than cores.
+//!
+//! The thread count is `NDSCOPE_NUM_THREADS` when set to a positive number, else the number of
+//! cores the process may use.
+
+use std::cell::UnsafeCell;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a helper spins for the next job before it sleeps.
+const SPIN: Duration = Duration::from_micros(300);
+
+/// `ctl` layout: the number of helpers inside the current job in the low bits, the "open" flag
+/// (helpers may join) above them, and the job's epoch in the high bits.
+const COUNT_MASK: u64 = (1 << 32) - 1;
+const OPEN: u64 = 1 << 32;
+const EPOCH_SHIFT: u32 = 33;
+
+/// One job: `tasks` calls of `f`, each index given to exactly one thread.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+    tasks: usize,
+}
+
+struct Pool {
+    /// Threads a job runs on: 1 + the helpers that started.
+    threads: AtomicUsize,
+    /// Whether a caller owns the pool (runs a job).
+    busy: AtomicBool,
+    ctl: AtomicU64,
+    /// The open job, valid while a helper is counted in `ctl`.
+    job: UnsafeCell<*const Job<'static>>,
+    /// The next unclaimed task of the current job.
+    next: AtomicUsize,
+    /// Whether a helper's task panicked in the current job.
+    panicked: AtomicBool,
+    sleepers: AtomicUsize,
+    /// Helpers that have started and warmed their thread-local kernel state.
+    ready: AtomicUsize,
+    sleep_lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the caller owning the pool (`busy`) while the job is closed
+// (no helper inside), and read only by helpers counted inside the open job; the `ctl` store
+// (Release) and join CAS (Acquire) order the write before the reads. Everything else is atomic
+// or locked.
+unsafe impl Sync for Pool {}
+
+static POOL: OnceLock<&'static Pool> = OnceLock::new();
+
+fn pool() -> &'static Pool {
+    POOL.get_or_init(|| {
+        let wanted = std::env::var("NDSCOPE_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()));
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            threads: AtomicUsize::new(1),
+            busy: AtomicBool::new(false),
+            ctl: AtomicU64::new(0),
+            job: UnsafeCell::new(std::ptr::null()),
+            next: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            ready: AtomicUsize::new(0),
+            sleep_lock: Mutex::new(()),
+            wake: Condvar::new(),
+        }));
+        let mut started = 0;
+        for i in 1..wanted {
+            let spawned = thread::Builder::new()
+                .name(format!("ndscope-cpu-{i}"))
+                .spawn(move || helper(pool));
+            if spawned.is_ok() {
+                started += 1;
+            }
+        }
+        pool.threads.store(1 + started, Ordering::Relaxed);
+        // Wait until the helpers have allocated their per-thread kernel buffers, so that this
+        // happens now (at the first parallel kernel) and never later, in the middle of a
+        // steady loop. A second at most: a helper that is not scheduled by then warms later.
+        let start = Instant::now();
+        while pool.ready.load(Ordering::Acquire) < started
+            && start.elapsed() < Duration::from_secs(1)
+        {
+            thread::yield_now();
+        }
+        pool
+    })
+}
+
+/// Threads a parallel kernel runs on (the caller included).
+pub(crate) fn threads() -> usize {
+    pool().threads.load(Ordering::Relaxed)
+}
+
+fn run_tasks(pool: &Pool, job: &Job<'_>) -> bool {
+    let mut ok = true;
+    loop {
+        let i = pool.next.fetch_add(1, Ordering::Relaxed);
+        if i >= job.tasks {
+            return ok;
+        }
+        ok &= panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))).is_ok();
+    }
+}
+
+fn helper(pool: &'static Pool) {
+    super::matmul::warm_thread();
+    pool.ready.fetch_add(1, Ordering::Release);
+    let mut seen = 0u64;
+    loop {
+        // Wait for an open job of a new epoch: spin first, then sleep.
+        let start = Instant::now();
+        let mut spins = 0u32;
+        let mut ctl = loop {
+            let c = pool.ctl.load(Ordering::Acquire);
+            if c & OPEN != 0 && c >> EPOCH_SHIFT != seen {
+                break c;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
+                let guard = pool
+                    .sleep_lock
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                pool.sleepers.fetch_add(1, Ordering::SeqCst);
+                let c = pool.ctl.load(Ordering::SeqCst);
+                if !(c & OPEN != 0 && c >> EPOCH_SHIFT != seen) {
+                    drop(
+                        pool.wake
+                            .wait(guard)
+                            .unwrap_or_else(PoisonError::into_inner),
+                    );
+                }
+                pool.sleepers.fetch_sub(1, Ordering::SeqCst);
+                continue;
+            }
+            std::hint::spin_loop();
+        };
+        seen = ctl >> EPOCH_SHIFT;
+        // Join (count ourselves in) only while this job is still open.
+        let joined = loop {
+            match pool
+                .ctl
+                .compare_exchange_weak(ctl, ctl + 1, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => break true,
+                Err(now) if now & OPEN != 0 && now >> EPOCH_SHIFT == seen => ctl = now,
+                Err(_) => break false,
+            }
+        };
+        if !joined {
+            continue;
+        }
+        // SAFETY: we are counted inside the open job, so the caller has published `job` before
+        // opening (ordered by our Acquire) and keeps it alive until we leave below.
+        let job = unsafe { &**pool.job.get() };
+        if !run_tasks(pool, job) {
+            pool.panicked.store(true, Ordering::Relaxed);
+        }
+        pool.ctl.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Runs `f(0)`, …, `f(tasks − 1)`, each once, on the pool (the calling thread included), and
+/// returns when all have finished. Runs them in order on the calling thread when there is one
+/// task, one thread, or the pool is busy. A panic in a task is re-raised here after every task
+/// has finished.
+pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    let pool = pool();
+    if tasks <= 1
+        || pool.threads.load(Ordering::Relaxed) < 2
+        || pool
+            .busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+    {
+        (0..tasks).for_each(f);
+        return;
+    }
+    let job = Job { f, tasks };
+    // SAFETY: we own the pool (`busy`) and the previous job is closed with no helper inside, so
+    // nobody reads `job` now. The pointer is only dereferenced by helpers counted inside the job
+    // opened below, and we close it and wait for them to leave before `job` goes out of scope.
+    unsafe { *pool.job.get() = (&job as *const Job<'_>).cast::<Job<'static>>() };
+    pool.next.store(0, Ordering::Relaxed);
+    pool.panicked.store(false, Ordering::Relaxed);
+    let epoch = (pool.ctl.load(Ordering::Relaxed) >> EPOCH_SHIFT).wrapping_add(1);
+    pool.ctl.store(
+        (epoch << EPOCH_SHIFT) | OPEN,
+        // SeqCst pairs with the sleepers' SeqCst increment and load: either a helper going to
+        // sleep sees the open job, or we see it counted as a sleeper and wake it.
+        Ordering::SeqCst,
+    );
+    if pool.sleepers.load(Ordering::SeqCst) > 0 {
+        let _guard = pool
+            .sleep_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        pool.wake.notify_all();
+    }
+    let mine = panic::catch_unwind(AssertUnwindSafe(|| {
+        let mut i = pool.next.fetch_add(1, Ordering::Relaxed);
+        while i < tasks {
+            f(i);
+            i = pool.next.fetch_add(1, Ordering::Relaxed);
+        }
+    }));
+    // Close the job, then wait for the helpers inside it to finish their last task.
+    pool.ctl.fetch_and(!OPEN, Ordering::AcqRel);
+    let mut spins = 0u32;
+    while pool.ctl.load(Ordering::Acquire) & COUNT_MASK != 0 {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) {
+            thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    let helper_panicked = pool.panicked.load(Ordering::Relaxed);
+    pool.busy.store(false, Ordering::Release);
+    if let Err(payload) = mine {
+        panic::resume_unwind(payload);
+    }
+    if helper_panicked {
+        panic!("a task on an ndscope pool thread panicked");
+    }
+}
+
+/// A pointer that may cross threads; users guarantee disjoint access.
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
+
+// Copy for every `T` (a derive would ask `T: Copy`).
+impl<T> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// The pointer. (A method, so closures capture the whole `SendPtr`, not its field.)
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+// SAFETY: a `SendPtr` is only a number in transit; every dereference states why it is exclusive.
+unsafe impl<T: Send> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+/// Calls `f(i, chunk_i)` for the consecutive chunks of `out` of `chunk` elements (the last may
+/// be shorter), in parallel.
+pub(crate) fn for_each_chunk_mut<T: Send>(
+    out: &mut [T],
+    chunk: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let chunk = chunk.max(1);
+    let len = out.len();
+    let base = SendPtr(out.as_mut_ptr());
+    run(len.div_ceil(chunk), &|i| {
+        let start = i * chunk;
+        let end = (start + chunk).min(len);
+        // SAFETY: `run` gives each index to one call only, so the ranges [start, end) handed
+        // out are disjoint and inside `out`, which stays mutably borrowed until `run` returns.
+        let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
+        f(i, part);
+    });
+}
+
+/// Results of this many tasks are kept on the stack: a parallel reduction then allocates
+/// nothing (a training step's reductions stay off the heap, and off new pages).
+const STACK_TASKS: usize = 64;
+
+/// `f(0)`, …, `f(tasks − 1)` computed in parallel, then combined in index order:
+/// `combine(combine(f(0), f(1)), f(2))`, …; `None` for no tasks.
+pub(crate) fn fold_tasks<R: Send>(
+    tasks: usize,
+    f: impl Fn(usize) -> R + Sync,
+    mut combine: impl FnMut(R, R) -> R,
+) -> Option<R> {
+    let fill = |slots: &mut [Option<R>]| {
+        for_each_chunk_mut(slots, 1, |i, slot| slot[0] = Some(f(i)));
+    };
+    let mut fold =
+        |slots: &mut dyn Iterator<Item = Option<R>>| slots.flatten().reduce(&mut combine);
+    if tasks <= STACK_TASKS {
+        let mut slots: [Option<R>; STACK_TASKS] = std::array::from_fn(|_| None);
+        fill(&mut slots[..tasks]);
+        fold(&mut slots.into_iter())
+    } else {
+        let mut slots: Vec<Option<R>> = (0..tasks).map(|_| None).collect();
+        fill(&mut slots);
+        fold(&mut slots.into_iter())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once_and_nested_calls_run_inline() {
+        for tasks in [0, 1, 2, 3, 17, 1000] {
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            run(tasks, &|i| {
+                // A kernel called from inside a task finds the pool busy and runs inline.
+                let inner = AtomicUsize::new(0);
+                run(3, &|_| {
+                    inner.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(inner.load(Ordering::Relaxed), 3);
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn chunks_are_disjoint_and_cover_the_slice() {
+        let mut v = vec![0usize; 1001];
+        for_each_chunk_mut(&mut v, 64, |i, part| {
+            for (j, x) in part.iter_mut().enumerate() {
+                *x += i * 64 + j;
+            }
+        });
+        assert!(v.iter().enumerate().all(|(i, &x)| x == i));
+        let order = |n| {
+            fold_tasks(
+                n,
+                |i| vec![i],
+                |mut a, b| {
+                    a.extend(b);
+                    a
+                },
+            )
+        };
+        assert_eq!(order(5), Some(vec![0, 1, 2, 3, 4]));
+        assert_eq!(order(100), Some((0..100).collect()));
+        assert_eq!(order(0), None);
+    }
+
+    #[test]
+    fn concurrent_callers_and_a_panicking_task() {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                thread::spawn(move || {
+                    for round in 0..200 {
+                        let sum = AtomicUsize::new(0);
+                        run(8, &|i| {
+                            sum.fetch_add(i + t + round, Ordering::Relaxed);
+                        });
+                        assert_eq!(sum.load(Ordering::Relaxed), 28 + 8 * (t + round));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("no caller panics");
+        }
+        let caught = panic::catch_unwind(|| run(64, &|i| assert!(i != 40, "task 40 fails")));
+        assert!(caught.is_err());
+        // The pool still works afterwards.
+        let count = AtomicUsize::new(0);
+        run(10, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 10);
+    }
+}
