@@ -124,7 +124,7 @@ def main():
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     print(f"PyTorch {torch.__version__} on the CPU, {threads} threads; ndscope with {threads} threads")
-    for batch, steps, rounds in [(256, 30, 5), (16, 300, 7)]:
+    for batch, steps, rounds in [(256, 30, 5), (16, 200, 11)]:
         steps_fns = [("autograd + optim.SGD", autograd_step_fn(batch, gen)), ("manual backward", manual_step_fn(batch, gen))]
         times = {name: [] for name, _ in steps_fns}
         ours = []
