@@ -334,9 +334,87 @@ pub(crate) fn inplace_with(
     }
 }
 
+/// Most arrays one [`locked`] call takes.
+const MAX_LOCKED: usize = 4;
+
+/// Write-locks `targets` and read-locks `sources` in address order (each distinct array once, so
+/// crossed calls on two threads cannot deadlock), then runs `kernel` on their bytes, given in
+/// the order of the arguments (every entry is `Some`; the arrays keep the borrows apart).
+/// Sources may repeat; a target may not be another target or a source (`InvalidArgument`;
+/// callers check first, for a better message). At most `MAX_LOCKED` arrays in all; allocates
+/// nothing.
+fn locked<const W: usize, const R: usize>(
+    ctx: &Ctx,
+    targets: [&NDArray; W],
+    sources: [&NDArray; R],
+    kernel: impl FnOnce([Option<&mut Buffer>; W], [Option<&Buffer>; R]) -> Result<()>,
+) -> Result<()> {
+    enum Slot<'a> {
+        Write(WriteGuard<'a>),
+        Read(ReadGuard<'a>),
+    }
+    // Roles 0..W are the targets, W..W+R the sources.
+    const { assert!(W + R <= MAX_LOCKED) };
+    let count = W + R;
+    let role_array = |role: usize| {
+        if role < W {
+            targets[role]
+        } else {
+            sources[role - W]
+        }
+    };
+    let mut order = [(usize::MAX, 0usize); MAX_LOCKED];
+    for (role, entry) in order.iter_mut().enumerate().take(count) {
+        *entry = (addr(role_array(role)), role);
+    }
+    order[..count].sort_unstable();
+    // One slot per distinct array, with the roles it plays (a bit set).
+    let mut slots: [Option<(u32, Slot<'_>)>; MAX_LOCKED] = [None, None, None, None];
+    let mut used = 0;
+    for pos in 0..count {
+        let (address, role) = order[pos];
+        if pos > 0 && order[pos - 1].0 == address {
+            if role < W || order[pos - 1].1 < W {
+                return Err(clash(ctx));
+            }
+            if let Some((roles, _)) = slots[used - 1].as_mut() {
+                *roles |= 1 << role;
+            }
+            continue;
+        }
+        let array = role_array(role);
+        let slot = if role < W {
+            Slot::Write(write(ctx, &array.0)?)
+        } else {
+            Slot::Read(read(ctx, &array.0)?)
+        };
+        slots[used] = Some((1 << role, slot));
+        used += 1;
+    }
+    let mut outs: [Option<&mut Buffer>; W] = std::array::from_fn(|_| None);
+    let mut ins: [Option<&Buffer>; R] = [None; R];
+    for (roles, slot) in slots.iter_mut().flatten() {
+        match slot {
+            Slot::Write(g) => outs[roles.trailing_zeros() as usize] = Some(&mut **g),
+            Slot::Read(g) => {
+                let buffer: &Buffer = g;
+                for (i, input) in ins.iter_mut().enumerate() {
+                    if *roles & (1 << (W + i)) != 0 {
+                        *input = Some(buffer);
+                    }
+                }
+            }
+        }
+    }
+    kernel(outs, ins)
+}
+
+fn clash(ctx: &Ctx) -> Error {
+    ctx.invalid("an in-place target is also another operand")
+}
+
 /// Runs an in-place kernel on `target` with two sources, neither of which is `target` (the
-/// caller checks; `a` and `b` may be the same array). Locks are taken in address order, so
-/// crossed calls cannot deadlock.
+/// caller checks; `a` and `b` may be the same array).
 pub(crate) fn inplace_with2(
     ctx: &Ctx,
     target: &NDArray,
@@ -344,105 +422,24 @@ pub(crate) fn inplace_with2(
     b: &NDArray,
     kernel: impl FnOnce(&mut Buffer, &Buffer, &Buffer) -> Result<()>,
 ) -> Result<()> {
-    enum Slot<'a> {
-        Write(WriteGuard<'a>),
-        Read(ReadGuard<'a>),
-    }
-    let arrays = [target, a, b];
-    let mut order = [(addr(target), 0usize), (addr(a), 1), (addr(b), 2)];
-    order.sort_unstable();
-    let mut slots: Vec<(usize, Slot<'_>)> = Vec::with_capacity(3);
-    for (pos, &(address, role)) in order.iter().enumerate() {
-        if pos > 0 && order[pos - 1].0 == address {
-            continue; // `a` and `b` are the same array: lock it once
-        }
-        let slot = if role == 0 {
-            Slot::Write(write(ctx, &arrays[0].0)?)
-        } else {
-            Slot::Read(read(ctx, &arrays[role].0)?)
-        };
-        slots.push((role, slot));
-    }
-    let (mut out, mut ra, mut rb): (Option<&mut Buffer>, Option<&Buffer>, Option<&Buffer>) =
-        (None, None, None);
-    for (role, slot) in slots.iter_mut() {
-        match slot {
-            Slot::Write(g) => out = Some(&mut **g),
-            Slot::Read(g) => {
-                let buffer: &Buffer = g;
-                if *role == 1 {
-                    ra = Some(buffer);
-                } else {
-                    rb = Some(buffer);
-                }
-            }
-        }
-    }
-    match (out, ra.or(rb), rb.or(ra)) {
-        (Some(out), Some(ra), Some(rb)) => kernel(out, ra, rb),
-        _ => Err(ctx.invalid("the in-place target is also a source")),
-    }
+    locked(ctx, [target], [a, b], |[out], [a, b]| match (out, a, b) {
+        (Some(out), Some(a), Some(b)) => kernel(out, a, b),
+        _ => Err(clash(ctx)),
+    })
 }
 
 /// Runs an in-place kernel on two targets with two sources. The targets are distinct and
-/// neither is a source (the caller checks); `a` and `b` may be the same array. Locks are taken
-/// in address order, so crossed calls cannot deadlock.
+/// neither is a source (the caller checks); `a` and `b` may be the same array.
 pub(crate) fn inplace2_with2(
     ctx: &Ctx,
     (t1, t2): (&NDArray, &NDArray),
     (a, b): (&NDArray, &NDArray),
     kernel: impl FnOnce(&mut Buffer, &mut Buffer, &Buffer, &Buffer) -> Result<()>,
 ) -> Result<()> {
-    enum Slot<'a> {
-        Write(WriteGuard<'a>),
-        Read(ReadGuard<'a>),
-    }
-    let arrays = [t1, t2, a, b];
-    let mut order = [
-        (addr(t1), 0usize),
-        (addr(t2), 1),
-        (addr(a), 2),
-        (addr(b), 3),
-    ];
-    order.sort_unstable();
-    let mut slots: Vec<(usize, Slot<'_>)> = Vec::with_capacity(4);
-    for (pos, &(address, role)) in order.iter().enumerate() {
-        if pos > 0 && order[pos - 1].0 == address {
-            if role < 2 || order[pos - 1].1 < 2 {
-                return Err(ctx.invalid("an in-place target is also another operand"));
-            }
-            continue; // `a` and `b` are the same array: lock it once
+    locked(ctx, [t1, t2], [a, b], |[o1, o2], [a, b]| {
+        match (o1, o2, a, b) {
+            (Some(o1), Some(o2), Some(a), Some(b)) => kernel(o1, o2, a, b),
+            _ => Err(clash(ctx)),
         }
-        let slot = if role < 2 {
-            Slot::Write(write(ctx, &arrays[role].0)?)
-        } else {
-            Slot::Read(read(ctx, &arrays[role].0)?)
-        };
-        slots.push((role, slot));
-    }
-    let (mut o1, mut o2): (Option<&mut Buffer>, Option<&mut Buffer>) = (None, None);
-    let (mut ra, mut rb): (Option<&Buffer>, Option<&Buffer>) = (None, None);
-    for (role, slot) in slots.iter_mut() {
-        match slot {
-            Slot::Write(g) => {
-                if *role == 0 {
-                    o1 = Some(&mut **g);
-                } else {
-                    o2 = Some(&mut **g);
-                }
-            }
-            Slot::Read(g) => {
-                let buffer: &Buffer = g;
-                if *role == 2 {
-                    ra = Some(buffer);
-                } else {
-                    rb = Some(buffer);
-                }
-            }
-        }
-    }
-    match (o1, o2, ra.or(rb), rb.or(ra)) {
-        (Some(o1), Some(o2), Some(ra), Some(rb)) => kernel(o1, o2, ra, rb),
-        _ => Err(ctx.invalid("an in-place target is also another operand")),
-    }
+    })
 }
