@@ -159,8 +159,13 @@ pub(crate) fn gemm_general<T: Num>(
         }
     };
     let out = SendPtr(out.as_mut_ptr());
+    // Small products never ask for the pool: pool helpers run one while the pool starts
+    // (`warm_thread`), and asking then would wait for the start to finish.
+    if m * n * k < PAR_PRODUCT {
+        return block(0..m, 0..n, out);
+    }
     let threads = pool::threads();
-    if m * n * k < PAR_PRODUCT || threads < 2 {
+    if threads < 2 {
         return block(0..m, 0..n, out);
     }
     // One block per thread, split along the longer side of the result (in whole vectors).
@@ -195,6 +200,8 @@ fn warm_once() {
 /// allocate a megabyte there. Pool helpers call it when they start; other threads at their
 /// first float product.
 pub(crate) fn warm_thread() {
+    // Products this small run on the calling thread without asking for the pool (see
+    // `gemm_general`).
     WARMED.with(|w| w.set(true));
     const N: usize = 32; // below the parallel threshold, so this stays on the calling thread
     fn warm<T: Num>() {

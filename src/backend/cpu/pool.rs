@@ -54,6 +54,8 @@ struct Pool {
     sleepers: AtomicUsize,
     /// Helpers that have started and warmed their thread-local kernel state.
     ready: AtomicUsize,
+    /// Whether every helper was ready before the pool was published.
+    warm_at_start: AtomicBool,
     sleep_lock: Mutex<()>,
     wake: Condvar,
 }
@@ -82,6 +84,7 @@ fn pool() -> &'static Pool {
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             ready: AtomicUsize::new(0),
+            warm_at_start: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         }));
@@ -104,6 +107,8 @@ fn pool() -> &'static Pool {
         {
             thread::yield_now();
         }
+        let warm = pool.ready.load(Ordering::Acquire) == started;
+        pool.warm_at_start.store(warm, Ordering::Relaxed);
         pool
     })
 }
@@ -335,6 +340,14 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    #[test]
+    fn helpers_are_warm_before_the_pool_is_used() {
+        // A helper's warm-up must not wait for the pool it is starting in (it once did, and
+        // every process stalled for the one-second timeout at its first parallel kernel).
+        assert!(threads() >= 1);
+        assert!(pool().warm_at_start.load(Ordering::Relaxed));
     }
 
     #[test]
