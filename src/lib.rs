@@ -22,6 +22,10 @@ pub use manager::{ActiveScope, Manager, ManagerId, Scope};
 pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
 pub use shape::Shape;
+pub use workspace::{
+    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
+    Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
+};
 
 /// Threads the CPU kernels run on: the calling thread plus helper threads of ndscope's own pool.
 /// It is `NDSCOPE_NUM_THREADS` when that is set to a positive number (read once, at the first
@@ -33,7 +37,3 @@ pub use shape::Shape;
 pub fn num_threads() -> usize {
     backend::cpu::pool::threads()
 }
-pub use workspace::{
-    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
-};
