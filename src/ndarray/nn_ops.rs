@@ -307,7 +307,7 @@ impl NDArray {
     /// traffic, not by arithmetic. The fused kernel runs for f32 on CPUs with AVX-512 and
     /// batches up to 64; other cases run the two ops.
     ///
-    /// All four arrays share one float dtype and device (`DTypeMismatch`, `InvalidArgument`);
+    /// All four arrays share one float dtype and device (`DTypeMismatch`, `DeviceMismatch`);
     /// shapes must match as above (`ShapeMismatch`); `self` and `velocity` are distinct and
     /// neither is `x` or `g`, and `lr` and `momentum` are finite (`InvalidArgument`). Allocates
     /// nothing; on error nothing changes.

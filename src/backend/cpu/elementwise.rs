@@ -19,8 +19,7 @@ where
         return;
     }
     let chunk = chunk_len(out.len());
-    pool::for_each_chunk_mut(out, chunk, |t, o| {
-        let a = &a[t * chunk..t * chunk + o.len()];
+    pool::for_each_chunk_zip(out, chunk, a, chunk, |o, a| {
         for (o, &x) in o.iter_mut().zip(a) {
             *o = f(x);
         }
@@ -42,8 +41,7 @@ where
     }
     let chunk = chunk_len(out.len());
     pool::for_each_chunk_mut(out, chunk, |t, o| {
-        let range = t * chunk..t * chunk + o.len();
-        let (a, b) = (&a[range.clone()], &b[range]);
+        let (a, b) = (pool::chunk_at(a, chunk, t), pool::chunk_at(b, chunk, t));
         for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
             *o = f(x, y);
         }
@@ -82,8 +80,7 @@ where
         return;
     }
     let chunk = chunk_len(x.len());
-    pool::for_each_chunk_mut(x, chunk, |t, x| {
-        let b = &b[t * chunk..t * chunk + x.len()];
+    pool::for_each_chunk_zip(x, chunk, b, chunk, |x, b| {
         for (v, &y) in x.iter_mut().zip(b) {
             *v = f(*v, y);
         }

@@ -34,7 +34,7 @@ pub(crate) fn softmax<T: Float>(
     }
     let per_task = chunk_len(x.len()).div_ceil(block).max(1);
     let len = per_task * block;
-    pool::for_each_chunk_mut(out, len, |t, o| run(&x[t * len..t * len + o.len()], o));
+    pool::for_each_chunk_zip(out, len, x, len, |o, x| run(x, o));
 }
 
 fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {

@@ -294,6 +294,28 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
     });
 }
 
+/// Chunk `t` of `x` cut into chunks of `chunk` elements (the last may be shorter).
+pub(crate) fn chunk_at<T>(x: &[T], chunk: usize, t: usize) -> &[T] {
+    &x[t * chunk..((t + 1) * chunk).min(x.len())]
+}
+
+/// Calls `f(out_i, src_i)` for the i-th chunks of `out` (cut into chunks of `out_chunk`
+/// elements) and of `src` (chunks of `src_chunk`), in parallel. Both must cut into the same
+/// number of chunks.
+pub(crate) fn for_each_chunk_zip<T: Send, S: Sync>(
+    out: &mut [T],
+    out_chunk: usize,
+    src: &[S],
+    src_chunk: usize,
+    f: impl Fn(&mut [T], &[S]) + Sync,
+) {
+    debug_assert_eq!(
+        out.len().div_ceil(out_chunk.max(1)),
+        src.len().div_ceil(src_chunk.max(1))
+    );
+    for_each_chunk_mut(out, out_chunk, |t, o| f(o, chunk_at(src, src_chunk, t)));
+}
+
 /// Results of this many tasks are kept on the stack: a parallel reduction then allocates
 /// nothing (a training step's reductions stay off the heap, and off new pages).
 const STACK_TASKS: usize = 64;

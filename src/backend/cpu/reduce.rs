@@ -46,7 +46,7 @@ pub(crate) fn sum_float<T: Element>(x: &[T]) -> f64 {
     }
     let chunk = chunk_len(x.len()).next_multiple_of(BLOCK);
     let part = |t: usize| {
-        let c = &x[t * chunk..((t + 1) * chunk).min(x.len())];
+        let c = pool::chunk_at(x, chunk, t);
         c.chunks(BLOCK).map(block_sum_f64).sum::<f64>()
     };
     pool::fold_tasks(x.len().div_ceil(chunk), part, |a, b| a + b).unwrap_or(0.0)
@@ -61,7 +61,7 @@ pub(crate) fn sum_int<T: Num>(x: &[T]) -> i64 {
     }
     let chunk = chunk_len(x.len());
     let part = |t: usize| {
-        let c = &x[t * chunk..((t + 1) * chunk).min(x.len())];
+        let c = pool::chunk_at(x, chunk, t);
         c.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v)))
     };
     pool::fold_tasks(x.len().div_ceil(chunk), part, i64::wrapping_add).unwrap_or(0)
@@ -195,8 +195,7 @@ pub(crate) fn fold_axis<T, A, C, F>(
     let block = n * inner;
     if outer >= threads {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        pool::for_each_chunk_mut(out, per_task * inner, |t, o| {
-            let x = &x[t * per_task * block..][..o.len() / inner * block];
+        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
             fold_blocks(x, n, inner, o, conv, comb)
         });
         return;
@@ -216,7 +215,7 @@ pub(crate) fn fold_axis<T, A, C, F>(
             let rows = task_len.div_ceil(inner).max(1);
             let len = rows * inner;
             let part = |t: usize| {
-                let x = &x[t * len..((t + 1) * len).min(x.len())];
+                let x = pool::chunk_at(x, len, t);
                 let mut part = Vec::with_capacity(inner);
                 let first = conv(x[0]);
                 part.resize(inner, first);
@@ -383,8 +382,7 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
     let block = n * inner;
     if outer >= threads {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        pool::for_each_chunk_mut(out, per_task * inner, |t, o| {
-            let x = &x[t * per_task * block..][..o.len() / inner * block];
+        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
             argmax_blocks(x, n, inner, o)
         });
         return;
@@ -394,7 +392,7 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
             // One long row: the best of each slice, then the best of those (earliest on ties).
             let len = chunk_len(n);
             let best_of = |t: usize| {
-                let (v, i) = argmax_row(&x[t * len..((t + 1) * len).min(x.len())]);
+                let (v, i) = argmax_row(pool::chunk_at(x, len, t));
                 (v, t * len + i)
             };
             let earlier_unless_beaten = |best: (T, usize), next: (T, usize)| {
