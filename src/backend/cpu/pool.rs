@@ -325,21 +325,19 @@ const STACK_TASKS: usize = 64;
 pub(crate) fn fold_tasks<R: Send>(
     tasks: usize,
     f: impl Fn(usize) -> R + Sync,
-    mut combine: impl FnMut(R, R) -> R,
+    combine: impl FnMut(R, R) -> R,
 ) -> Option<R> {
     let fill = |slots: &mut [Option<R>]| {
         for_each_chunk_mut(slots, 1, |i, slot| slot[0] = Some(f(i)));
     };
-    let mut fold =
-        |slots: &mut dyn Iterator<Item = Option<R>>| slots.flatten().reduce(&mut combine);
     if tasks <= STACK_TASKS {
         let mut slots: [Option<R>; STACK_TASKS] = std::array::from_fn(|_| None);
         fill(&mut slots[..tasks]);
-        fold(&mut slots.into_iter())
+        slots.into_iter().flatten().reduce(combine)
     } else {
         let mut slots: Vec<Option<R>> = (0..tasks).map(|_| None).collect();
         fill(&mut slots);
-        fold(&mut slots.into_iter())
+        slots.into_iter().flatten().reduce(combine)
     }
 }
 
