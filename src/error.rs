@@ -358,16 +358,7 @@ impl Ctx {
     pub fn unavailable(&self, device: Device) -> Error {
         let reason = match device {
             Device::Cpu => "the CPU is always available".to_string(),
-            Device::Cuda(ordinal) => {
-                if cfg!(feature = "cuda") {
-                    format!(
-                        "{} CUDA device(s) found; ordinal {ordinal} is out of range or the driver is missing",
-                        Device::cuda_count()
-                    )
-                } else {
-                    "ndscope was built without the `cuda` feature".to_string()
-                }
-            }
+            Device::Cuda(ordinal) => crate::backend::cuda_unavailable_reason(ordinal),
         };
         Error::DeviceUnavailable {
             op: self.op,

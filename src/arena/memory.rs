@@ -4,7 +4,7 @@
 //! and spills. A reservation that would pass the limit fails with [`Error::OutOfMemory`] before
 //! anything is allocated.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::LazyLock;
 
 use crate::error::{Ctx, LimitSource};
@@ -29,12 +29,17 @@ pub struct DeviceUsage {
     pub limit: Option<usize>,
     /// Open arrays on the device.
     pub arrays: usize,
+    /// Times ndscope asked the system allocator (host) or the driver (CUDA) for memory since
+    /// the process started: array buffers, workspace blocks, spills and page-locked staging.
+    /// A learned workspace cycle makes none, so this stays put across steady-state steps.
+    pub driver_allocations: u64,
 }
 
 pub(crate) struct Counters {
     in_use: AtomicUsize,
     peak: AtomicUsize,
     arrays: AtomicUsize,
+    driver_allocations: AtomicU64,
     limit: AtomicUsize,
     source: AtomicU8,
     env_var: &'static str,
@@ -58,6 +63,7 @@ impl Counters {
             in_use: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
             arrays: AtomicUsize::new(0),
+            driver_allocations: AtomicU64::new(0),
             limit: AtomicUsize::new(limit),
             source: AtomicU8::new(source),
             env_var,
@@ -150,6 +156,13 @@ pub(crate) fn system_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
     }
 }
 
+/// Counts one allocation from the system allocator or the driver on `device`.
+pub(crate) fn driver_allocated(device: Device) {
+    if let Some(c) = counters(device) {
+        c.driver_allocations.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 pub(crate) fn array_opened(device: Device) {
     if let Some(c) = counters(device) {
         c.arrays.fetch_add(1, Ordering::Relaxed);
@@ -208,6 +221,7 @@ pub fn memory_usage(device: Device) -> DeviceUsage {
             peak: c.peak.load(Ordering::Relaxed),
             limit: c.limit(),
             arrays: c.arrays.load(Ordering::Relaxed),
+            driver_allocations: c.driver_allocations.load(Ordering::Relaxed),
         },
         None => DeviceUsage::default(),
     }

@@ -4,7 +4,7 @@
 //! # Locks
 //!
 //! There are two kinds: the arena lock (`ARENA`, one `parking_lot::Mutex<State>`) and each
-//! array's data lock (`ArrayInner::data`, an `RwLock<Option<Buffer>>`). The order is written
+//! array's data lock (`ArrayInner::data`, an `RwLock<Option<Storage>>`). The order is written
 //! down here and every function keeps it:
 //!
 //! 1. **Never take the arena lock while holding a data lock.** Kernels run with data locks held
@@ -28,7 +28,7 @@ use std::sync::{Arc, LazyLock, OnceLock};
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use slotmap::SlotMap;
 
-pub(crate) use crate::backend::cpu::buffer::Buffer;
+pub(crate) use crate::backend::Storage;
 
 use crate::error::{Ctx, Site};
 use crate::workspace::WorkspaceEntry;
@@ -66,7 +66,7 @@ pub(crate) struct ArrayInner {
     pub name: Mutex<Option<Arc<str>>>,
     /// Set, under the arena lock, when the array leaves the arena.
     pub closed: OnceLock<CloseReason>,
-    pub data: RwLock<Option<Buffer>>,
+    pub data: RwLock<Option<Storage>>,
 }
 
 impl ArrayInner {
@@ -128,6 +128,9 @@ pub(crate) enum CloseReason {
         original: String,
         error: String,
     },
+    CopyFailed {
+        error: String,
+    },
     Discarded,
 }
 
@@ -167,6 +170,10 @@ impl fmt::Display for CloseReason {
                 f,
                 "its borrower {} closed and it could not be copied back to {original}: {error}",
                 borrower.describe()
+            ),
+            CloseReason::CopyFailed { error } => write!(
+                f,
+                "moving it out of its workspace failed to copy its bytes: {error}"
             ),
             CloseReason::Discarded => f.write_str("the operation that created it failed"),
         }
@@ -412,7 +419,7 @@ impl State {
         dtype: DType,
         device: Device,
         created_at: Site,
-        buffer: Buffer,
+        buffer: Storage,
         owner: Owner,
         place: Place,
     ) -> Arc<ArrayInner> {

@@ -1,12 +1,85 @@
-//! Compute backends. They know nothing of managers: they take raw buffers and shapes.
+//! The compute seam. Backends know nothing of managers: they take [`Storage`], shapes and
+//! dtypes.
 //!
-//! `cpu/` holds the loops (with `gemm` for matrix products, and a worker pool of its own for large
-//! elementwise work). The CUDA backend (cudarc: driver, cuBLAS, NVRTC kernels) comes with the
-//! `cuda` feature's own issue; until then the feature builds and reports no devices.
+//! - [`Storage`] is the one storage type of every array, workspace block slice and spill:
+//!   host bytes or memory of one CUDA device. [`Block`] is a workspace's memory block, carved
+//!   into storage by offset.
+//! - One entry point per op family (binary, unary, compare, reduce, matmul, nn, in place,
+//!   copy/convert, fill/random, shape/gather), in `ops.rs`. Each dispatches on the storage of
+//!   its operands: all on the host runs the CPU kernels (`cpu/`), all on one CUDA device the
+//!   CUDA backend (`cuda/`). The front-ends in `crate::ndarray` validate and place, then call
+//!   these; they never touch a kernel or a host slice.
+//! - Without the `cuda` feature, `cuda/` is a stub with the same items whose device types have
+//!   no values, so no `#[cfg]` spreads through the crate.
 
+pub(crate) mod block;
 pub(crate) mod cpu;
+pub(crate) mod cuda;
+mod ops;
+mod storage;
 
-/// CUDA devices usable by this build: none until the CUDA backend lands.
+pub(crate) use block::Block;
+pub(crate) use ops::*;
+pub(crate) use storage::Storage;
+
+/// The binary elementwise operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Maximum,
+    Minimum,
+}
+
+/// The elementwise comparisons (results are `U8` 0/1; NaN compares false).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Compare {
+    Gt,
+    Lt,
+    Eq,
+}
+
+/// The unary elementwise operations. The first four are defined for every dtype, the rest for
+/// floats only (front-ends check).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Unary {
+    Neg,
+    Abs,
+    Square,
+    Relu,
+    Exp,
+    Log,
+    Sqrt,
+    Tanh,
+    Sigmoid,
+}
+
+/// Which operands of a batched product carry the batch axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Batched {
+    /// `[b, m, k] · [b, k, n]`.
+    Both,
+    /// `[b, m, k] · [k, n]`: the right operand is shared.
+    Left,
+    /// `[m, k] · [b, k, n]`: the left operand is shared.
+    Right,
+}
+
+/// CUDA devices usable by this build on this machine (0 without the `cuda` feature, a driver
+/// or a GPU; never a panic).
 pub(crate) fn cuda_count() -> usize {
-    0
+    cuda::device_count()
+}
+
+/// Why CUDA device `ordinal` cannot be used, for `DeviceUnavailable` messages.
+pub(crate) fn cuda_unavailable_reason(ordinal: usize) -> String {
+    cuda::unavailable_reason(ordinal)
+}
+
+/// Whether `op(a) · bᵀ` on `device` runs faster with `b` transposed into a temporary first (the
+/// CPU's gemm reads a transposed right operand slowly; cuBLAS does not).
+pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
+    device.is_cpu()
 }

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use crate::arena::{ArrayInner, ArrayKey, CloseReason, Lender, ManagerShared, Owner, Place, State};
+use crate::backend;
 use crate::error::Ctx;
 use crate::workspace::{Allocation, ResetPolicy};
 use crate::{Error, Result};
@@ -131,7 +132,7 @@ impl State {
         }
         for (key, allocation) in copies {
             if self.arrays.contains_key(key) {
-                self.relocate(key, allocation);
+                self.relocate(ctx, key, allocation);
             }
         }
         for (key, step, _) in plan {
@@ -180,20 +181,35 @@ impl State {
         }
     }
 
-    /// Copies an array's bytes into new storage and switches its handle over to it.
-    fn relocate(&mut self, key: ArrayKey, allocation: Allocation) {
+    /// Copies an array's bytes into new storage and switches its handle over to it. A device
+    /// that fails the copy (a broken CUDA context) closes the array, saying so.
+    fn relocate(&mut self, ctx: &Ctx, key: ArrayKey, allocation: Allocation) {
         let Allocation {
             mut buffer, place, ..
         } = allocation;
         let entry = &mut self.arrays[key];
-        let old_place = std::mem::replace(&mut entry.place, place);
-        {
+        let copied = {
             let mut data = entry.inner.data.write();
-            if let Some(old) = data.as_ref() {
-                buffer.as_bytes_mut().copy_from_slice(old.as_bytes());
+            let copied = match data.as_ref() {
+                Some(old) => backend::copy(ctx, old, &mut buffer),
+                None => Ok(()),
+            };
+            if copied.is_ok() {
+                *data = Some(buffer);
             }
-            *data = Some(buffer);
+            copied
+        };
+        if let Err(e) = copied {
+            self.remove_array(
+                key,
+                CloseReason::CopyFailed {
+                    error: e.to_string(),
+                },
+            );
+            return;
         }
+        let entry = &mut self.arrays[key];
+        let old_place = std::mem::replace(&mut entry.place, place);
         if let Place::Block { cycle, offset, .. } = old_place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.forget_block_array(key, offset);
@@ -220,7 +236,10 @@ impl State {
             match self.allocate(ctx, lender.owner, &inner.shape, inner.dtype, inner.device) {
                 Ok(allocation) => {
                     self.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
-                    self.relocate(key, allocation);
+                    self.relocate(ctx, key, allocation);
+                    if !self.arrays.contains_key(key) {
+                        return;
+                    }
                 }
                 Err(e) => {
                     self.remove_array(

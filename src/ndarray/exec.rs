@@ -10,7 +10,8 @@ use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
-use crate::arena::{self, ArrayInner, Buffer, CloseReason, Owner, Place};
+use crate::arena::{self, ArrayInner, CloseReason, Owner, Place};
+use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::manager::Manager;
 use crate::{DType, Device, Error, NDArray, Result, Shape};
@@ -23,6 +24,9 @@ pub(crate) enum Target<'a> {
     /// of the first input (the borrower while borrowed), else (first input detached) the detached
     /// list.
     ResultOf(&'a [&'a NDArray]),
+    /// Into the manager that holds this array now (the borrower while borrowed), whatever scope
+    /// is active: `to_device` keeps the owner.
+    OwnerOf(&'a NDArray),
 }
 
 /// A new array of `shape`/`dtype` on `device`, placed by `target`. Returns it and whether its
@@ -36,7 +40,7 @@ pub(crate) fn new_array(
 ) -> Result<(NDArray, bool)> {
     let active = match target {
         Target::ResultOf(_) => Manager::active(),
-        Target::Manager(_) => None,
+        Target::Manager(_) | Target::OwnerOf(_) => None,
     };
     let mut state = arena::lock();
     let (owner, why) = match target {
@@ -86,6 +90,18 @@ pub(crate) fn new_array(
                 (None, None) => (Owner::Detached, None),
             }
         }
+        Target::OwnerOf(source) => {
+            let owner = state.array(&source.0, ctx)?.owner;
+            let why = match owner {
+                Owner::Manager(m) if state.managers[m].capped => Some(format!(
+                    "the copy made by `{}` would land there because it holds {}",
+                    ctx.op,
+                    source.0.describe()
+                )),
+                _ => None,
+            };
+            (owner, why)
+        }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
         return Err(Error::Capped {
@@ -97,7 +113,7 @@ pub(crate) fn new_array(
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
     state.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
-    let dirty = allocation.buffer.is_block();
+    let dirty = allocation.buffer.may_be_stale();
     let inner = state.insert_array(
         shape,
         dtype,
@@ -110,13 +126,14 @@ pub(crate) fn new_array(
     Ok((NDArray(inner), dirty))
 }
 
-/// Adopts `buffer` as a new array in manager `m` (used by `from_vec` outside workspaces).
+/// Adopts `buffer` (host storage) as a new array in manager `m` (used by `from_vec` outside
+/// workspaces).
 pub(crate) fn adopt(
     ctx: &Ctx,
     m: &Manager,
     shape: Shape,
     dtype: DType,
-    buffer: Buffer,
+    buffer: Storage,
 ) -> Result<NDArray> {
     let mut state = arena::lock();
     let entry = state.manager(&m.0, ctx)?;
@@ -156,8 +173,8 @@ pub(crate) fn discard(array: &NDArray) {
     }
 }
 
-type ReadGuard<'a> = MappedRwLockReadGuard<'a, Buffer>;
-type WriteGuard<'a> = MappedRwLockWriteGuard<'a, Buffer>;
+type ReadGuard<'a> = MappedRwLockReadGuard<'a, Storage>;
+type WriteGuard<'a> = MappedRwLockWriteGuard<'a, Storage>;
 
 /// Read-locks an array's bytes, or gives its `ArrayClosed` error.
 fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
@@ -197,11 +214,11 @@ pub(crate) fn compute<R>(
     ctx: &Ctx,
     inputs: &[&NDArray],
     out: &NDArray,
-    f: impl FnOnce(&[&Buffer], &mut Buffer) -> Result<R>,
+    f: impl FnOnce(&[&Storage], &mut Storage) -> Result<R>,
 ) -> Result<R> {
     let (guards, slot) = read_sorted(ctx, inputs)?;
     let mut out_guard = write(ctx, &out.0)?;
-    let buffers: Vec<&Buffer> = slot.iter().map(|&j| &*guards[j]).collect();
+    let buffers: Vec<&Storage> = slot.iter().map(|&j| &*guards[j]).collect();
     f(&buffers, &mut out_guard)
 }
 
@@ -209,14 +226,14 @@ pub(crate) fn compute<R>(
 pub(crate) fn read_all<R>(
     ctx: &Ctx,
     inputs: &[&NDArray],
-    f: impl FnOnce(&[&Buffer]) -> Result<R>,
+    f: impl FnOnce(&[&Storage]) -> Result<R>,
 ) -> Result<R> {
     if let [a] = inputs {
         let guard = read(ctx, &a.0)?;
         return f(&[&guard]);
     }
     let (guards, slot) = read_sorted(ctx, inputs)?;
-    let buffers: Vec<&Buffer> = slot.iter().map(|&j| &*guards[j]).collect();
+    let buffers: Vec<&Storage> = slot.iter().map(|&j| &*guards[j]).collect();
     f(&buffers)
 }
 
@@ -227,7 +244,7 @@ pub(crate) fn op(
     inputs: &[&NDArray],
     shape: Shape,
     dtype: DType,
-    kernel: impl FnOnce(&[&Buffer], &mut Buffer) -> Result<()>,
+    kernel: impl FnOnce(&[&Storage], &mut Storage) -> Result<()>,
 ) -> Result<NDArray> {
     let device = inputs.first().map_or(Device::Cpu, |a| a.device());
     let (out, _) = new_array(ctx, Target::ResultOf(inputs), shape, dtype, device)?;
@@ -246,9 +263,28 @@ pub(crate) fn op1(
     a: &NDArray,
     shape: Shape,
     dtype: DType,
-    kernel: impl FnOnce(&Buffer, &mut Buffer) -> Result<()>,
+    kernel: impl FnOnce(&Storage, &mut Storage) -> Result<()>,
 ) -> Result<NDArray> {
-    let (out, _) = new_array(ctx, Target::ResultOf(&[a]), shape, dtype, a.device())?;
+    op1_into(
+        ctx,
+        a,
+        (Target::ResultOf(&[a]), a.device()),
+        shape,
+        dtype,
+        kernel,
+    )
+}
+
+/// [`op1`] with the result placed by `target` on `device`.
+pub(crate) fn op1_into(
+    ctx: &Ctx,
+    a: &NDArray,
+    (target, device): (Target<'_>, Device),
+    shape: Shape,
+    dtype: DType,
+    kernel: impl FnOnce(&Storage, &mut Storage) -> Result<()>,
+) -> Result<NDArray> {
+    let (out, _) = new_array(ctx, target, shape, dtype, device)?;
     let result = (|| {
         let input = read(ctx, &a.0)?;
         let mut output = write(ctx, &out.0)?;
@@ -270,7 +306,7 @@ pub(crate) fn op2(
     b: &NDArray,
     shape: Shape,
     dtype: DType,
-    kernel: impl FnOnce(&Buffer, &Buffer, &mut Buffer) -> Result<()>,
+    kernel: impl FnOnce(&Storage, &Storage, &mut Storage) -> Result<()>,
 ) -> Result<NDArray> {
     let (out, _) = new_array(ctx, Target::ResultOf(&[a, b]), shape, dtype, a.device())?;
     let result = (|| {
@@ -304,7 +340,7 @@ pub(crate) fn op2(
 pub(crate) fn inplace(
     ctx: &Ctx,
     target: &NDArray,
-    kernel: impl FnOnce(&mut Buffer) -> Result<()>,
+    kernel: impl FnOnce(&mut Storage) -> Result<()>,
 ) -> Result<()> {
     let mut guard = write(ctx, &target.0)?;
     kernel(&mut guard)
@@ -316,7 +352,7 @@ pub(crate) fn inplace_with(
     ctx: &Ctx,
     target: &NDArray,
     source: &NDArray,
-    kernel: impl FnOnce(&mut Buffer, Option<&Buffer>) -> Result<()>,
+    kernel: impl FnOnce(&mut Storage, Option<&Storage>) -> Result<()>,
 ) -> Result<()> {
     if addr(target) == addr(source) {
         let mut guard = write(ctx, &target.0)?;
@@ -347,7 +383,7 @@ fn locked<const W: usize, const R: usize>(
     ctx: &Ctx,
     targets: [&NDArray; W],
     sources: [&NDArray; R],
-    kernel: impl FnOnce([Option<&mut Buffer>; W], [Option<&Buffer>; R]) -> Result<()>,
+    kernel: impl FnOnce([Option<&mut Storage>; W], [Option<&Storage>; R]) -> Result<()>,
 ) -> Result<()> {
     enum Slot<'a> {
         Write(WriteGuard<'a>),
@@ -391,13 +427,13 @@ fn locked<const W: usize, const R: usize>(
         slots[used] = Some((1 << role, slot));
         used += 1;
     }
-    let mut outs: [Option<&mut Buffer>; W] = std::array::from_fn(|_| None);
-    let mut ins: [Option<&Buffer>; R] = [None; R];
+    let mut outs: [Option<&mut Storage>; W] = std::array::from_fn(|_| None);
+    let mut ins: [Option<&Storage>; R] = [None; R];
     for (roles, slot) in slots.iter_mut().flatten() {
         match slot {
             Slot::Write(g) => outs[roles.trailing_zeros() as usize] = Some(&mut **g),
             Slot::Read(g) => {
-                let buffer: &Buffer = g;
+                let buffer: &Storage = g;
                 for (i, input) in ins.iter_mut().enumerate() {
                     if *roles & (1 << (W + i)) != 0 {
                         *input = Some(buffer);
@@ -420,7 +456,7 @@ pub(crate) fn inplace_with2(
     target: &NDArray,
     a: &NDArray,
     b: &NDArray,
-    kernel: impl FnOnce(&mut Buffer, &Buffer, &Buffer) -> Result<()>,
+    kernel: impl FnOnce(&mut Storage, &Storage, &Storage) -> Result<()>,
 ) -> Result<()> {
     locked(ctx, [target], [a, b], |[out], [a, b]| match (out, a, b) {
         (Some(out), Some(a), Some(b)) => kernel(out, a, b),
@@ -434,7 +470,7 @@ pub(crate) fn inplace2_with2(
     ctx: &Ctx,
     (t1, t2): (&NDArray, &NDArray),
     (a, b): (&NDArray, &NDArray),
-    kernel: impl FnOnce(&mut Buffer, &mut Buffer, &Buffer, &Buffer) -> Result<()>,
+    kernel: impl FnOnce(&mut Storage, &mut Storage, &Storage, &Storage) -> Result<()>,
 ) -> Result<()> {
     locked(ctx, [t1, t2], [a, b], |[o1, o2], [a, b]| {
         match (o1, o2, a, b) {

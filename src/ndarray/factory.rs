@@ -3,9 +3,8 @@
 use parking_lot::Mutex;
 
 use super::exec::{self, Target};
-use crate::arena::{self, Buffer};
-use crate::backend::cpu::{elementwise, random};
-use crate::dtype::dispatch;
+use crate::arena;
+use crate::backend::{self, Storage};
 use crate::error::Ctx;
 use crate::{DType, Element, Error, Manager, NDArray, Result, Shape};
 
@@ -58,19 +57,17 @@ impl Manager {
         Ok(())
     }
 
-    /// Creates an array and fills it with `fill` (under its data lock).
+    /// Creates an array and fills it with `fill` (under its data lock); `fill` is told whether
+    /// the bytes may hold stale data (workspace or device memory) or are zeroed.
     fn create_filled(
         &self,
         ctx: &Ctx,
         shape: Shape,
         dtype: DType,
-        fill: impl FnOnce(&mut Buffer, bool),
+        fill: impl FnOnce(&mut Storage, bool) -> Result<()>,
     ) -> Result<NDArray> {
         let (array, dirty) = self.create(ctx, shape, dtype)?;
-        let result = exec::compute(ctx, &[], &array, |_, out| {
-            fill(out, dirty);
-            Ok(())
-        });
+        let result = exec::compute(ctx, &[], &array, |_, out| fill(out, dirty));
         match result {
             Ok(()) => Ok(array),
             Err(e) => {
@@ -93,8 +90,9 @@ impl Manager {
         let ctx = Ctx::new("zeros");
         self.create_filled(&ctx, shape.into(), dtype, |out, dirty| {
             if dirty {
-                out.as_bytes_mut().fill(0);
+                backend::zero(&ctx, out)?;
             }
+            Ok(())
         })
     }
 
@@ -112,10 +110,7 @@ impl Manager {
 
     fn fill_value(&self, ctx: Ctx, shape: Shape, value: f64, dtype: DType) -> Result<NDArray> {
         self.create_filled(&ctx, shape, dtype, |out, _| {
-            dispatch!(dtype, T => {
-                let v = T::from_f64(value);
-                elementwise::map_inplace(out.as_mut_slice::<T>(), move |_| v);
-            })
+            backend::fill(&ctx, dtype, out, value)
         })
     }
 
@@ -127,7 +122,7 @@ impl Manager {
         let shape = shape.into();
         check_len(&ctx, data.len(), &shape)?;
         self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
-            out.as_mut_slice::<T>().copy_from_slice(data);
+            backend::write(&ctx, out, data)
         })
     }
 
@@ -140,12 +135,12 @@ impl Manager {
         check_len(&ctx, data.len(), &shape)?;
         if !self.device().is_cpu() || exec::allocates_from_workspace(self) {
             return self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
-                out.as_mut_slice::<T>().copy_from_slice(&data);
+                backend::write(&ctx, out, &data)
             });
         }
         // Refuse before the vector's bytes are reserved, as every other factory does.
         self.check_accepts_new_array(&ctx, &shape, T::DTYPE)?;
-        let buffer = Buffer::from_vec(&ctx, data)?;
+        let buffer = Storage::from_vec(&ctx, data)?;
         exec::adopt(&ctx, self, shape, T::DTYPE, buffer)
     }
 
@@ -154,7 +149,7 @@ impl Manager {
     pub fn scalar<T: Element>(&self, value: T) -> Result<NDArray> {
         let ctx = Ctx::new("scalar");
         self.create_filled(&ctx, Shape::scalar(), T::DTYPE, |out, _| {
-            out.as_mut_slice::<T>()[0] = value;
+            backend::write(&ctx, out, &[value])
         })
     }
 
@@ -184,11 +179,7 @@ impl Manager {
         }
         let n = count as usize;
         self.create_filled(&ctx, Shape::new(&[n]), dtype, |out, _| {
-            dispatch!(dtype, T => {
-                for (i, o) in out.as_mut_slice::<T>().iter_mut().enumerate() {
-                    *o = T::from_f64(start + i as f64 * step);
-                }
-            })
+            backend::arange(&ctx, dtype, out, start, step)
         })
     }
 
@@ -197,17 +188,7 @@ impl Manager {
     pub fn eye(&self, n: usize, dtype: DType) -> Result<NDArray> {
         let ctx = Ctx::new("eye");
         let shape = Shape::new(&[n, n]);
-        self.create_filled(&ctx, shape, dtype, |out, dirty| {
-            if dirty {
-                out.as_bytes_mut().fill(0);
-            }
-            dispatch!(dtype, T => {
-                let data = out.as_mut_slice::<T>();
-                for i in 0..n {
-                    data[i * n + i] = T::ONE;
-                }
-            })
-        })
+        self.create_filled(&ctx, shape, dtype, |out, _| backend::eye(&ctx, dtype, out, n))
     }
 
     /// Standard normal samples from the seeded stream ([`manual_seed`]). Float dtypes only
@@ -223,7 +204,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            dispatch!(dtype, T => random::fill_normal(out.as_mut_slice::<T>(), seed, start))
+            backend::randn(&ctx, dtype, out, seed, start)
         })
     }
 
@@ -253,7 +234,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            dispatch!(dtype, T => random::fill_uniform(out.as_mut_slice::<T>(), seed, start, low, high))
+            backend::rand(&ctx, dtype, out, seed, start, low, high)
         })
     }
 }

@@ -20,8 +20,7 @@ pub use nn_ops::Transpose;
 pub use shape_ops::{concat, stack};
 
 use crate::arena::{self, ArrayInner, CloseReason, Owner};
-use crate::backend::cpu::elementwise;
-use crate::dtype::dispatch;
+use crate::backend;
 use crate::error::{Ctx, Site};
 use crate::manager::{Manager, Move};
 use crate::{DType, Device, Element, Error, Result, Shape};
@@ -241,7 +240,9 @@ impl NDArray {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         let ctx = Ctx::new("NDArray::to_vec");
         self.check_element::<T>(&ctx)?;
-        exec::read_all(&ctx, &[self], |b| Ok(b[0].as_slice::<T>().to_vec()))
+        let mut values = vec![T::ZERO; self.size()];
+        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut values))?;
+        Ok(values)
     }
 
     /// The only element of a one-element array (any shape). `T` must match the dtype.
@@ -257,7 +258,9 @@ impl NDArray {
                 self.size()
             )));
         }
-        exec::read_all(&ctx, &[self], |b| Ok(b[0].as_slice::<T>()[0]))
+        let mut value = [T::ZERO];
+        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut value))?;
+        Ok(value[0])
     }
 
     fn check_element<T: Element>(&self, ctx: &Ctx) -> Result<()> {
@@ -275,14 +278,34 @@ impl NDArray {
         Ok(())
     }
 
-    /// A copy on `device`, placed like an op result. `DeviceUnavailable` for absent devices.
+    /// A copy on `device`, owned by the manager that holds this array (whatever scope is
+    /// active: an array's device is its own, and moving it keeps its owner). Host↔device copies
+    /// go through page-locked staging memory. `DeviceUnavailable` for absent devices; `Capped`
+    /// if the owner is capped.
+    ///
+    /// ```
+    /// use ndscope::{Device, Manager};
+    /// let m = Manager::new_base();
+    /// let a = m.from_slice(&[1.0f32, 2.0], [2])?;
+    /// let b = a.to_device(Device::Cpu)?;                 // a copy, owned by `m`
+    /// assert_eq!(b.manager()?, m);
+    /// assert!(a.to_device(Device::Cuda(64)).is_err()); // no such device
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
     #[track_caller]
     pub fn to_device(&self, device: Device) -> Result<NDArray> {
         let ctx = Ctx::new("NDArray::to_device");
         if !device.is_available() {
             return Err(ctx.unavailable(device));
         }
-        self.copy_as(&ctx, self.dtype())
+        exec::op1_into(
+            &ctx,
+            self,
+            (exec::Target::OwnerOf(self), device),
+            self.shape().clone(),
+            self.dtype(),
+            |src, dst| backend::copy(&ctx, src, dst),
+        )
     }
 
     /// A copy converted to `dtype` (floats to integers truncate toward zero and saturate), placed
@@ -301,16 +324,7 @@ impl NDArray {
     fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
         let from = self.dtype();
         exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
-            if from == dtype {
-                dst.as_bytes_mut().copy_from_slice(src.as_bytes());
-                return Ok(());
-            }
-            dispatch!(from, S => dispatch!(dtype, D => {
-                elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), |x| {
-                    D::from_f64(x.to_f64())
-                });
-            }));
-            Ok(())
+            backend::convert(ctx, from, dtype, src, dst)
         })
     }
 

@@ -1,13 +1,9 @@
 //! Matrix products and the neural-network ops: `matmul` (2-D and batched 3-D), `matmul_t` and
 //! `addmm_` (transposed operands without copies), `softmax`, `log_softmax`, `one_hot`, `pick`.
 
-use crate::backend::cpu::matmul::{gemm_general, matmul, matmul_batched, Batched};
-use crate::backend::cpu::nn;
-use crate::backend::cpu::sgd::sgd_dense;
-use crate::backend::cpu::shape::transpose;
-use crate::dtype::{dispatch, dispatch_float};
+use crate::backend::{self, Batched};
 use crate::error::Ctx;
-use crate::{DType, Element, NDArray, Result, Shape};
+use crate::{DType, NDArray, Result, Shape};
 
 use super::exec;
 use super::ops::{check_device, check_same, normalize_axis};
@@ -131,15 +127,9 @@ impl NDArray {
             Some(b) => Shape::new(&[b, m, n]),
         };
         let dtype = self.dtype();
+        let batch = batch.map(|b| (which, b));
         exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
-            dispatch!(dtype, T => {
-                let (a, b, out) = (a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>());
-                match batch {
-                    None => matmul(m, k, n, a, b, out),
-                    Some(batch) => matmul_batched(which, batch, m, k, n, a, b, out),
-                }
-            });
-            Ok(())
+            backend::matmul(&ctx, dtype, batch, (m, k, n), a, b, out)
         })
     }
 
@@ -165,7 +155,7 @@ impl NDArray {
         let (m, k, n) = product_dims(&ctx, self, other, transpose)?;
         let (ta, tb) = transpose.flags();
         let dtype = self.dtype();
-        if tb && dtype.is_float() {
+        if tb && dtype.is_float() && backend::prefers_materialized_transpose(self.device()) {
             return self.matmul_right_transposed(&ctx, other, ta, (m, k, n));
         }
         exec::op2(
@@ -174,12 +164,7 @@ impl NDArray {
             other,
             Shape::new(&[m, n]),
             dtype,
-            |a, b, out| {
-                dispatch!(dtype, T => gemm_general(
-                    m, k, n, a.as_slice::<T>(), ta, b.as_slice::<T>(), tb, out.as_mut_slice::<T>(), None
-                ));
-                Ok(())
-            },
+            |a, b, out| backend::gemm(&ctx, dtype, (m, k, n), (a, ta), (b, tb), out, None),
         )
     }
 
@@ -199,15 +184,10 @@ impl NDArray {
         let dtype = self.dtype();
         if m.saturating_mul(8) <= n {
             let ct = exec::op2(ctx, self, other, Shape::new(&[n, m]), dtype, |a, b, out| {
-                dispatch_float!(dtype, T => gemm_general(
-                    n, k, m, b.as_slice::<T>(), false, a.as_slice::<T>(), !ta,
-                    out.as_mut_slice::<T>(), None
-                ), _ => {});
-                Ok(())
+                backend::gemm(ctx, dtype, (n, k, m), (b, false), (a, !ta), out, None)
             })?;
             let c = exec::op1(ctx, &ct, Shape::new(&[m, n]), dtype, |ct, out| {
-                dispatch_float!(dtype, T => transpose(ct.as_slice::<T>(), n, m, out.as_mut_slice::<T>()), _ => {});
-                Ok(())
+                backend::transpose(ctx, dtype, ct, (n, m), out)
             });
             ct.close()?;
             return c;
@@ -219,16 +199,10 @@ impl NDArray {
             &[self, other],
             Shape::new(&[k, n]),
             dtype,
-            |inputs, out| {
-                dispatch_float!(dtype, T => transpose(inputs[1].as_slice::<T>(), n, k, out.as_mut_slice::<T>()), _ => {});
-                Ok(())
-            },
+            |inputs, out| backend::transpose(ctx, dtype, inputs[1], (n, k), out),
         )?;
         let c = exec::op2(ctx, self, &bt, Shape::new(&[m, n]), dtype, |a, b, out| {
-            dispatch_float!(dtype, T => gemm_general(
-                m, k, n, a.as_slice::<T>(), ta, b.as_slice::<T>(), false, out.as_mut_slice::<T>(), None
-            ), _ => {});
-            Ok(())
+            backend::gemm(ctx, dtype, (m, k, n), (a, ta), (b, false), out, None)
         });
         bt.close()?;
         c
@@ -285,11 +259,15 @@ impl NDArray {
         let (ta, tb) = transpose.flags();
         let dtype = self.dtype();
         exec::inplace_with2(&ctx, self, a, b, |out, a, b| {
-            dispatch!(dtype, T => gemm_general(
-                m, k, n, a.as_slice::<T>(), ta, b.as_slice::<T>(), tb, out.as_mut_slice::<T>(),
-                Some((T::from_f64(beta), T::from_f64(alpha)))
-            ));
-            Ok(())
+            backend::gemm(
+                &ctx,
+                dtype,
+                (m, k, n),
+                (a, ta),
+                (b, tb),
+                out,
+                Some((beta, alpha)),
+            )
         })
     }
 
@@ -373,11 +351,7 @@ impl NDArray {
             )));
         }
         exec::inplace2_with2(&ctx, (self, velocity), (x, g), |w, v, x, g| {
-            dispatch_float!(dtype, T => sgd_dense(
-                m, k, n, x.as_slice::<T>(), g.as_slice::<T>(), v.as_mut_slice::<T>(),
-                w.as_mut_slice::<T>(), T::from_f64(lr), T::from_f64(momentum)
-            ), _ => {});
-            Ok(())
+            backend::sgd_dense(&ctx, dtype, (m, k, n), (x, g), (v, w), lr, momentum)
         })
     }
 
@@ -389,25 +363,7 @@ impl NDArray {
         let index = normalize_axis(&ctx, axis, self.shape())?;
         let (outer, n, inner) = split_at_axis(self.dims(), index);
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            match dtype {
-                DType::F32 => nn::softmax(
-                    a.as_slice::<f32>(),
-                    outer,
-                    n,
-                    inner,
-                    out.as_mut_slice(),
-                    log,
-                ),
-                _ => nn::softmax(
-                    a.as_slice::<f64>(),
-                    outer,
-                    n,
-                    inner,
-                    out.as_mut_slice(),
-                    log,
-                ),
-            }
-            Ok(())
+            backend::softmax(&ctx, dtype, a, (outer, n, inner), out, log)
         })
     }
 
@@ -464,20 +420,20 @@ impl NDArray {
                 self.shape()
             )));
         }
-        // Checked before allocating; checked again under the lock the kernel holds, in case
-        // another thread changed the indices in between.
-        exec::read_all(
-            &ctx,
-            &[self],
-            |b| dispatch!(from, I => check_indices(&ctx, self, b[0].as_slice::<I>(), depth, "depth")),
-        )?;
+        // Checked before allocating; on the host checked again under the lock the kernel holds,
+        // in case another thread changed the indices in between.
+        let bad = |found| index_error(&ctx, self, found, depth, "depth");
+        exec::read_all(&ctx, &[self], |b| {
+            match backend::first_bad_index(&ctx, from, b[0], depth)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
+            }
+        })?;
         exec::op1(&ctx, self, shape, dtype, |idx, out| {
-            dispatch!(from, I => {
-                let idx = idx.as_slice::<I>();
-                check_indices(&ctx, self, idx, depth, "depth")?;
-                dispatch!(dtype, T => nn::one_hot(idx, depth, out.as_mut_slice::<T>()));
-            });
-            Ok(())
+            match backend::one_hot(&ctx, (from, dtype), idx, depth, out)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
+            }
         })
     }
 
@@ -519,11 +475,13 @@ impl NDArray {
             )));
         }
         let (_, n, inner) = split_at_axis(self.dims(), index);
-        exec::read_all(
-            &ctx,
-            &[indices],
-            |b| dispatch!(from, I => check_indices(&ctx, indices, b[0].as_slice::<I>(), n, "the size of the axis")),
-        )?;
+        let bad = |found| index_error(&ctx, indices, found, n, "the size of the axis");
+        exec::read_all(&ctx, &[indices], |b| {
+            match backend::first_bad_index(&ctx, from, b[0], n)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
+            }
+        })?;
         let dtype = self.dtype();
         exec::op2(
             &ctx,
@@ -531,33 +489,27 @@ impl NDArray {
             indices,
             indices.shape().clone(),
             dtype,
-            |x, idx, out| {
-                dispatch!(from, I => {
-                    let idx = idx.as_slice::<I>();
-                    check_indices(&ctx, indices, idx, n, "the size of the axis")?;
-                    dispatch!(dtype, T => nn::pick(x.as_slice::<T>(), n, inner, idx, out.as_mut_slice::<T>()));
-                });
-                Ok(())
+            |x, idx, out| match backend::pick(&ctx, (dtype, from), x, (n, inner), idx, out)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
             },
         )
     }
 }
 
-/// `InvalidArgument` naming the first index of `indices` (array `array`) outside `0..bound`.
-fn check_indices<I: Element>(
+/// `InvalidArgument` naming the first index of `array` found outside `0..bound`: the one at flat
+/// `position`, whose value is `value`.
+fn index_error(
     ctx: &Ctx,
     array: &NDArray,
-    indices: &[I],
+    (position, value): (usize, i64),
     bound: usize,
     what: &str,
-) -> Result<()> {
-    match nn::first_out_of_range(indices, bound) {
-        None => Ok(()),
-        Some((position, value)) => Err(ctx.invalid(format!(
-            "index {value} at flat position {position} of {} (shape {}) is out of range: it must \
-             be at least 0 and below {what}, {bound}",
-            array.0.describe(),
-            array.shape()
-        ))),
-    }
+) -> crate::Error {
+    ctx.invalid(format!(
+        "index {value} at flat position {position} of {} (shape {}) is out of range: it must \
+         be at least 0 and below {what}, {bound}",
+        array.0.describe(),
+        array.shape()
+    ))
 }

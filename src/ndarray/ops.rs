@@ -1,5 +1,5 @@
 //! Operation front-ends: validation (from handle metadata, before anything is allocated),
-//! placement and dispatch to the CPU kernels. This file holds the elementwise ops, comparisons
+//! placement, and a call of the backend's entry point for the op family. This file holds the elementwise ops, comparisons
 //! and in-place ops, and the helpers every front-end shares (broadcasting, dtype/device and
 //! axis checks); reductions are in `reduce_ops.rs`, shape ops in `shape_ops.rs`, matrix
 //! products and the NN ops in `nn_ops.rs`.
@@ -8,102 +8,12 @@
 //! device; shapes broadcast as in NumPy; a refused op allocates and changes nothing; results are
 //! placed by `exec::Target::ResultOf` (active scope, else the first input's owner).
 
-use crate::backend::cpu::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
-use crate::backend::cpu::num::{Float, Num};
-use crate::dtype::{dispatch, dispatch_float};
+use crate::backend::{self, Binary, Compare, Unary};
+use crate::dtype::dispatch;
 use crate::error::Ctx;
 use crate::{DType, Element, Error, NDArray, Result, Shape};
 
 use super::exec;
-
-/// The binary elementwise operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Binary {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-}
-
-/// Runs `$body` with `$f` bound to the closure of binary op `$op` for element type `$t`.
-macro_rules! with_binary {
-    ($op:expr, $t:ty, $f:ident => $body:expr) => {
-        match $op {
-            Binary::Add => {
-                let $f = |x: $t, y: $t| x.add(y);
-                $body
-            }
-            Binary::Sub => {
-                let $f = |x: $t, y: $t| x.sub(y);
-                $body
-            }
-            Binary::Mul => {
-                let $f = |x: $t, y: $t| x.mul(y);
-                $body
-            }
-            Binary::Div => {
-                let $f = |x: $t, y: $t| x.div(y);
-                $body
-            }
-            Binary::Maximum => {
-                let $f = |x: $t, y: $t| x.max_nan(y);
-                $body
-            }
-            Binary::Minimum => {
-                let $f = |x: $t, y: $t| x.min_nan(y);
-                $body
-            }
-        }
-    };
-}
-
-/// The elementwise comparisons.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Compare {
-    Gt,
-    Lt,
-    Eq,
-}
-
-/// Runs `$body` with `$f` bound to the predicate of comparison `$op` (generic over the operand
-/// type, IEEE for floats: NaN compares false).
-macro_rules! with_compare {
-    ($op:expr, $f:ident => $body:expr) => {
-        match $op {
-            Compare::Gt => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x > y
-                }
-                $body
-            }
-            Compare::Lt => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x < y
-                }
-                $body
-            }
-            Compare::Eq => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x == y
-                }
-                $body
-            }
-        }
-    };
-}
-
-/// The unary elementwise operations defined for every dtype.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Unary {
-    Neg,
-    Abs,
-    Square,
-}
 
 /// The NumPy broadcast of two shapes, or `ShapeMismatch` naming both.
 pub(crate) fn broadcast_shapes(ctx: &Ctx, a: &Shape, b: &Shape) -> Result<Shape> {
@@ -245,15 +155,15 @@ impl NDArray {
         let dtype = self.dtype();
         let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
         exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
-            dispatch!(dtype, T => {
-                let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
-                if op == Binary::Div && !dtype.is_float() && b.iter().any(|v| v.is_zero()) {
-                    return Err(division_by_zero(&ctx, other));
-                }
-                let out = out.as_mut_slice::<T>();
-                with_binary!(op, T, f => broadcast_zip(a, sa.dims(), b, sb.dims(), out, so.dims(), f));
-            });
-            Ok(())
+            backend::binary(
+                &ctx,
+                op,
+                dtype,
+                (a, sa.dims()),
+                (b, sb.dims()),
+                (out, so.dims()),
+                &|| division_by_zero(&ctx, other),
+            )
         })
     }
 
@@ -300,12 +210,14 @@ impl NDArray {
         let dtype = self.dtype();
         let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
         exec::op2(&ctx, self, other, shape, DType::U8, |a, b, out| {
-            dispatch!(dtype, T => {
-                let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
-                let out = out.as_mut_slice::<u8>();
-                with_compare!(op, f => broadcast_zip(a, sa.dims(), b, sb.dims(), out, so.dims(), |x: T, y: T| u8::from(f(x, y))));
-            });
-            Ok(())
+            backend::compare(
+                &ctx,
+                op,
+                dtype,
+                (a, sa.dims()),
+                (b, sb.dims()),
+                (out, so.dims()),
+            )
         })
     }
 
@@ -339,19 +251,7 @@ impl NDArray {
     fn compare_scalar(&self, ctx: Ctx, value: f64, op: Compare) -> Result<NDArray> {
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), DType::U8, |a, out| {
-            let out = out.as_mut_slice::<u8>();
-            dispatch_float!(dtype, T => {
-                // Floats compare in their own precision, so `x.eq_scalar(0.1)` finds the f32 0.1.
-                let y = T::from_f64(value);
-                with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x, y))));
-            }, _ => {
-                // Integers compare exactly against the f64 value, so `x.gt_scalar(2.5)` is false
-                // for 2 (no truncation of the scalar).
-                dispatch!(dtype, T => {
-                    with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x.to_f64(), value))));
-                })
-            });
-            Ok(())
+            backend::compare_scalar(&ctx, op, dtype, a, value, out)
         })
     }
 
@@ -400,12 +300,7 @@ impl NDArray {
             )));
         }
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            dispatch!(dtype, T => {
-                let y = T::from_f64(value);
-                let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
-                with_binary!(op, T, f => elementwise::map(a, out, move |x| f(x, y)));
-            });
-            Ok(())
+            backend::binary_scalar(&ctx, op, dtype, a, value, out)
         })
     }
 
@@ -441,38 +336,20 @@ impl NDArray {
         let ctx = Ctx::new("pow_scalar");
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            dispatch!(dtype, T => {
-                elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), move |x| x.pow_f64(exponent));
-            });
-            Ok(())
+            backend::pow_scalar(&ctx, dtype, a, exponent, out)
         })
     }
 
     /// `max(self, 0)` elementwise.
     #[track_caller]
     pub fn relu(&self) -> Result<NDArray> {
-        let ctx = Ctx::new("relu");
-        let dtype = self.dtype();
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            dispatch!(dtype, T => {
-                elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), |x| x.max_nan(T::ZERO));
-            });
-            Ok(())
-        })
+        self.unary(Ctx::new("relu"), Unary::Relu)
     }
 
     fn unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            dispatch!(dtype, T => {
-                let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
-                match op {
-                    Unary::Neg => elementwise::map(a, out, |x| x.neg()),
-                    Unary::Abs => elementwise::map(a, out, |x| x.abs()),
-                    Unary::Square => elementwise::map(a, out, |x| x.mul(x)),
-                }
-            });
-            Ok(())
+            backend::unary(&ctx, op, dtype, a, out)
         })
     }
 
@@ -497,50 +374,38 @@ impl NDArray {
     /// The square root elementwise (floats).
     #[track_caller]
     pub fn sqrt(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("sqrt"), Float::sqrt, Float::sqrt)
+        self.float_unary(Ctx::new("sqrt"), Unary::Sqrt)
     }
 
     /// The hyperbolic tangent elementwise (floats).
     #[track_caller]
     pub fn tanh(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("tanh"), Float::tanh, Float::tanh)
+        self.float_unary(Ctx::new("tanh"), Unary::Tanh)
     }
 
     /// `1 / (1 + e^-x)` elementwise (floats).
     #[track_caller]
     pub fn sigmoid(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("sigmoid"), Float::sigmoid, Float::sigmoid)
+        self.float_unary(Ctx::new("sigmoid"), Unary::Sigmoid)
     }
 
     /// `e^x` elementwise (floats).
     #[track_caller]
     pub fn exp(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("exp"), Float::exp, Float::exp)
+        self.float_unary(Ctx::new("exp"), Unary::Exp)
     }
 
     /// The natural logarithm elementwise (floats).
     #[track_caller]
     pub fn log(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("log"), Float::ln, Float::ln)
+        self.float_unary(Ctx::new("log"), Unary::Log)
     }
 
-    fn float_unary(
-        &self,
-        ctx: Ctx,
-        f32_fn: impl Fn(f32) -> f32 + Sync,
-        f64_fn: impl Fn(f64) -> f64 + Sync,
-    ) -> Result<NDArray> {
-        let dtype = self.dtype();
-        if !dtype.is_float() {
+    fn float_unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
+        if !self.dtype().is_float() {
             return Err(self.dtype_error(&ctx, "f32 or f64"));
         }
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            match dtype {
-                DType::F32 => elementwise::map(a.as_slice::<f32>(), out.as_mut_slice(), f32_fn),
-                _ => elementwise::map(a.as_slice::<f64>(), out.as_mut_slice(), f64_fn),
-            }
-            Ok(())
-        })
+        self.unary(ctx, op)
     }
 
     /// For an in-place op with source `other`: same dtype and device, and `other` broadcasts to
@@ -565,22 +430,14 @@ impl NDArray {
         let dtype = self.dtype();
         let (sx, sb) = (self.shape().clone(), other.shape().clone());
         exec::inplace_with(&ctx, self, other, |x, b| {
-            dispatch!(dtype, T => {
-                if let Some(b) = b {
-                    let b = b.as_slice::<T>();
-                    if op == Binary::Div && !dtype.is_float() && b.iter().any(|v| v.is_zero()) {
-                        return Err(division_by_zero(&ctx, other));
-                    }
-                    with_binary!(op, T, f => broadcast_zip_inplace(x.as_mut_slice::<T>(), sx.dims(), b, sb.dims(), f));
-                } else {
-                    let x = x.as_mut_slice::<T>();
-                    if op == Binary::Div && !dtype.is_float() && x.iter().any(|v| v.is_zero()) {
-                        return Err(division_by_zero(&ctx, other));
-                    }
-                    with_binary!(op, T, f => elementwise::map_inplace(x, |v| f(v, v)));
-                }
-            });
-            Ok(())
+            backend::binary_inplace(
+                &ctx,
+                op,
+                dtype,
+                (x, sx.dims()),
+                b.map(|b| (b, sb.dims())),
+                &|| division_by_zero(&ctx, other),
+            )
         })
     }
 
@@ -608,13 +465,7 @@ impl NDArray {
         let ctx = Ctx::new("mul_scalar_");
         let dtype = self.dtype();
         self.check_int_scalar(&ctx, "scalar", value)?;
-        exec::inplace(&ctx, self, |x| {
-            dispatch!(dtype, T => {
-                let y = T::from_f64(value);
-                elementwise::map_inplace(x.as_mut_slice::<T>(), move |v| v.mul(y));
-            });
-            Ok(())
-        })
+        exec::inplace(&ctx, self, |x| backend::scale_inplace(&ctx, dtype, x, value))
     }
 
     /// `self += alpha · x` in place, with `x` broadcast to `self`'s shape (BLAS `axpy`, the SGD
@@ -639,15 +490,13 @@ impl NDArray {
         self.check_int_scalar(&ctx, "alpha", alpha)?;
         let (sx, sb) = (self.shape().clone(), x.shape().clone());
         exec::inplace_with(&ctx, self, x, |target, source| {
-            dispatch!(dtype, T => {
-                let a = T::from_f64(alpha);
-                let target = target.as_mut_slice::<T>();
-                match source {
-                    Some(b) => broadcast_zip_inplace(target, sx.dims(), b.as_slice::<T>(), sb.dims(), move |v, y| v.add(a.mul(y))),
-                    None => elementwise::map_inplace(target, move |v| v.add(a.mul(v))),
-                }
-            });
-            Ok(())
+            backend::axpy(
+                &ctx,
+                dtype,
+                (target, sx.dims()),
+                alpha,
+                source.map(|b| (b, sb.dims())),
+            )
         })
     }
 
@@ -669,14 +518,10 @@ impl NDArray {
         self.check_inplace_source(&ctx, src)?;
         let dtype = self.dtype();
         let (sx, sb) = (self.shape().clone(), src.shape().clone());
-        exec::inplace_with(&ctx, self, src, |target, source| {
-            // `None`: assigning an array to itself changes nothing.
-            if let Some(b) = source {
-                dispatch!(dtype, T => broadcast_zip_inplace(
-                    target.as_mut_slice::<T>(), sx.dims(), b.as_slice::<T>(), sb.dims(), |_, y| y
-                ));
-            }
-            Ok(())
+        exec::inplace_with(&ctx, self, src, |target, source| match source {
+            Some(b) => backend::assign(&ctx, dtype, (target, sx.dims()), (b, sb.dims())),
+            // Assigning an array to itself changes nothing.
+            None => Ok(()),
         })
     }
 
@@ -686,12 +531,6 @@ impl NDArray {
     pub fn fill_(&self, value: f64) -> Result<()> {
         let ctx = Ctx::new("fill_");
         let dtype = self.dtype();
-        exec::inplace(&ctx, self, |x| {
-            dispatch!(dtype, T => {
-                let v = T::from_f64(value);
-                elementwise::map_inplace(x.as_mut_slice::<T>(), move |_| v);
-            });
-            Ok(())
-        })
+        exec::inplace(&ctx, self, |x| backend::fill(&ctx, dtype, x, value))
     }
 }

@@ -5,11 +5,9 @@
 //! sums are `I64` (wrapping), integer means `F64`; `max` keeps the dtype (NaN wins); `argmax`
 //! is `I64`.
 
-use crate::backend::cpu::num::Num;
-use crate::backend::cpu::reduce;
-use crate::dtype::{dispatch, dispatch_float};
+use crate::backend;
 use crate::error::Ctx;
-use crate::{DType, Element, NDArray, Result, Shape};
+use crate::{DType, NDArray, Result, Shape};
 
 use super::exec;
 use super::ops::{axes_mask, normalize_axis};
@@ -79,48 +77,8 @@ impl NDArray {
             (false, true) => DType::F64,
         };
         let dims = self.shape().clone();
-        let count: usize = dims
-            .dims()
-            .iter()
-            .zip(&mask)
-            .filter(|(_, &r)| r)
-            .map(|(&d, _)| d)
-            .product();
-        let count = count as f64;
         exec::op1(&ctx, self, shape, to, |a, out| {
-            let (dims, mask) = (dims.dims(), mask.as_slice());
-            dispatch_float!(from, T => {
-                let x = a.as_slice::<T>();
-                let conv = |v: T| v.to_f64();
-                let add = |p: f64, q: f64| p + q;
-                if from == DType::F64 && !mean {
-                    reduce::fold_axes(x, dims, mask, out.as_mut_slice::<f64>(), 0.0, &conv, &add);
-                } else {
-                    let out = out.as_mut_slice::<T>();
-                    let mut acc = vec![0.0f64; out.len()];
-                    reduce::fold_axes(x, dims, mask, &mut acc, 0.0, &conv, &add);
-                    for (o, s) in out.iter_mut().zip(acc) {
-                        *o = T::from_f64(if mean { s / count } else { s });
-                    }
-                }
-            }, _ => {
-                dispatch!(from, T => {
-                    let x = a.as_slice::<T>();
-                    let conv = |v: T| v.to_i64();
-                    let add = |p: i64, q: i64| p.wrapping_add(q);
-                    if mean {
-                        let out = out.as_mut_slice::<f64>();
-                        let mut acc = vec![0i64; out.len()];
-                        reduce::fold_axes(x, dims, mask, &mut acc, 0, &conv, &add);
-                        for (o, s) in out.iter_mut().zip(acc) {
-                            *o = s as f64 / count;
-                        }
-                    } else {
-                        reduce::fold_axes(x, dims, mask, out.as_mut_slice::<i64>(), 0, &conv, &add);
-                    }
-                })
-            });
-            Ok(())
+            backend::sum(&ctx, from, to, (a, dims.dims()), &mask, out, mean)
         })
     }
 
@@ -150,11 +108,7 @@ impl NDArray {
         let (outer, n, inner) = split_at_axis(self.dims(), index);
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, dtype, |a, out| {
-            dispatch!(dtype, T => reduce::fold_axis(
-                a.as_slice::<T>(), outer, n, inner, out.as_mut_slice::<T>(),
-                &|v: T| v, &|p: T, q: T| p.max_nan(q),
-            ));
-            Ok(())
+            backend::max_axis(&ctx, dtype, a, (outer, n, inner), out)
         })
     }
 
@@ -179,10 +133,7 @@ impl NDArray {
         let (outer, n, inner) = split_at_axis(self.dims(), index);
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, DType::I64, |a, out| {
-            dispatch!(dtype, T => reduce::argmax_axis(
-                a.as_slice::<T>(), outer, n, inner, out.as_mut_slice::<i64>(),
-            ));
-            Ok(())
+            backend::argmax_axis(&ctx, dtype, a, (outer, n, inner), out)
         })
     }
 
@@ -207,23 +158,8 @@ impl NDArray {
             (false, false) => DType::I64,
             (false, true) => DType::F64,
         };
-        let n = self.size();
         exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
-            dispatch_float!(from, T => {
-                let sum = reduce::sum_float(a.as_slice::<T>());
-                let value = if mean { sum / n as f64 } else { sum };
-                out.as_mut_slice::<T>()[0] = T::from_f64(value);
-            }, _ => {
-                dispatch!(from, T => {
-                    let sum = reduce::sum_int(a.as_slice::<T>());
-                    if mean {
-                        out.as_mut_slice::<f64>()[0] = sum as f64 / n as f64;
-                    } else {
-                        out.as_mut_slice::<i64>()[0] = sum;
-                    }
-                })
-            });
-            Ok(())
+            backend::sum_all(&ctx, from, to, a, out, mean)
         })
     }
 }

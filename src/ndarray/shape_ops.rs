@@ -4,9 +4,7 @@
 //! Every result is a new array holding a copy (placed like any op result), so it behaves as a
 //! value: writing to it in place never changes the input.
 
-use crate::backend::cpu::elementwise::broadcast_zip_inplace;
-use crate::backend::cpu::shape as kernels;
-use crate::dtype::dispatch;
+use crate::backend;
 use crate::error::Ctx;
 use crate::{NDArray, Result, Shape};
 
@@ -18,8 +16,7 @@ impl NDArray {
     /// A copy with the same bytes under a new shape.
     fn copy_with_shape(&self, ctx: &Ctx, shape: Shape) -> Result<NDArray> {
         exec::op1(ctx, self, shape, self.dtype(), |src, dst| {
-            dst.as_bytes_mut().copy_from_slice(src.as_bytes());
-            Ok(())
+            backend::copy(ctx, src, dst)
         })
     }
 
@@ -65,8 +62,7 @@ impl NDArray {
         };
         let dtype = self.dtype();
         exec::op1(&ctx, self, Shape::new(&[cols, rows]), dtype, |src, dst| {
-            dispatch!(dtype, T => kernels::transpose(src.as_slice::<T>(), rows, cols, dst.as_mut_slice::<T>()));
-            Ok(())
+            backend::transpose(&ctx, dtype, src, (rows, cols), dst)
         })
     }
 
@@ -100,8 +96,7 @@ impl NDArray {
         let perm = axes.to_vec();
         let dtype = self.dtype();
         exec::op1(&ctx, self, Shape::new(&out), dtype, |src, dst| {
-            dispatch!(dtype, T => kernels::permute(src.as_slice::<T>(), dims.dims(), &perm, dst.as_mut_slice::<T>()));
-            Ok(())
+            backend::permute(&ctx, dtype, (src, dims.dims()), &perm, dst)
         })
     }
 
@@ -123,10 +118,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (from, to) = (self.shape().clone(), shape.clone());
         exec::op1(&ctx, self, shape, dtype, |src, dst| {
-            dispatch!(dtype, T => broadcast_zip_inplace(
-                dst.as_mut_slice::<T>(), to.dims(), src.as_slice::<T>(), from.dims(), |_, y| y
-            ));
-            Ok(())
+            backend::assign(&ctx, dtype, (dst, to.dims()), (src, from.dims()))
         })
     }
 
@@ -156,17 +148,9 @@ impl NDArray {
         let mut out = self.dims().to_vec();
         out[index] = len;
         let (outer, n, inner) = split_at_axis(self.dims(), index);
-        let bytes = self.dtype().size_in_bytes();
+        let elem = self.dtype().size_in_bytes();
         exec::op1(&ctx, self, Shape::new(&out), self.dtype(), |src, dst| {
-            kernels::narrow(
-                src.as_bytes(),
-                outer,
-                n,
-                inner * bytes,
-                start,
-                dst.as_bytes_mut(),
-            );
-            Ok(())
+            backend::narrow(&ctx, elem, src, (outer, n, inner), start, dst)
         })
     }
 
@@ -234,9 +218,7 @@ fn interleave(
     let dtype = arrays[0].dtype();
     let inputs: Vec<&NDArray> = arrays.iter().collect();
     exec::op(ctx, &inputs, out, dtype, |srcs, dst| {
-        let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
-        kernels::interleave(&srcs, row_bytes, outer, dst.as_bytes_mut());
-        Ok(())
+        backend::interleave(ctx, srcs, row_bytes, outer, dst)
     })
 }
 

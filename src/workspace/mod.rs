@@ -22,7 +22,6 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
-mod block;
 mod config;
 
 use std::collections::BTreeMap;
@@ -31,15 +30,15 @@ use std::sync::{Arc, LazyLock};
 
 use parking_lot::Mutex;
 
-pub(crate) use block::Block;
 pub use config::{
     AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     WorkspaceConfig, WorkspaceConfigBuilder,
 };
 
 use crate::arena::{
-    self, ArrayKey, Buffer, CloseReason, CycleTag, ManagerKey, Owner, Place, State, WorkspaceKey,
+    self, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State, WorkspaceKey,
 };
+use crate::backend::{Block, Storage};
 use crate::error::{Ctx, Site};
 use crate::manager::{Manager, Scope};
 use crate::{DType, Device, Error, Result, Shape};
@@ -164,6 +163,9 @@ pub(crate) struct WorkspaceEntry {
     pub owner: ManagerKey,
     /// Where the block's arrays are.
     pub device: Device,
+    /// For a CUDA owner's `MirroringPolicy::HostOnly` workspace: the device whose page-locked
+    /// host memory the block is.
+    pinned_for: Option<usize>,
     pub block: Option<Arc<Block>>,
     offset: usize,
     /// Circular workspaces: the offset when the current cycle opened, and whether the cycle has
@@ -341,11 +343,15 @@ impl WorkspaceEntry {
         if size == 0 || size <= self.capacity() {
             return Ok(false);
         }
-        let block = match self.config().location() {
-            LocationPolicy::Ram => Block::ram(ctx, self.device, size)?,
-            LocationPolicy::Mmap => {
+        let block = match (self.config().location(), self.device) {
+            (LocationPolicy::Mmap, _) => {
                 Block::mmap(ctx, size, self.config().mmap_path(), &self.shared.name)?
             }
+            (LocationPolicy::Ram, Device::Cpu) => match self.pinned_for {
+                Some(ordinal) => Block::pinned(ctx, ordinal, size)?,
+                None => Block::ram(ctx, size)?,
+            },
+            (LocationPolicy::Ram, Device::Cuda(ordinal)) => Block::device(ctx, ordinal, size)?,
         };
         let replaced = self.block.replace(Arc::new(block)).is_some();
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
@@ -506,7 +512,7 @@ impl Workspace {
 /// Storage for a new array: where it lives, and the circular-workspace arrays it overwrites
 /// (to be closed before anything is written).
 pub(crate) struct Allocation {
-    pub buffer: Buffer,
+    pub buffer: Storage,
     pub place: Place,
     pub evict: Vec<ArrayKey>,
     /// The workspace to name in the eviction reason.
@@ -552,6 +558,10 @@ impl State {
                 )));
             }
         }
+        let pinned_for = match (owner.device(), config.mirroring()) {
+            (Device::Cuda(ordinal), MirroringPolicy::HostOnly) => Some(ordinal),
+            _ => None,
+        };
         let device = match (owner.device(), config.mirroring(), config.location()) {
             (Device::Cpu, _, _) => Device::Cpu,
             (Device::Cuda(_), _, LocationPolicy::Mmap) => {
@@ -574,6 +584,7 @@ impl State {
             }),
             owner: owner.0.key,
             device,
+            pinned_for,
             block: None,
             offset: 0,
             cycle_start: 0,
@@ -704,7 +715,7 @@ impl State {
             })?;
         let heap = |ctx: &Ctx| -> Result<Allocation> {
             Ok(Allocation {
-                buffer: Buffer::heap(ctx, device, bytes)?,
+                buffer: Storage::alloc(ctx, device, bytes)?,
                 place: Place::Heap,
                 evict: Vec::new(),
                 evicted_by: None,
@@ -732,16 +743,12 @@ impl State {
                     .map(Arc::clone)
                     .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
                 let evict = ws.overlapping(offset, aligned);
+                // SAFETY: `plan` placed `[offset, offset + aligned)` clear of the open cycle's
+                // arrays; the older arrays there (`evict`) are closed before anything is written,
+                // so the range belongs to this array alone.
+                let buffer = unsafe { block.carve(offset, bytes) }
+                    .ok_or_else(|| ctx.invalid("workspace slot outside its block"))?;
                 ws.commit(Slot::Block { offset, wrap }, aligned);
-                // SAFETY: `plan` placed `[offset, offset + aligned)` inside the block (so the
-                // pointer arithmetic stays in it), at a multiple of ALIGNMENT from its 64-byte
-                // aligned, zero-initialised base, clear of the open cycle's arrays; the older
-                // arrays there (`evict`) are closed before anything is written; the slice keeps
-                // the block alive through its `Arc`.
-                let buffer = unsafe {
-                    let base = block.base().add(offset);
-                    Buffer::block_slice(block, base, bytes)
-                };
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {

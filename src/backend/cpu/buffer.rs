@@ -1,9 +1,9 @@
-//! Array storage: a span of host bytes, owned by one array.
+//! Host array storage: a span of host bytes, owned by one array.
 //!
 //! A buffer is either its own heap allocation (freed, and its reservation released, when the
-//! buffer drops) or a slice of a larger block that some owner carves up (a workspace block): the
-//! slice holds an `Arc` to that block, so the block outlives every slice. Buffers live in the
-//! `RwLock` of their array, which is what makes sharing them between threads sound.
+//! buffer drops) or a slice of a workspace [`Block`] (RAM, a mapped file or page-locked memory):
+//! the slice holds an `Arc` to that block, so the block outlives every slice. Buffers live in
+//! the `RwLock` of their array, which is what makes sharing them between threads sound.
 
 use std::alloc::Layout;
 use std::mem::ManuallyDrop;
@@ -11,16 +11,15 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::arena::memory;
+use crate::backend::Block;
 use crate::error::Ctx;
 use crate::{Device, Element, Result};
-
-/// Whatever keeps the memory of a block slice alive (a workspace block).
-pub(crate) type KeepAlive = Arc<dyn std::any::Any + Send + Sync>;
 
 /// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.
 pub(crate) const STORAGE_ALIGN: usize = 64;
 
-pub(crate) struct Buffer {
+/// Host bytes of one array.
+pub(crate) struct HostBuffer {
     ptr: NonNull<u8>,
     bytes: usize,
     backing: Backing,
@@ -32,18 +31,18 @@ enum Backing {
     /// Our own allocation with this layout, reserved on this device.
     Heap { layout: Layout, device: Device },
     /// A slice of a block kept alive by this handle.
-    Block(#[allow(dead_code)] KeepAlive),
+    Block(#[allow(dead_code)] Arc<Block>),
 }
 
-// SAFETY: a `Buffer` is the only handle to its bytes (its own allocation, or a block slice that
+// SAFETY: a `HostBuffer` is the only handle to its bytes (its own allocation, or a block slice that
 // the block's allocator hands to one buffer at a time). It is only reached through the `RwLock`
-// of its array, which serialises writers against readers, so moving it or sharing `&Buffer`
+// of its array, which serialises writers against readers, so moving it or sharing `&HostBuffer`
 // across threads is sound.
-unsafe impl Send for Buffer {}
-// SAFETY: see `Send`: `&Buffer` only gives shared (read) access to the bytes.
-unsafe impl Sync for Buffer {}
+unsafe impl Send for HostBuffer {}
+// SAFETY: see `Send`: `&HostBuffer` only gives shared (read) access to the bytes.
+unsafe impl Sync for HostBuffer {}
 
-impl Buffer {
+impl HostBuffer {
     fn dangling() -> NonNull<u8> {
         // SAFETY: STORAGE_ALIGN is non-zero, so the pointer is non-null; it is never dereferenced
         // for a zero-byte buffer.
@@ -51,18 +50,18 @@ impl Buffer {
     }
 
     /// A zero-byte buffer.
-    pub fn empty() -> Buffer {
-        Buffer {
-            ptr: Buffer::dangling(),
+    pub fn empty() -> HostBuffer {
+        HostBuffer {
+            ptr: HostBuffer::dangling(),
             bytes: 0,
             backing: Backing::Empty,
         }
     }
 
     /// A zeroed heap buffer of `bytes`, reserved against `device`'s limit first.
-    pub fn heap(ctx: &Ctx, device: Device, bytes: usize) -> Result<Buffer> {
+    pub fn heap(ctx: &Ctx, device: Device, bytes: usize) -> Result<HostBuffer> {
         if bytes == 0 {
-            return Ok(Buffer::empty());
+            return Ok(HostBuffer::empty());
         }
         let layout = Layout::from_size_align(bytes, STORAGE_ALIGN)
             .map_err(|_| memory::system_refused(ctx, device, bytes))?;
@@ -70,11 +69,14 @@ impl Buffer {
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         match NonNull::new(ptr) {
-            Some(ptr) => Ok(Buffer {
-                ptr,
-                bytes,
-                backing: Backing::Heap { layout, device },
-            }),
+            Some(ptr) => {
+                memory::driver_allocated(device);
+                Ok(HostBuffer {
+                    ptr,
+                    bytes,
+                    backing: Backing::Heap { layout, device },
+                })
+            }
             None => {
                 memory::release(device, bytes);
                 Err(memory::system_refused(ctx, device, bytes))
@@ -84,12 +86,12 @@ impl Buffer {
 
     /// Adopts a `Vec`'s allocation without copying, reserving its capacity against the CPU limit.
     /// On error the vector is dropped and nothing is reserved.
-    pub fn from_vec<T: Element>(ctx: &Ctx, data: Vec<T>) -> Result<Buffer> {
+    pub fn from_vec<T: Element>(ctx: &Ctx, data: Vec<T>) -> Result<HostBuffer> {
         let data = ManuallyDrop::new(data);
         let capacity_bytes = data.capacity() * std::mem::size_of::<T>();
         if capacity_bytes == 0 {
             drop(ManuallyDrop::into_inner(data));
-            return Ok(Buffer::empty());
+            return Ok(HostBuffer::empty());
         }
         // A Vec's capacity always forms a valid array layout.
         let Ok(layout) = Layout::array::<T>(data.capacity()) else {
@@ -101,7 +103,7 @@ impl Buffer {
             return Err(e);
         }
         let ptr = data.as_ptr() as *mut u8;
-        Ok(Buffer {
+        Ok(HostBuffer {
             // SAFETY: a Vec with non-zero capacity has a non-null pointer.
             ptr: unsafe { NonNull::new_unchecked(ptr) },
             bytes: data.len() * std::mem::size_of::<T>(),
@@ -112,20 +114,20 @@ impl Buffer {
         })
     }
 
-    /// A slice of `bytes` at `base`, inside a block that `keep_alive` keeps allocated.
+    /// A slice of `bytes` at `base`, inside `block`, which it keeps allocated.
     ///
     /// # Safety
-    /// `base` must be valid for reads and writes of `bytes` bytes for as long as `keep_alive`
-    /// lives, aligned to `STORAGE_ALIGN`, initialised, and not handed to any other live buffer.
-    pub unsafe fn block_slice(keep_alive: KeepAlive, base: *mut u8, bytes: usize) -> Buffer {
+    /// `base` must be valid for reads and writes of `bytes` bytes for as long as `block` lives,
+    /// aligned to `STORAGE_ALIGN`, initialised, and not handed to any other live buffer.
+    pub unsafe fn block_slice(block: Arc<Block>, base: *mut u8, bytes: usize) -> HostBuffer {
         if bytes == 0 {
-            return Buffer::empty();
+            return HostBuffer::empty();
         }
-        Buffer {
+        HostBuffer {
             // SAFETY: the caller guarantees `base` points into a live block, so it is non-null.
             ptr: unsafe { NonNull::new_unchecked(base) },
             bytes,
-            backing: Backing::Block(keep_alive),
+            backing: Backing::Block(block),
         }
     }
 
@@ -176,7 +178,7 @@ impl Buffer {
     }
 }
 
-impl Drop for Buffer {
+impl Drop for HostBuffer {
     fn drop(&mut self) {
         if let Backing::Heap { layout, device } = self.backing {
             // SAFETY: `ptr` was allocated by the global allocator with exactly `layout` (our own

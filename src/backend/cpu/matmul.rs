@@ -4,6 +4,7 @@
 use gemm::Parallelism;
 
 use super::num::Num;
+use crate::backend::Batched;
 use super::pool::{self, SendPtr};
 
 /// Multiply-adds below which a product runs on one thread.
@@ -24,17 +25,6 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
     } else {
         int_matmul(k, n, a, b, out);
     }
-}
-
-/// Which operands of a batched product carry the batch axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Batched {
-    /// `[b, m, k] · [b, k, n]`.
-    Both,
-    /// `[b, m, k] · [k, n]`: the right operand is shared.
-    Left,
-    /// `[m, k] · [b, k, n]`: the left operand is shared.
-    Right,
 }
 
 /// `out[i] = a[i] · b[i]` for `batch` products of `m×k` by `k×n`, with a shared operand as

@@ -1,10 +1,12 @@
-//! CPU kernels over slices. Large inputs are split across the worker pool (`pool`).
+//! CPU kernels over slices. Large inputs are split across the worker pool (`pool`); `ops`
+//! runs the op families on host buffers.
 
 pub(crate) mod buffer;
 pub(crate) mod elementwise;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod num;
+pub(crate) mod ops;
 pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;

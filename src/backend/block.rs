@@ -1,0 +1,240 @@
+//! A workspace's memory block: one allocation carved by offset into array storage.
+//!
+//! The block is host RAM, a memory-mapped file, page-locked host memory (a CUDA owner's
+//! `MirroringPolicy::HostOnly` block) or one allocation of device memory. The workspace's
+//! allocator decides the offsets; [`Block::carve`] turns a range into [`Storage`] that keeps the
+//! block alive.
+
+use std::alloc::Layout;
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use memmap2::MmapMut;
+
+use super::cpu::buffer::{HostBuffer, STORAGE_ALIGN};
+use super::cuda::{DeviceMemory, PinnedMemory};
+use super::Storage;
+use crate::arena::memory;
+use crate::error::Ctx;
+use crate::{Device, Error, Result};
+
+/// One contiguous block. Freed (and its reservation released) when the last `Arc` drops: the
+/// workspace holds one, and so does every array still living in it.
+pub(crate) struct Block {
+    capacity: usize,
+    /// The device whose memory limit the block is reserved against (its arrays' device).
+    device: Device,
+    kind: Kind,
+}
+
+enum Kind {
+    Ram {
+        base: NonNull<u8>,
+        layout: Layout,
+    },
+    Mmap {
+        base: NonNull<u8>,
+        // Held for its Drop (unmapping); `base` points into it.
+        _map: MmapMut,
+        path: PathBuf,
+        remove: bool,
+    },
+    /// Page-locked host memory (CUDA `HostOnly` mirroring).
+    Pinned(PinnedMemory),
+    /// Device memory of one CUDA device.
+    Device(DeviceMemory),
+}
+
+// SAFETY: the block's bytes are only reached through storage that each owns a disjoint range and
+// is itself guarded by its array's lock; the block itself only hands out its base pointer and
+// frees the memory when the last reference drops.
+unsafe impl Send for Block {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Block {}
+
+static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
+
+impl Block {
+    /// A zeroed block of `capacity > 0` bytes in host RAM, reserved against the CPU's limit.
+    pub fn ram(ctx: &Ctx, capacity: usize) -> Result<Block> {
+        let device = Device::Cpu;
+        let layout = Layout::from_size_align(capacity.max(1), STORAGE_ALIGN)
+            .map_err(|_| memory::system_refused(ctx, device, capacity))?;
+        memory::reserve(ctx, device, capacity)?;
+        // SAFETY: the layout is not zero-sized.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        match NonNull::new(ptr) {
+            Some(base) => {
+                memory::driver_allocated(device);
+                Ok(Block {
+                    capacity,
+                    device,
+                    kind: Kind::Ram { base, layout },
+                })
+            }
+            None => {
+                memory::release(device, capacity);
+                Err(memory::system_refused(ctx, device, capacity))
+            }
+        }
+    }
+
+    /// A block of `capacity > 0` bytes of page-locked host memory (zeroed), reserved against the
+    /// CPU's limit; `ordinal` is the CUDA device it is registered with.
+    pub fn pinned(ctx: &Ctx, ordinal: usize, capacity: usize) -> Result<Block> {
+        let device = Device::Cpu;
+        memory::reserve(ctx, device, capacity)?;
+        match PinnedMemory::alloc(ctx, ordinal, capacity) {
+            Ok(pinned) => {
+                memory::driver_allocated(device);
+                Ok(Block {
+                    capacity,
+                    device,
+                    kind: Kind::Pinned(pinned),
+                })
+            }
+            Err(e) => {
+                memory::release(device, capacity);
+                Err(e)
+            }
+        }
+    }
+
+    /// A block of `capacity > 0` bytes of memory of CUDA device `ordinal` (not zeroed), reserved
+    /// against its limit.
+    pub fn device(ctx: &Ctx, ordinal: usize, capacity: usize) -> Result<Block> {
+        let device = Device::Cuda(ordinal);
+        memory::reserve(ctx, device, capacity)?;
+        match DeviceMemory::alloc(ctx, ordinal, capacity) {
+            Ok(memory) => Ok(Block {
+                capacity,
+                device,
+                kind: Kind::Device(memory),
+            }),
+            Err(e) => {
+                memory::release(device, capacity);
+                Err(e)
+            }
+        }
+    }
+
+    /// A block of `capacity > 0` bytes mapped from `path`, or from a new temporary file that is
+    /// removed when the block is freed.
+    pub fn mmap(ctx: &Ctx, capacity: usize, path: Option<&Path>, name: &str) -> Result<Block> {
+        let (path, remove) = match path {
+            Some(p) => (p.to_path_buf(), false),
+            None => {
+                let safe: String = name
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                    .take(32)
+                    .collect();
+                let file = format!(
+                    "ndscope-ws-{}-{}-{safe}.bin",
+                    std::process::id(),
+                    NEXT_FILE.fetch_add(1, Ordering::Relaxed)
+                );
+                (std::env::temp_dir().join(file), true)
+            }
+        };
+        let io = |source: std::io::Error| Error::Io {
+            op: ctx.op,
+            at: ctx.at,
+            path: path.clone(),
+            source,
+        };
+        memory::reserve(ctx, Device::Cpu, capacity)?;
+        let mapped = (|| {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)?;
+            file.set_len(capacity as u64)?;
+            // SAFETY: the file was just created or truncated by us and sized to `capacity`; we
+            // never truncate it while mapped. Other processes modifying it is outside our
+            // control, as for any mapped file.
+            unsafe { MmapMut::map_mut(&file) }
+        })();
+        let mut map = match mapped {
+            Ok(map) => map,
+            Err(e) => {
+                memory::release(Device::Cpu, capacity);
+                if remove {
+                    let _ = std::fs::remove_file(&path);
+                }
+                return Err(io(e));
+            }
+        };
+        let Some(base) = NonNull::new(map.as_mut_ptr()) else {
+            memory::release(Device::Cpu, capacity);
+            return Err(memory::system_refused(ctx, Device::Cpu, capacity));
+        };
+        memory::driver_allocated(Device::Cpu);
+        Ok(Block {
+            capacity,
+            device: Device::Cpu,
+            kind: Kind::Mmap {
+                base,
+                _map: map,
+                path,
+                remove,
+            },
+        })
+    }
+
+    /// Bytes in the block.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Storage for `[offset, offset + bytes)` of the block, keeping the block alive; `None` if
+    /// the range does not lie inside it.
+    ///
+    /// # Safety
+    /// The range must not overlap the storage of any other live array: the workspace's allocator
+    /// hands each range to one array at a time, and closes the arrays a circular workspace wraps
+    /// over before their range is handed out again.
+    pub unsafe fn carve(self: &Arc<Block>, offset: usize, bytes: usize) -> Option<Storage> {
+        let end = offset.checked_add(bytes)?;
+        if end > self.capacity {
+            return None;
+        }
+        let host = |base: NonNull<u8>| {
+            // SAFETY: `offset + bytes <= capacity`, so the pointer stays inside the allocation;
+            // the base is 64-byte aligned and offsets are multiples of the workspace alignment;
+            // host blocks are zeroed when created and only ever hold element values; the caller
+            // guarantees the range is handed to no other live buffer.
+            unsafe { HostBuffer::block_slice(Arc::clone(self), base.as_ptr().add(offset), bytes) }
+        };
+        Some(match &self.kind {
+            Kind::Ram { base, .. } | Kind::Mmap { base, .. } => Storage::Host(host(*base)),
+            Kind::Pinned(pinned) => Storage::Host(host(pinned.base())),
+            Kind::Device(memory) => memory.carve(Arc::clone(self), offset, bytes),
+        })
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        match &self.kind {
+            Kind::Ram { base, layout } => {
+                // SAFETY: `base` was allocated with exactly `layout` and is freed only here.
+                unsafe { std::alloc::dealloc(base.as_ptr(), *layout) };
+            }
+            Kind::Mmap { path, remove, .. } => {
+                // The map itself is unmapped when the field drops, after this.
+                if *remove {
+                    let _ = std::fs::remove_file(path);
+                }
+            }
+            // Freed by their own Drop (stream-ordered for device memory).
+            Kind::Pinned(_) | Kind::Device(_) => {}
+        }
+        memory::release(self.device, self.capacity);
+    }
+}
