@@ -42,6 +42,26 @@ impl Device {
     pub fn is_cpu(&self) -> bool {
         matches!(self, Device::Cpu)
     }
+
+    /// Waits until all work queued on the device has finished, and reports an error an earlier
+    /// asynchronous kernel ran into as `Error::Backend`. CUDA ops return once their work is
+    /// queued; reads (`to_vec`, `to_scalar`) wait by themselves, so this is for timing and for
+    /// checking errors at a chosen point. Does nothing for the CPU, whose ops finish before they
+    /// return. `DeviceUnavailable` for an absent device.
+    ///
+    /// ```
+    /// use ndscope::Device;
+    /// Device::Cpu.synchronize()?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn synchronize(&self) -> crate::Result<()> {
+        let ctx = crate::error::Ctx::new("Device::synchronize");
+        if !self.is_available() {
+            return Err(ctx.unavailable(*self));
+        }
+        crate::backend::synchronize(&ctx, *self)
+    }
 }
 
 impl fmt::Display for Device {

@@ -20,6 +20,8 @@ pub type Site = &'static Location<'static>;
 pub enum LimitSource {
     /// No limit is set: the system allocator itself refused.
     None,
+    /// The CUDA driver refused: the device's memory is exhausted.
+    Driver,
     /// The environment variable of this name (`NDSCOPE_MAX_HOST_BYTES`, `NDSCOPE_MAX_CUDA_BYTES`).
     Env(&'static str),
     /// A call to [`crate::set_memory_limit`].
@@ -30,6 +32,9 @@ impl fmt::Display for LimitSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             LimitSource::None => f.write_str("no limit set; the system allocator refused"),
+            LimitSource::Driver => {
+                f.write_str("the CUDA driver refused: the device's memory is exhausted")
+            }
             LimitSource::Env(var) => write!(f, "limit {var}"),
             LimitSource::Api => f.write_str("limit set by ndscope::set_memory_limit"),
         }

@@ -27,6 +27,26 @@ pub use workspace::{
     Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
 };
 
+/// Lets float matrix products on CUDA devices use TF32 tensor cores (10 bits of mantissa for
+/// the products, f32 accumulation), or with `false` restores strict FP32, the default. Like
+/// PyTorch's `torch.backends.cuda.matmul.allow_tf32`: several times faster on Ampere and Hopper
+/// GPUs, with about 1e-3 relative error. Process-wide; affects products issued after the call.
+/// CPU products are always strict.
+///
+/// ```
+/// ndscope::set_allow_tf32(true);
+/// assert!(ndscope::allow_tf32());
+/// ndscope::set_allow_tf32(false);
+/// ```
+pub fn set_allow_tf32(allow: bool) {
+    backend::ALLOW_TF32.store(allow, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether float matrix products on CUDA devices may use TF32 ([`set_allow_tf32`]).
+pub fn allow_tf32() -> bool {
+    backend::ALLOW_TF32.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Threads the CPU kernels run on: the calling thread plus helper threads of ndscope's own pool.
 /// It is `NDSCOPE_NUM_THREADS` when that is set to a positive number (read once, at the first
 /// parallel kernel), else the number of cores the process may use.

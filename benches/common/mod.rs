@@ -37,6 +37,13 @@ pub fn record(key: &str, elapsed: Duration, iters: u64) {
     }
 }
 
+/// Records a figure that is not a time (a count), saved under `key` as it is.
+pub fn note(key: &str, value: f64) {
+    if let Ok(mut s) = SAMPLES.lock() {
+        s.insert(key.to_string(), vec![value]);
+    }
+}
+
 /// The median ns per call of `key` over its last samples (warm-up samples come first).
 pub fn median_ns(key: &str) -> Option<f64> {
     let s = SAMPLES.lock().ok()?;

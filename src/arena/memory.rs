@@ -163,6 +163,22 @@ pub(crate) fn driver_allocated(device: Device) {
     }
 }
 
+// Used by the CUDA backend only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// The error for a refusal by the CUDA driver (device memory exhausted).
+pub(crate) fn driver_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
+    let c = counters(device);
+    Error::OutOfMemory {
+        op: ctx.op,
+        at: ctx.at,
+        device,
+        requested: bytes,
+        in_use: c.map_or(0, |c| c.in_use.load(Ordering::Relaxed)),
+        limit: c.and_then(|c| c.limit()),
+        limit_source: LimitSource::Driver,
+    }
+}
+
 pub(crate) fn array_opened(device: Device) {
     if let Some(c) = counters(device) {
         c.arrays.fetch_add(1, Ordering::Relaxed);

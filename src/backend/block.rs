@@ -192,6 +192,13 @@ impl Block {
         self.capacity
     }
 
+    // Used by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Whether the block is page-locked host memory.
+    pub fn is_pinned(&self) -> bool {
+        matches!(self.kind, Kind::Pinned(_))
+    }
+
     /// Storage for `[offset, offset + bytes)` of the block, keeping the block alive; `None` if
     /// the range does not lie inside it.
     ///

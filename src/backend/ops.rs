@@ -84,6 +84,14 @@ pub(crate) fn convert(
         cuda => cuda::convert(ctx, from, to, src, dst))
 }
 
+/// Waits for the work queued on `device` and reports errors of earlier asynchronous kernels.
+pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
+    match device {
+        crate::Device::Cpu => Ok(()),
+        crate::Device::Cuda(ordinal) => cuda::synchronize(ctx, ordinal),
+    }
+}
+
 // ---- fill / random ----
 
 /// Sets every byte of `dst` to 0.

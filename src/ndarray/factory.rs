@@ -96,6 +96,28 @@ impl Manager {
         })
     }
 
+    /// An array whose contents are unspecified, as PyTorch's `torch.empty`: for an output every
+    /// element of which the caller writes before reading. Fresh host memory is zeroed, but
+    /// memory of a workspace block or of a CUDA device holds whatever an earlier array left
+    /// there, so creating it costs no write at all (on a learned workspace, no allocation
+    /// either). The bytes are always initialised memory, so reading them is never undefined
+    /// behaviour, only meaningless.
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let m = Manager::new_base();
+    /// let out = m.empty([2, 3], DType::F32)?;
+    /// out.fill_(1.5)?;
+    /// assert_eq!(out.to_vec::<f32>()?, vec![1.5; 6]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn empty(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
+        let ctx = Ctx::new("empty");
+        self.create(&ctx, shape.into(), dtype)
+            .map(|(array, _)| array)
+    }
+
     /// An array of ones.
     #[track_caller]
     pub fn ones(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
@@ -188,7 +210,9 @@ impl Manager {
     pub fn eye(&self, n: usize, dtype: DType) -> Result<NDArray> {
         let ctx = Ctx::new("eye");
         let shape = Shape::new(&[n, n]);
-        self.create_filled(&ctx, shape, dtype, |out, _| backend::eye(&ctx, dtype, out, n))
+        self.create_filled(&ctx, shape, dtype, |out, _| {
+            backend::eye(&ctx, dtype, out, n)
+        })
     }
 
     /// Standard normal samples from the seeded stream ([`manual_seed`]). Float dtypes only

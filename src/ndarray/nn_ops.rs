@@ -429,11 +429,15 @@ impl NDArray {
                 None => Ok(()),
             }
         })?;
-        exec::op1(&ctx, self, shape, dtype, |idx, out| {
-            match backend::one_hot(&ctx, (from, dtype), idx, depth, out)? {
-                Some(found) => Err(bad(found)),
-                None => Ok(()),
-            }
+        exec::op1(&ctx, self, shape, dtype, |idx, out| match backend::one_hot(
+            &ctx,
+            (from, dtype),
+            idx,
+            depth,
+            out,
+        )? {
+            Some(found) => Err(bad(found)),
+            None => Ok(()),
         })
     }
 

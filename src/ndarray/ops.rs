@@ -465,7 +465,9 @@ impl NDArray {
         let ctx = Ctx::new("mul_scalar_");
         let dtype = self.dtype();
         self.check_int_scalar(&ctx, "scalar", value)?;
-        exec::inplace(&ctx, self, |x| backend::scale_inplace(&ctx, dtype, x, value))
+        exec::inplace(&ctx, self, |x| {
+            backend::scale_inplace(&ctx, dtype, x, value)
+        })
     }
 
     /// `self += alpha · x` in place, with `x` broadcast to `self`'s shape (BLAS `axpy`, the SGD

@@ -31,7 +31,7 @@ enum Backing {
     /// Our own allocation with this layout, reserved on this device.
     Heap { layout: Layout, device: Device },
     /// A slice of a block kept alive by this handle.
-    Block(#[allow(dead_code)] Arc<Block>),
+    Block(#[cfg_attr(not(feature = "cuda"), allow(dead_code))] Arc<Block>),
 }
 
 // SAFETY: a `HostBuffer` is the only handle to its bytes (its own allocation, or a block slice that
@@ -134,6 +134,14 @@ impl HostBuffer {
     /// `true` if the bytes are a slice of a block (their previous contents are stale).
     pub fn is_block(&self) -> bool {
         matches!(self.backing, Backing::Block(_))
+    }
+
+    // Used by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// `true` if the bytes are page-locked (a slice of a pinned block): the CUDA driver copies
+    /// them to and from a device directly.
+    pub fn is_pinned(&self) -> bool {
+        matches!(&self.backing, Backing::Block(block) if block.is_pinned())
     }
 
     /// The elements, read-only.

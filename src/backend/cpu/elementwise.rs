@@ -4,6 +4,7 @@
 //! compiler vectorises the contiguous cases.
 
 use super::{chunk_len, pool, PAR_MIN};
+use crate::backend::layout::{broadcast_strides, merge_dims};
 
 /// `out[i] = f(a[i])`.
 pub(crate) fn map<T, U>(a: &[T], out: &mut [U], f: impl Fn(T) -> U + Sync)
@@ -87,21 +88,6 @@ where
     });
 }
 
-/// Strides (in elements) of a contiguous array of `shape` as seen from a broadcast result of
-/// `out` dims: right-aligned, 0 where the input has size 1 (or is missing).
-pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; out.len()];
-    let offset = out.len() - shape.len();
-    let mut stride = 1;
-    for i in (0..shape.len()).rev() {
-        if shape[i] != 1 {
-            strides[offset + i] = stride;
-        }
-        stride *= shape[i];
-    }
-    strides
-}
-
 /// An iteration over the rows (last dimension) of a broadcast, with adjacent dimensions merged
 /// where every operand allows it, so the inner loop is as long as possible.
 struct Rows {
@@ -117,33 +103,7 @@ struct Rows {
 
 impl Rows {
     fn new(out: &[usize], operand_strides: Vec<Vec<usize>>) -> Rows {
-        // Merge dimension i into i + 1 when, for every operand, stepping once along i equals
-        // stepping through all of i + 1 (contiguous, or broadcast along both).
-        let mut dims: Vec<usize> = Vec::with_capacity(out.len());
-        let mut strides: Vec<Vec<usize>> = vec![Vec::new(); operand_strides.len()];
-        for (i, &d) in out.iter().enumerate() {
-            if d == 1 {
-                continue;
-            }
-            let mergeable = !dims.is_empty()
-                && operand_strides
-                    .iter()
-                    .zip(&strides)
-                    .all(|(s, merged)| merged.last().is_some_and(|&prev| prev == s[i] * d));
-            if mergeable {
-                let last = dims.len() - 1;
-                dims[last] *= d;
-                for (merged, s) in strides.iter_mut().zip(&operand_strides) {
-                    let l = merged.len() - 1;
-                    merged[l] = s[i];
-                }
-            } else {
-                dims.push(d);
-                for (merged, s) in strides.iter_mut().zip(&operand_strides) {
-                    merged.push(s[i]);
-                }
-            }
-        }
+        let (mut dims, mut strides) = merge_dims(out, &operand_strides);
         let inner = dims.pop().unwrap_or(1);
         let inner_stride = strides.iter_mut().map(|s| s.pop().unwrap_or(0)).collect();
         let rows = dims.iter().product();

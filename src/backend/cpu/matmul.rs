@@ -4,8 +4,8 @@
 use gemm::Parallelism;
 
 use super::num::Num;
-use crate::backend::Batched;
 use super::pool::{self, SendPtr};
+use crate::backend::Batched;
 
 /// Multiply-adds below which a product runs on one thread.
 const PAR_PRODUCT: usize = 48 * 48 * 48;

@@ -9,6 +9,7 @@
 
 use super::num::Num;
 use super::{chunk_len, pool, PAR_MIN};
+use crate::backend::layout::reduction_passes;
 use crate::Element;
 
 const BLOCK: usize = 4096;
@@ -264,63 +265,27 @@ pub(crate) fn fold_axes<T, A, C, F>(
         out.fill(empty);
         return;
     }
-    let mut groups: Vec<(usize, bool)> = Vec::with_capacity(dims.len());
-    for (&d, &r) in dims.iter().zip(reduced) {
-        push_group(&mut groups, d, r);
-    }
-    let Some(last) = groups.iter().rposition(|g| g.1) else {
+    let passes = reduction_passes(dims, reduced);
+    let Some((first, rest)) = passes.split_first() else {
         // Every reduced axis has size 1: nothing to combine.
         super::elementwise::map(x, out, conv);
         return;
     };
-    let split = |groups: &[(usize, bool)], at: usize| {
-        let outer: usize = groups[..at].iter().map(|g| g.0).product();
-        let inner: usize = groups[at + 1..].iter().map(|g| g.0).product();
-        (outer, groups[at].0, inner)
+    let Some((last, middle)) = rest.split_last() else {
+        return fold_axis(x, first.outer, first.n, first.inner, out, conv, comb);
     };
-    let (outer, n, inner) = split(&groups, last);
-    if !groups[..last].iter().any(|g| g.1) {
-        return fold_axis(x, outer, n, inner, out, conv, comb);
-    }
     // Several runs: fold the last into accumulators, then fold the accumulators run by run
     // (each pass removes one run and merges its kept neighbours) until the first run, which
     // folds into `out`.
-    let mut acc = vec![empty; outer * inner];
-    fold_axis(x, outer, n, inner, &mut acc, conv, comb);
-    let mut groups = remove_group(&groups, last);
+    let mut acc = vec![empty; first.outer * first.inner];
+    fold_axis(x, first.outer, first.n, first.inner, &mut acc, conv, comb);
     let identity = |v: A| v;
-    while let Some(last) = groups.iter().rposition(|g| g.1) {
-        let (outer, n, inner) = split(&groups, last);
-        if groups[..last].iter().any(|g| g.1) {
-            let mut next = vec![empty; outer * inner];
-            fold_axis(&acc, outer, n, inner, &mut next, &identity, comb);
-            acc = next;
-            groups = remove_group(&groups, last);
-        } else {
-            fold_axis(&acc, outer, n, inner, out, &identity, comb);
-            break;
-        }
+    for p in middle {
+        let mut next = vec![empty; p.outer * p.inner];
+        fold_axis(&acc, p.outer, p.n, p.inner, &mut next, &identity, comb);
+        acc = next;
     }
-}
-
-fn push_group(groups: &mut Vec<(usize, bool)>, size: usize, reduced: bool) {
-    if size == 1 {
-        return;
-    }
-    match groups.last_mut() {
-        Some((n, r)) if *r == reduced => *n *= size,
-        _ => groups.push((size, reduced)),
-    }
-}
-
-fn remove_group(groups: &[(usize, bool)], at: usize) -> Vec<(usize, bool)> {
-    let mut merged = Vec::with_capacity(groups.len());
-    for (i, &(size, reduced)) in groups.iter().enumerate() {
-        if i != at {
-            push_group(&mut merged, size, reduced);
-        }
-    }
-    merged
+    fold_axis(&acc, last.outer, last.n, last.inner, out, &identity, comb);
 }
 
 /// Whether `v` beats the best so far for `argmax`: larger, or the first NaN (NaN is the

@@ -5,6 +5,7 @@
 //! ones that move single elements are generic over the element type.
 
 use super::{chunk_len, pool, PAR_MIN};
+use crate::backend::layout::contiguous_strides;
 
 /// Side of a transpose tile: a 32 × 32 tile of up to 8-byte elements is 8 KiB, in L1.
 const TILE: usize = 32;
@@ -202,7 +203,7 @@ pub(crate) fn permute<T: Copy + Default + Send + Sync>(
     if dst.is_empty() {
         return;
     }
-    let in_strides = strides(dims);
+    let in_strides = contiguous_strides(dims);
     // (size, input stride) per output axis, merged.
     let mut axes: Vec<(usize, usize)> = Vec::with_capacity(dims.len());
     for &p in perm {
@@ -225,14 +226,6 @@ pub(crate) fn permute<T: Copy + Default + Send + Sync>(
 }
 
 /// Row-major strides of `dims`, in elements.
-fn strides(dims: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
-    }
-    strides
-}
-
 /// `dst` in row-major order of `axes` (size, source stride), read from `src`, whose last axis
 /// is contiguous in `src`: whole rows are copied.
 fn gather_rows<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &mut [T]) {
@@ -377,7 +370,7 @@ mod tests {
 
     fn reference_permute(src: &[u32], dims: &[usize], perm: &[usize]) -> Vec<u32> {
         let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
-        let st = strides(dims);
+        let st = contiguous_strides(dims);
         let n: usize = dims.iter().product();
         (0..n)
             .map(|flat| {

@@ -1,5 +1,30 @@
 //! The CUDA backend (cudarc: driver, cuBLAS, NVRTC kernels), or without the `cuda` feature a
 //! stub with the same items whose device types have no values.
+//!
+//! - `device.rs`: finding the libraries and devices without panicking; per device one context,
+//!   one stream, one cuBLAS handle, staging and scratch memory.
+//! - `memory.rs`: device memory of arrays and workspace blocks (stream-ordered allocation),
+//!   page-locked host memory.
+//! - `kernels.rs` and `kernels.cu`: the kernels, compiled by NVRTC and cached on disk.
+//! - `ops.rs`: the op families.
 
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod kernels;
+#[cfg(feature = "cuda")]
+mod memory;
+#[cfg(feature = "cuda")]
+mod ops;
+
+#[cfg(feature = "cuda")]
+pub(crate) use device::{device_count, unavailable_reason};
+#[cfg(feature = "cuda")]
+pub(crate) use memory::{DeviceBuffer, DeviceMemory, PinnedMemory};
+#[cfg(feature = "cuda")]
+pub(crate) use ops::*;
+
+#[cfg(not(feature = "cuda"))]
 mod stub;
+#[cfg(not(feature = "cuda"))]
 pub(crate) use stub::*;

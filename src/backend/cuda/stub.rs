@@ -37,7 +37,6 @@ impl DeviceBuffer {
     pub fn alloc(ctx: &Ctx, ordinal: usize, _bytes: usize) -> Result<DeviceBuffer> {
         Err(unavailable(ctx, ordinal))
     }
-
 }
 
 impl DeviceMemory {
@@ -58,6 +57,10 @@ impl PinnedMemory {
     pub fn base(&self) -> NonNull<u8> {
         match *self {}
     }
+}
+
+pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
+    Err(unavailable(ctx, ordinal))
 }
 
 type Src<'a> = (&'a DeviceBuffer, &'a [usize]);

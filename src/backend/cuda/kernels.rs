@@ -1,0 +1,414 @@
+//! ndscope's CUDA kernels (`kernels.cu`): compiled by NVRTC for the device's own architecture
+//! once per process, cached on disk so a later process loads the binary instead of compiling
+//! again, and looked up by name and dtype.
+//!
+//! The cache key holds the source, the architecture, the NVRTC version and the options; a file
+//! whose key differs (or that is damaged) is compiled anew and replaced. The directory is
+//! `NDSCOPE_KERNEL_CACHE` if set, else `$XDG_CACHE_HOME/ndscope`, else `~/.cache/ndscope`, else
+//! the temp directory. A cache that cannot be written only costs the compile next time.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CStr, CString};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUfunction;
+use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
+
+use crate::error::Ctx;
+use crate::{DType, Result};
+
+/// The kernel source.
+pub(crate) const SOURCE: &str = include_str!("kernels.cu");
+
+/// NVRTC options: no fused multiply-adds, so float arithmetic rounds as on the CPU.
+const OPTIONS: [&str; 2] = ["--fmad=false", "-std=c++17"];
+
+/// The element types a kernel family is compiled for.
+#[derive(Clone, Copy)]
+enum Types {
+    All,
+    Float,
+    Int,
+    /// The index dtypes of `one_hot` and `pick`: i32, i64, u8.
+    Index,
+}
+
+impl Types {
+    fn dtypes(self) -> Vec<DType> {
+        DType::ALL
+            .into_iter()
+            .filter(|d| match self {
+                Types::All => true,
+                Types::Float => d.is_float(),
+                Types::Int | Types::Index => !d.is_float(),
+            })
+            .collect()
+    }
+}
+
+/// Kernels taking one dtype, named `<base>_<dtype>`.
+const ONE_DTYPE: &[(&str, Types)] = &[
+    ("fill", Types::All),
+    ("arange", Types::All),
+    ("eye", Types::All),
+    ("randn", Types::All),
+    ("rand", Types::All),
+    ("add", Types::All),
+    ("sub", Types::All),
+    ("mul", Types::All),
+    ("div", Types::All),
+    ("maximum", Types::All),
+    ("minimum", Types::All),
+    ("add_scalar", Types::All),
+    ("sub_scalar", Types::All),
+    ("mul_scalar", Types::All),
+    ("div_scalar", Types::All),
+    ("maximum_scalar", Types::All),
+    ("minimum_scalar", Types::All),
+    ("add_inplace", Types::All),
+    ("sub_inplace", Types::All),
+    ("mul_inplace", Types::All),
+    ("div_inplace", Types::All),
+    ("maximum_inplace", Types::All),
+    ("minimum_inplace", Types::All),
+    ("gt", Types::All),
+    ("lt", Types::All),
+    ("eq", Types::All),
+    ("gt_scalar", Types::All),
+    ("lt_scalar", Types::All),
+    ("eq_scalar", Types::All),
+    ("neg", Types::All),
+    ("abs", Types::All),
+    ("square", Types::All),
+    ("relu", Types::All),
+    ("exp", Types::Float),
+    ("log", Types::Float),
+    ("sqrt", Types::Float),
+    ("tanh", Types::Float),
+    ("sigmoid", Types::Float),
+    ("pow", Types::All),
+    ("scale", Types::All),
+    ("axpy", Types::All),
+    ("any_zero", Types::Int),
+    ("max", Types::All),
+    ("argmax", Types::All),
+    ("softmax", Types::Float),
+    ("bad_index", Types::Index),
+    ("matmul", Types::Int),
+];
+
+/// Kernels taking two dtypes, named `<base>_<a>_<b>`, with the pairs they are compiled for.
+const TWO_DTYPES: &[(&str, Types, Types)] = &[
+    ("cast", Types::All, Types::All),
+    ("one_hot", Types::Index, Types::All),
+    ("pick", Types::All, Types::Index),
+];
+
+/// `sum_<in>_<out>`: floats accumulate in f64, integers in i64 (sums) or f64 (means).
+const SUMS: &[(DType, DType)] = &[
+    (DType::F32, DType::F32),
+    (DType::F32, DType::F64),
+    (DType::F64, DType::F64),
+    (DType::F64, DType::F32),
+    (DType::I32, DType::I64),
+    (DType::I32, DType::F64),
+    (DType::I64, DType::I64),
+    (DType::I64, DType::F64),
+    (DType::U8, DType::I64),
+    (DType::U8, DType::F64),
+];
+
+/// Kernels that only move bits, by element size: `<base>_b1`, `_b4`, `_b8`.
+const BY_SIZE: &[&str] = &["gather", "transpose", "copy_rows"];
+
+/// Every kernel the backend may launch: its lookup key and its name in `kernels.cu`.
+fn expected() -> Vec<((&'static str, u8, u8), String)> {
+    let mut all = Vec::new();
+    for &(base, types) in ONE_DTYPE {
+        for d in types.dtypes() {
+            all.push(((base, dtype_code(d), NO_DTYPE), format!("{base}_{d}")));
+        }
+    }
+    let mut pairs: Vec<(&'static str, DType, DType)> =
+        SUMS.iter().map(|&(a, b)| ("sum", a, b)).collect();
+    for &(base, first, second) in TWO_DTYPES {
+        for a in first.dtypes() {
+            for b in second.dtypes() {
+                pairs.push((base, a, b));
+            }
+        }
+    }
+    for (base, a, b) in pairs {
+        all.push((
+            (base, dtype_code(a), dtype_code(b)),
+            format!("{base}_{a}_{b}"),
+        ));
+    }
+    for &base in BY_SIZE {
+        for size in [1u8, 4, 8] {
+            all.push(((base, size, NO_DTYPE), format!("{base}_b{size}")));
+        }
+    }
+    all
+}
+
+/// The loaded kernels of one device.
+pub(crate) struct Kernels {
+    _module: Arc<CudaModule>,
+    functions: HashMap<(&'static str, u8, u8), Function>,
+}
+
+/// A kernel handle (valid while the module lives, which is the process).
+#[derive(Clone, Copy)]
+pub(crate) struct Function(pub CUfunction);
+
+// SAFETY: a CUfunction is an immutable handle into a module that is never unloaded; the driver
+// allows launching it from any thread.
+unsafe impl Send for Function {}
+// SAFETY: as above.
+unsafe impl Sync for Function {}
+
+fn dtype_code(dtype: DType) -> u8 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::I32 => 2,
+        DType::I64 => 3,
+        DType::U8 => 4,
+    }
+}
+
+const NO_DTYPE: u8 = u8::MAX;
+
+impl Kernels {
+    /// Compiles (or loads from the disk cache) the kernels for compute capability
+    /// `major.minor` and loads them into `ctx`.
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        major: i32,
+        minor: i32,
+    ) -> std::result::Result<Kernels, String> {
+        let arch = format!("sm_{major}{minor}");
+        let cubin = cached_or_compiled(&arch)?;
+        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+            format!(
+                "loading the compiled kernels failed: {}",
+                super::device::describe(e)
+            )
+        })?;
+        let mut functions = HashMap::new();
+        for (key, name) in expected() {
+            let f = module.load_function(&name).map_err(|e| {
+                format!(
+                    "kernel `{name}` is missing from the compiled module: {}",
+                    super::device::describe(e)
+                )
+            })?;
+            functions.insert(key, Function(f.cu_function()));
+        }
+        Ok(Kernels {
+            _module: module,
+            functions,
+        })
+    }
+
+    fn find(
+        &self,
+        ctx: &Ctx,
+        key: (&'static str, u8, u8),
+        what: impl Fn() -> String,
+    ) -> Result<Function> {
+        self.functions
+            .get(&key)
+            .copied()
+            .ok_or_else(|| ctx.unsupported(format!("no CUDA kernel for {}", what())))
+    }
+
+    /// The kernel `<base>_<dtype>`.
+    pub fn one(&self, ctx: &Ctx, base: &'static str, dtype: DType) -> Result<Function> {
+        self.find(ctx, (base, dtype_code(dtype), NO_DTYPE), || {
+            format!("`{base}` on {dtype}")
+        })
+    }
+
+    /// The kernel `<base>_<a>_<b>`.
+    pub fn two(&self, ctx: &Ctx, base: &'static str, a: DType, b: DType) -> Result<Function> {
+        self.find(ctx, (base, dtype_code(a), dtype_code(b)), || {
+            format!("`{base}` from {a} to {b}")
+        })
+    }
+
+    /// The kernel `<base>_b<size>` moving elements of `size` bytes.
+    pub fn sized(&self, ctx: &Ctx, base: &'static str, size: usize) -> Result<Function> {
+        self.find(ctx, (base, size as u8, NO_DTYPE), || {
+            format!("`{base}` of {size}-byte elements")
+        })
+    }
+}
+
+/// The CUBIN for `arch`: from the disk cache when its key matches, else compiled now (and
+/// written back to the cache).
+fn cached_or_compiled(arch: &str) -> std::result::Result<Vec<u8>, String> {
+    let version = nvrtc_version()?;
+    let key = format!(
+        "ndscope-kernels v1\narch {arch}\nnvrtc {version}\noptions {}\nsource {}\n",
+        OPTIONS.join(" "),
+        fnv1a(SOURCE.as_bytes())
+    );
+    let path = cache_dir()
+        .map(|dir| dir.join(format!("kernels-{arch}-{:016x}.bin", fnv1a(key.as_bytes()))));
+    if let Some(path) = &path {
+        if let Ok(bytes) = std::fs::read(path) {
+            if let Some(cubin) = bytes.strip_prefix(key.as_bytes()) {
+                if !cubin.is_empty() {
+                    return Ok(cubin.to_vec());
+                }
+            }
+        }
+    }
+    let cubin = compile(arch)
+        .map_err(|log| format!("NVRTC could not compile ndscope's kernels for {arch}:\n{log}"))?;
+    if let Some(path) = &path {
+        // Written whole under a temporary name, then renamed: a reader never sees half a file.
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let mut contents = key.into_bytes();
+        contents.extend_from_slice(&cubin);
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if std::fs::write(&tmp, &contents).is_ok() && std::fs::rename(&tmp, path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(cubin)
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let env = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("NDSCOPE_KERNEL_CACHE")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("ndscope")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache").join("ndscope")))
+        .or_else(|| Some(std::env::temp_dir().join("ndscope-cache")))
+}
+
+/// FNV-1a, 64 bits: a stable hash for the cache file name and key (not for security: the file
+/// holds the whole key and is checked against it).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// NVRTC's version as `major.minor`.
+pub(crate) fn nvrtc_version() -> std::result::Result<String, String> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters; the library was checked to be present before any call.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| format!("nvrtcVersion failed: {e:?}"))?;
+    Ok(format!("{major}.{minor}"))
+}
+
+/// Compiles [`SOURCE`] for `arch` (e.g. `sm_90`) to a CUBIN, or returns the compiler's log.
+pub(crate) fn compile(arch: &str) -> std::result::Result<Vec<u8>, String> {
+    let source =
+        CString::new(SOURCE).map_err(|_| "the kernel source holds a NUL byte".to_string())?;
+    let name = c"ndscope_kernels.cu";
+    let program = nvrtc::create_program(&source, Some(name))
+        .map_err(|e| format!("nvrtcCreateProgram failed: {e:?}"))?;
+    let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    options.push(format!("--gpu-architecture={arch}"));
+    // SAFETY: `program` is live until the destroy below; the options hold no NUL bytes.
+    let result = unsafe {
+        match nvrtc::compile_program(program, &options) {
+            Ok(()) => cubin_of(program),
+            Err(e) => {
+                let log = nvrtc::get_program_log(program)
+                    .map(|raw| c_text(&raw))
+                    .unwrap_or_default();
+                Err(format!("{e:?}\n{log}"))
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nvrtc::destroy_program(program) };
+    result
+}
+
+/// The CUBIN of a compiled program.
+///
+/// # Safety
+/// `program` must be a live, successfully compiled NVRTC program.
+unsafe fn cubin_of(program: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
+    let mut size = 0usize;
+    // SAFETY: per the contract; `size` is an out-parameter.
+    unsafe { nvrtc_sys::nvrtcGetCUBINSize(program, &mut size) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBINSize failed: {e:?}"))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` has the size NVRTC asked for.
+    unsafe { nvrtc_sys::nvrtcGetCUBIN(program, cubin.as_mut_ptr().cast::<c_char>()) }
+        .result()
+        .map_err(|e| format!("nvrtcGetCUBIN failed: {e:?}"))?;
+    if cubin.is_empty() {
+        return Err("NVRTC produced no CUBIN (was a virtual architecture asked for?)".into());
+    }
+    Ok(cubin)
+}
+
+fn c_text(raw: &[c_char]) -> String {
+    // SAFETY: c_char and u8 have the same size and alignment.
+    let bytes = unsafe { std::slice::from_raw_parts(raw.as_ptr().cast::<u8>(), raw.len()) };
+    CStr::from_bytes_until_nul(bytes)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Compiles every kernel for sm_80 and sm_90 with NVRTC (no GPU needed), printing the
+    /// compiler's log on failure. Skips, saying why, where NVRTC cannot be loaded: `.ci/run`
+    /// installs it from PyPI (`nvidia-cuda-nvrtc`) and puts it on the library path.
+    #[test]
+    fn kernel_source_compiles_for_ampere_and_hopper() {
+        // SAFETY: only tries to open the library.
+        if !unsafe { nvrtc_sys::is_culib_present() } {
+            eprintln!(
+                "skipped: NVRTC (libnvrtc.so.13) is not on the library path; .ci/run installs it"
+            );
+            return;
+        }
+        for arch in ["sm_80", "sm_90"] {
+            let cubin = match compile(arch) {
+                Ok(cubin) => cubin,
+                Err(log) => panic!("kernels.cu does not compile for {arch}:\n{log}"),
+            };
+            // Every kernel the backend looks up is a symbol of the binary (its names are
+            // NUL-terminated strings of the ELF string table).
+            let symbols: std::collections::HashSet<&[u8]> = cubin.split(|&b| b == 0).collect();
+            let missing: Vec<String> = expected()
+                .into_iter()
+                .map(|(_, name)| name)
+                .filter(|name| !symbols.contains(name.as_bytes()))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{arch}: kernels missing from the CUBIN: {missing:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn cache_keys_change_with_the_source() {
+        assert_ne!(fnv1a(b"a"), fnv1a(b"b"));
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+    }
+}

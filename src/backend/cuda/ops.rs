@@ -1,0 +1,1648 @@
+//! The op families on one CUDA device: kernel launches (`kernels.cu`), cuBLAS for float matrix
+//! products, driver copies, and host↔device transfers through page-locked staging memory.
+//!
+//! Launches are asynchronous: a function returns once its work is queued on the device's
+//! stream. What must reach the host first synchronises: reads (`to_vec`, `to_scalar`), and the
+//! checks that refuse bad input before writing (integer division by zero, out-of-range
+//! indices), which read one flag back.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::result;
+use cudarc::driver::sys::{self, CUdeviceptr};
+
+use super::device::{blas_error, driver_error, Gpu, STAGING};
+use super::kernels::Function;
+use super::memory::DeviceBuffer;
+use crate::backend::cpu::buffer::HostBuffer;
+use crate::backend::layout::{
+    broadcast_strides, contiguous_strides, merge_dims, reduction_passes, Pass,
+};
+use crate::backend::{Batched, Binary, Compare, Unary};
+use crate::dtype::dispatch;
+use crate::error::Ctx;
+use crate::{DType, Element, Error, Result};
+
+type Src<'a> = (&'a DeviceBuffer, &'a [usize]);
+type Dst<'a> = (&'a mut DeviceBuffer, &'a [usize]);
+
+/// Threads per block of the 1-d kernels.
+const THREADS: u32 = 256;
+/// Most dims of a strided iteration after merging (`MAXR` in kernels.cu).
+const MAX_RANK: usize = 8;
+
+// ---- launching ----
+
+/// A launch configuration: blocks, and threads per block in x and y.
+#[derive(Clone, Copy)]
+struct Config {
+    blocks: u32,
+    threads: (u32, u32),
+}
+
+/// Blocks for a grid-stride loop over `n` items, `per_block` at a time: enough to fill the
+/// device, at most one per `per_block` items.
+fn blocks(gpu: &Gpu, n: u64, per_block: u64) -> u32 {
+    let wanted = n.div_ceil(per_block.max(1)).max(1);
+    wanted.min(u64::from(gpu.sms) * 16) as u32
+}
+
+fn linear(gpu: &Gpu, n: u64) -> Config {
+    Config {
+        blocks: blocks(gpu, n, u64::from(THREADS)),
+        threads: (THREADS, 1),
+    }
+}
+
+/// Launches `f` on `gpu`'s stream with `params`.
+///
+/// # Safety
+/// `params` must point to one value per parameter of the kernel `f`, of the kernel's types and
+/// in its order (`kernels.cu`), and every device address among them must be memory of `gpu`
+/// that stays allocated until the kernel has run: the storage of arrays whose data locks the
+/// caller holds (freed only in stream order after), or scratch memory of `gpu`.
+unsafe fn launch_raw(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    f: Function,
+    cfg: Config,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    gpu.bind(ctx)?;
+    // SAFETY: per the contract.
+    unsafe {
+        result::launch_kernel(
+            f.0,
+            (cfg.blocks, 1, 1),
+            (cfg.threads.0, cfg.threads.1, 1),
+            0,
+            gpu.cu_stream(),
+            params,
+        )
+    }
+    .map_err(|e| driver_error(ctx, "cuLaunchKernel", e))
+}
+
+/// `launch!(ctx, gpu, f, cfg; name = value, ...)`: each value is kept in a local named `name`
+/// and passed by address, in order. Expands to a call of the unsafe [`launch_raw`], whose
+/// contract the caller keeps (and says so in a `// SAFETY:` comment).
+macro_rules! launch {
+    ($ctx:expr, $gpu:expr, $f:expr, $cfg:expr; $($arg:ident = $val:expr),+ $(,)?) => {{
+        $(let mut $arg = $val;)+
+        let mut params = [$(std::ptr::addr_of_mut!($arg).cast::<c_void>()),+];
+        launch_raw($ctx, $gpu, $f, $cfg, &mut params)
+    }};
+}
+
+/// An element-typed kernel parameter (`T v`): the value converted as `T::from_f64`, in the
+/// first bytes of an 8-byte slot.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct Scalar([u8; 8]);
+
+fn scalar(dtype: DType, value: f64) -> Scalar {
+    let mut slot = Scalar([0; 8]);
+    dispatch!(dtype, T => {
+        let v = T::from_f64(value);
+        // SAFETY: every element type is at most 8 bytes; the write is unaligned-safe.
+        unsafe { std::ptr::write_unaligned(slot.0.as_mut_ptr().cast::<T>(), v) };
+    });
+    slot
+}
+
+/// `struct Strided` of kernels.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Strided {
+    rank: i32,
+    dims: [u64; MAX_RANK],
+    sa: [u64; MAX_RANK],
+    sb: [u64; MAX_RANK],
+}
+
+const MODE_SAME: i32 = 0;
+const MODE_B_ONE: i32 = 1;
+const MODE_A_ONE: i32 = 2;
+const MODE_STRIDED32: i32 = 3;
+const MODE_STRIDED64: i32 = 4;
+const MODE_SELF: i32 = 5;
+
+impl Strided {
+    fn none() -> Strided {
+        Strided {
+            rank: 0,
+            dims: [0; MAX_RANK],
+            sa: [0; MAX_RANK],
+            sb: [0; MAX_RANK],
+        }
+    }
+}
+
+fn size(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// How the elementwise kernels address operands `a` (strides `sa`) and `b` (`sb`) of an output
+/// of `out` dims: the fast modes when an operand is whole or one element, else merged strides.
+fn addressing(
+    ctx: &Ctx,
+    out: &[usize],
+    (a_len, sa): (usize, Vec<usize>),
+    (b_len, sb): (usize, Vec<usize>),
+) -> Result<(i32, Strided)> {
+    let n = size(out);
+    if a_len == n && b_len == n {
+        return Ok((MODE_SAME, Strided::none()));
+    }
+    if b_len == 1 && a_len == n {
+        return Ok((MODE_B_ONE, Strided::none()));
+    }
+    if a_len == 1 && b_len == n {
+        return Ok((MODE_A_ONE, Strided::none()));
+    }
+    let (dims, strides) = merge_dims(out, &[sa, sb]);
+    if dims.len() > MAX_RANK {
+        return Err(ctx.unsupported(format!(
+            "`{}` on CUDA walks at most {MAX_RANK} dimensions after merging; shape {out:?} needs {}",
+            ctx.op,
+            dims.len()
+        )));
+    }
+    let mut s = Strided::none();
+    s.rank = dims.len() as i32;
+    for (i, &d) in dims.iter().enumerate() {
+        s.dims[i] = d as u64;
+        s.sa[i] = strides[0][i] as u64;
+        s.sb[i] = strides[1][i] as u64;
+    }
+    let fits = |v: usize| v <= u32::MAX as usize;
+    let mode = if fits(n) && fits(a_len) && fits(b_len) {
+        MODE_STRIDED32
+    } else {
+        MODE_STRIDED64
+    };
+    Ok((mode, s))
+}
+
+/// Addressing of a broadcast binary op.
+fn broadcast(ctx: &Ctx, a: &[usize], b: &[usize], out: &[usize]) -> Result<(i32, Strided)> {
+    addressing(
+        ctx,
+        out,
+        (size(a), broadcast_strides(a, out)),
+        (size(b), broadcast_strides(b, out)),
+    )
+}
+
+/// Addressing of an in-place op whose source `b` broadcasts to `x` (the source is operand b).
+fn inplace_source(ctx: &Ctx, x: &[usize], b: &[usize]) -> Result<(i32, Strided)> {
+    addressing(
+        ctx,
+        x,
+        (size(x), contiguous_strides(x)),
+        (size(b), broadcast_strides(b, x)),
+    )
+}
+
+fn same_gpu(ctx: &Ctx, gpus: &[&Gpu]) -> Result<&'static Gpu> {
+    let first = gpus[0].ordinal;
+    if let Some(other) = gpus.iter().find(|g| g.ordinal != first) {
+        return Err(ctx.device_mismatch(format!(
+            "`{}` got operands on cuda:{first} and cuda:{} (move one with to_device)",
+            ctx.op, other.ordinal
+        )));
+    }
+    super::device::existing(first).ok_or_else(|| ctx.unavailable(crate::Device::Cuda(first)))
+}
+
+fn elements(buffer: &DeviceBuffer, dtype: DType) -> u64 {
+    (buffer.bytes() / dtype.size_in_bytes()) as u64
+}
+
+// ---- transfers and copies ----
+
+/// Copies host `bytes` to device address `dst` of `gpu`. Through the staging buffers,
+/// double-buffered; from page-locked memory directly (waiting for the copy, since the source is
+/// only borrowed).
+fn host_to_device(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    bytes: &[u8],
+    dst: CUdeviceptr,
+    pinned: bool,
+) -> Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    gpu.bind(ctx)?;
+    let stream = gpu.cu_stream();
+    if pinned {
+        // SAFETY: `bytes` is page-locked host memory borrowed for this call, which waits for the
+        // copy to finish; `dst` holds `bytes.len()` bytes of device memory of this context.
+        unsafe { result::memcpy_htod_async(dst, bytes, stream) }
+            .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
+        return gpu.synchronize(ctx);
+    }
+    let mut staging = gpu.staging();
+    for (i, chunk) in bytes.chunks(STAGING).enumerate() {
+        let b = i % 2;
+        staging.wait(ctx, gpu, b)?;
+        // SAFETY: the staging buffer holds STAGING bytes and its last copy has finished
+        // (`wait`); the chunk is at most STAGING bytes.
+        let staged = unsafe {
+            std::ptr::copy_nonoverlapping(chunk.as_ptr(), staging.bufs[b], chunk.len());
+            std::slice::from_raw_parts(staging.bufs[b].cast_const(), chunk.len())
+        };
+        // SAFETY: the staged bytes stay untouched until the event recorded next completes;
+        // `dst + offset` lies inside the destination.
+        unsafe { result::memcpy_htod_async(dst + (i * STAGING) as u64, staged, stream) }
+            .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
+        staging.record(ctx, gpu, b)?;
+    }
+    Ok(())
+}
+
+/// Copies `out.len()` bytes at device address `src` of `gpu` to the host, after all work queued
+/// before (a synchronisation: errors of earlier kernels are reported here).
+fn device_to_host(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    src: CUdeviceptr,
+    out: &mut [u8],
+    pinned: bool,
+) -> Result<()> {
+    if out.is_empty() {
+        return gpu.synchronize(ctx);
+    }
+    gpu.bind(ctx)?;
+    let stream = gpu.cu_stream();
+    if pinned {
+        // SAFETY: `out` is page-locked host memory borrowed for this call, which waits for the
+        // copy to finish; `src` holds `out.len()` bytes of device memory of this context.
+        unsafe { result::memcpy_dtoh_async(out, src, stream) }
+            .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+        return gpu.synchronize(ctx);
+    }
+    let len = out.len();
+    let chunks = len.div_ceil(STAGING);
+    let mut staging = gpu.staging();
+    for i in 0..=chunks {
+        if i < chunks {
+            let b = i % 2;
+            staging.wait(ctx, gpu, b)?;
+            let n = STAGING.min(len - i * STAGING);
+            // SAFETY: the staging buffer is free (`wait`) and holds at least `n` bytes, which the
+            // device writes before the event recorded next completes.
+            let slot = unsafe { std::slice::from_raw_parts_mut(staging.bufs[b], n) };
+            // SAFETY: `src + offset` lies inside the source.
+            unsafe { result::memcpy_dtoh_async(slot, src + (i * STAGING) as u64, stream) }
+                .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+            staging.record(ctx, gpu, b)?;
+        }
+        if i > 0 {
+            let j = i - 1;
+            let b = j % 2;
+            staging.wait(ctx, gpu, b)?;
+            let n = STAGING.min(len - j * STAGING);
+            // SAFETY: the copy into the buffer has finished (`wait`); it holds `n` bytes.
+            let staged = unsafe { std::slice::from_raw_parts(staging.bufs[b].cast_const(), n) };
+            out[j * STAGING..j * STAGING + n].copy_from_slice(staged);
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of a slice of elements.
+fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
+    // SAFETY: element types are plain numbers without padding; the length is in bytes.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+}
+
+pub(crate) fn read<T: Element>(ctx: &Ctx, src: &DeviceBuffer, dst: &mut [T]) -> Result<()> {
+    let bytes = std::mem::size_of_val(dst);
+    // SAFETY: element types are plain numbers valid for every bit pattern; the length is in
+    // bytes.
+    let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
+    device_to_host(ctx, src.gpu(), src.ptr(), out, false)
+}
+
+pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut DeviceBuffer, data: &[T]) -> Result<()> {
+    host_to_device(ctx, dst.gpu(), bytes_of(data), dst.ptr(), false)
+}
+
+pub(crate) fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut DeviceBuffer) -> Result<()> {
+    host_to_device(ctx, dst.gpu(), src.as_bytes(), dst.ptr(), src.is_pinned())
+}
+
+pub(crate) fn download(ctx: &Ctx, src: &DeviceBuffer, dst: &mut HostBuffer) -> Result<()> {
+    let pinned = dst.is_pinned();
+    device_to_host(ctx, src.gpu(), src.ptr(), dst.as_bytes_mut(), pinned)
+}
+
+pub(crate) fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<()> {
+    let bytes = src.bytes().min(dst.bytes());
+    if bytes == 0 {
+        return Ok(());
+    }
+    let (from, to) = (src.gpu(), dst.gpu());
+    if from.ordinal != to.ordinal {
+        // Between two devices: through the host.
+        let mut host = vec![0u8; bytes];
+        device_to_host(ctx, from, src.ptr(), &mut host, false)?;
+        return host_to_device(ctx, to, &host, dst.ptr(), false);
+    }
+    from.bind(ctx)?;
+    // SAFETY: both ranges are `bytes` of device memory of this context, held by locked storage.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), bytes, from.cu_stream()) }
+        .result()
+        .map_err(|e| driver_error(ctx, "cuMemcpyDtoDAsync", e))
+}
+
+/// Sets `bytes` bytes at `ptr` to `value`.
+fn memset(ctx: &Ctx, gpu: &Gpu, ptr: CUdeviceptr, value: u8, bytes: usize) -> Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    gpu.bind(ctx)?;
+    // SAFETY: `ptr` holds `bytes` bytes of device memory of this context.
+    unsafe { result::memset_d8_async(ptr, value, bytes, gpu.cu_stream()) }
+        .map_err(|e| driver_error(ctx, "cuMemsetD8Async", e))
+}
+
+pub(crate) fn zero(ctx: &Ctx, dst: &mut DeviceBuffer) -> Result<()> {
+    memset(ctx, dst.gpu(), dst.ptr(), 0, dst.bytes())
+}
+
+pub(crate) fn convert(
+    ctx: &Ctx,
+    from: DType,
+    to: DType,
+    src: &DeviceBuffer,
+    dst: &mut DeviceBuffer,
+) -> Result<()> {
+    if from == to {
+        return copy(ctx, src, dst);
+    }
+    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+    let n = elements(dst, to);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.two(ctx, "cast", from, to)?;
+    // SAFETY: cast_<from>_<to>(const S* a, D* out, u64 n); both are locked storage of `gpu`.
+    unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src.ptr(), out = dst.ptr(), count = n) }
+}
+
+/// Waits for all work queued on device `ordinal` and reports errors of earlier kernels.
+pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
+    super::device::gpu(ctx, ordinal)?.synchronize(ctx)
+}
+
+/// Reads the 8-byte word at device address `ptr` (a flag or index a kernel wrote).
+fn read_word(ctx: &Ctx, gpu: &Gpu, ptr: CUdeviceptr) -> Result<u64> {
+    let mut word = [0u8; 8];
+    device_to_host(ctx, gpu, ptr, &mut word, false)?;
+    Ok(u64::from_ne_bytes(word))
+}
+
+// ---- fill / random ----
+
+pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, value: f64) -> Result<()> {
+    let gpu = dst.gpu();
+    let n = elements(dst, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "fill", dtype)?;
+    // SAFETY: fill_<T>(T* out, u64 n, T v); `dst` is locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, v = scalar(dtype, value))
+    }
+}
+
+pub(crate) fn arange(
+    ctx: &Ctx,
+    dtype: DType,
+    dst: &mut DeviceBuffer,
+    start: f64,
+    step: f64,
+) -> Result<()> {
+    let gpu = dst.gpu();
+    let n = elements(dst, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "arange", dtype)?;
+    // SAFETY: arange_<T>(T* out, u64 n, f64 start, f64 step); `dst` is locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, first = start, delta = step)
+    }
+}
+
+pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, n: usize) -> Result<()> {
+    let gpu = dst.gpu();
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "eye", dtype)?;
+    let total = (n * n) as u64;
+    // SAFETY: eye_<T>(T* out, u64 side); `dst` is locked storage of `gpu` of side² elements.
+    unsafe { launch!(ctx, gpu, f, linear(gpu, total); out = dst.ptr(), side = n as u64) }
+}
+
+pub(crate) fn randn(
+    ctx: &Ctx,
+    dtype: DType,
+    dst: &mut DeviceBuffer,
+    seed: u64,
+    start: u64,
+) -> Result<()> {
+    let gpu = dst.gpu();
+    let n = elements(dst, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "randn", dtype)?;
+    // SAFETY: randn_<T>(T* out, u64 n, u64 seed, u64 start); `dst` is locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, s = seed, first = start)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rand(
+    ctx: &Ctx,
+    dtype: DType,
+    dst: &mut DeviceBuffer,
+    seed: u64,
+    start: u64,
+    low: f64,
+    high: f64,
+) -> Result<()> {
+    let gpu = dst.gpu();
+    let n = elements(dst, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "rand", dtype)?;
+    // SAFETY: rand_<T>(T* out, u64 n, u64 seed, u64 start, f64 low, f64 high); `dst` is locked
+    // storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            out = dst.ptr(), count = n, s = seed, first = start, lo = low, hi = high)
+    }
+}
+
+// ---- binary / compare / unary ----
+
+fn binary_name(op: Binary) -> (&'static str, &'static str, &'static str) {
+    match op {
+        Binary::Add => ("add", "add_scalar", "add_inplace"),
+        Binary::Sub => ("sub", "sub_scalar", "sub_inplace"),
+        Binary::Mul => ("mul", "mul_scalar", "mul_inplace"),
+        Binary::Div => ("div", "div_scalar", "div_inplace"),
+        Binary::Maximum => ("maximum", "maximum_scalar", "maximum_inplace"),
+        Binary::Minimum => ("minimum", "minimum_scalar", "minimum_inplace"),
+    }
+}
+
+/// Whether `divisor` (an integer array of `n` elements at `ptr`) holds a 0: one kernel and one
+/// read back.
+fn has_zero(ctx: &Ctx, gpu: &Gpu, dtype: DType, ptr: CUdeviceptr, n: u64) -> Result<bool> {
+    if n == 0 {
+        return Ok(false);
+    }
+    let f = gpu.kernels.one(ctx, "any_zero", dtype)?;
+    let mut scratch = gpu.scratch();
+    let flag = scratch.ensure(ctx, gpu, 8)?;
+    memset(ctx, gpu, flag, 0, 8)?;
+    // SAFETY: any_zero_<T>(const T* b, u64 n, u64* flag); `ptr` is locked storage of `gpu`,
+    // `flag` its scratch (held under the scratch lock).
+    unsafe { launch!(ctx, gpu, f, linear(gpu, n); b = ptr, count = n, out = flag)? };
+    Ok(read_word(ctx, gpu, flag)? != 0)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn binary(
+    ctx: &Ctx,
+    op: Binary,
+    dtype: DType,
+    (a, a_dims): Src<'_>,
+    (b, b_dims): Src<'_>,
+    (out, out_dims): Dst<'_>,
+    on_zero: &dyn Fn() -> Error,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+    let n = size(out_dims) as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    if op == Binary::Div
+        && !dtype.is_float()
+        && has_zero(ctx, gpu, dtype, b.ptr(), elements(b, dtype))?
+    {
+        return Err(on_zero());
+    }
+    let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+    let f = gpu.kernels.one(ctx, binary_name(op).0, dtype)?;
+    // SAFETY: <op>_<T>(const T* a, const T* b, T* out, u64 n, int mode, Strided s); the three
+    // are locked storage of `gpu`, addressed within their sizes by `mode`/`s`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode, s = strided)
+    }
+}
+
+pub(crate) fn binary_scalar(
+    ctx: &Ctx,
+    op: Binary,
+    dtype: DType,
+    a: &DeviceBuffer,
+    value: f64,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let n = elements(out, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, binary_name(op).1, dtype)?;
+    // SAFETY: <op>_scalar_<T>(const T* a, T* out, u64 n, T v); locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            pa = a.ptr(), po = out.ptr(), count = n, v = scalar(dtype, value))
+    }
+}
+
+fn compare_name(op: Compare) -> (&'static str, &'static str) {
+    match op {
+        Compare::Gt => ("gt", "gt_scalar"),
+        Compare::Lt => ("lt", "lt_scalar"),
+        Compare::Eq => ("eq", "eq_scalar"),
+    }
+}
+
+pub(crate) fn compare(
+    ctx: &Ctx,
+    op: Compare,
+    dtype: DType,
+    (a, a_dims): Src<'_>,
+    (b, b_dims): Src<'_>,
+    (out, out_dims): Dst<'_>,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+    let n = size(out_dims) as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+    let f = gpu.kernels.one(ctx, compare_name(op).0, dtype)?;
+    // SAFETY: <op>_<T>(const T* a, const T* b, u8* out, u64 n, int mode, Strided s); locked
+    // storage of `gpu`, addressed within their sizes.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode, s = strided)
+    }
+}
+
+pub(crate) fn compare_scalar(
+    ctx: &Ctx,
+    op: Compare,
+    dtype: DType,
+    a: &DeviceBuffer,
+    value: f64,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let n = elements(a, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, compare_name(op).1, dtype)?;
+    // SAFETY: <op>_scalar_<T>(const T* a, u8* out, u64 n, f64 value); locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n, v = value)
+    }
+}
+
+fn unary_name(op: Unary) -> &'static str {
+    match op {
+        Unary::Neg => "neg",
+        Unary::Abs => "abs",
+        Unary::Square => "square",
+        Unary::Relu => "relu",
+        Unary::Exp => "exp",
+        Unary::Log => "log",
+        Unary::Sqrt => "sqrt",
+        Unary::Tanh => "tanh",
+        Unary::Sigmoid => "sigmoid",
+    }
+}
+
+pub(crate) fn unary(
+    ctx: &Ctx,
+    op: Unary,
+    dtype: DType,
+    a: &DeviceBuffer,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let n = elements(out, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, unary_name(op), dtype)?;
+    // SAFETY: <op>_<T>(const T* a, T* out, u64 n); locked storage of `gpu`.
+    unsafe { launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n) }
+}
+
+pub(crate) fn pow_scalar(
+    ctx: &Ctx,
+    dtype: DType,
+    a: &DeviceBuffer,
+    exponent: f64,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let n = elements(out, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "pow", dtype)?;
+    // SAFETY: pow_<T>(const T* a, T* out, u64 n, f64 e); locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n, e = exponent)
+    }
+}
+
+// ---- in place ----
+
+/// The source operand of an in-place kernel: its address and addressing mode (the target
+/// itself, `MODE_SELF`, when `src` is `None`).
+fn inplace_operand(
+    ctx: &Ctx,
+    x: (&DeviceBuffer, &[usize]),
+    src: Option<Src<'_>>,
+) -> Result<(CUdeviceptr, i32, Strided)> {
+    match src {
+        None => Ok((x.0.ptr(), MODE_SELF, Strided::none())),
+        Some((b, b_dims)) => {
+            same_gpu(ctx, &[x.0.gpu(), b.gpu()])?;
+            let (mode, s) = inplace_source(ctx, x.1, b_dims)?;
+            Ok((b.ptr(), mode, s))
+        }
+    }
+}
+
+pub(crate) fn binary_inplace(
+    ctx: &Ctx,
+    op: Binary,
+    dtype: DType,
+    (x, x_dims): Dst<'_>,
+    src: Option<Src<'_>>,
+    on_zero: &dyn Fn() -> Error,
+) -> Result<()> {
+    let gpu = x.gpu();
+    let n = size(x_dims) as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
+    if op == Binary::Div && !dtype.is_float() {
+        let divisor_len = src.map_or(n, |(b, _)| elements(b, dtype));
+        if has_zero(ctx, gpu, dtype, b, divisor_len)? {
+            return Err(on_zero());
+        }
+    }
+    let f = gpu.kernels.one(ctx, binary_name(op).2, dtype)?;
+    // SAFETY: <op>_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s); locked storage of
+    // `gpu`, the source addressed within its size.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            px = x.ptr(), pb = b, count = n, m = mode, s = strided)
+    }
+}
+
+pub(crate) fn scale_inplace(
+    ctx: &Ctx,
+    dtype: DType,
+    x: &mut DeviceBuffer,
+    value: f64,
+) -> Result<()> {
+    let gpu = x.gpu();
+    let n = elements(x, dtype);
+    if n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "scale", dtype)?;
+    // SAFETY: scale_<T>(T* x, u64 n, T v); locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n); px = x.ptr(), count = n, v = scalar(dtype, value))
+    }
+}
+
+pub(crate) fn axpy(
+    ctx: &Ctx,
+    dtype: DType,
+    (x, x_dims): Dst<'_>,
+    alpha: f64,
+    src: Option<Src<'_>>,
+) -> Result<()> {
+    let gpu = x.gpu();
+    let n = size(x_dims) as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
+    axpy_raw(ctx, gpu, dtype, (x.ptr(), n), alpha, (b, mode, strided))
+}
+
+/// `x += alpha · b` over `n` elements at `x`.
+fn axpy_raw(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (x, n): (CUdeviceptr, u64),
+    alpha: f64,
+    (b, mode, strided): (CUdeviceptr, i32, Strided),
+) -> Result<()> {
+    let f = gpu.kernels.one(ctx, "axpy", dtype)?;
+    // SAFETY: axpy_<T>(T* x, const T* b, u64 n, T alpha, int mode, Strided s); both are locked
+    // storage of `gpu` (callers pass their arrays' addresses), the source addressed within its
+    // size.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            px = x, pb = b, count = n, a = scalar(dtype, alpha), m = mode, s = strided)
+    }
+}
+
+/// `dst[i] = src[offset(i)]` for `dst` of `dst_dims` and source strides `src_strides` (per dst
+/// dim), moving elements of `elem` bytes.
+#[allow(clippy::too_many_arguments)]
+fn gather(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    elem: usize,
+    (src, src_len, src_strides): (CUdeviceptr, usize, Vec<usize>),
+    (dst, dst_dims): (CUdeviceptr, &[usize]),
+) -> Result<()> {
+    let n = size(dst_dims) as u64;
+    if n == 0 {
+        return Ok(());
+    }
+    let unused = vec![0; dst_dims.len()];
+    let (mode, strided) = addressing(ctx, dst_dims, (src_len, src_strides), (1, unused))?;
+    let f = gpu.kernels.sized(ctx, "gather", elem)?;
+    // SAFETY: gather_b<N>(const T* src, T* dst, u64 n, int mode, Strided s); locked storage of
+    // `gpu`, the source addressed within its size.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            ps = src, pd = dst, count = n, m = mode, s = strided)
+    }
+}
+
+pub(crate) fn assign(
+    ctx: &Ctx,
+    dtype: DType,
+    (x, x_dims): Dst<'_>,
+    (src, src_dims): Src<'_>,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[x.gpu(), src.gpu()])?;
+    gather(
+        ctx,
+        gpu,
+        dtype.size_in_bytes(),
+        (
+            src.ptr(),
+            size(src_dims),
+            broadcast_strides(src_dims, x_dims),
+        ),
+        (x.ptr(), x_dims),
+    )
+}
+
+// ---- reductions ----
+
+/// Slices per row for a reduction of `pass` with contiguous rows: enough blocks to fill the
+/// device when there are few long rows; 1 otherwise.
+fn chunks_for(gpu: &Gpu, pass: Pass) -> usize {
+    let wanted = 4 * gpu.sms as usize;
+    if pass.inner != 1 || pass.n < (1 << 16) || pass.outer >= wanted {
+        return 1;
+    }
+    (pass.n / 8192).clamp(1, wanted / pass.outer.max(1)).max(1)
+}
+
+/// Launch shape of a fold over `[outer, n, inner]` in `chunks` slices per row (kernels.cu's
+/// `fold`): 1-d blocks over rows, or 32 × 8 blocks over columns.
+fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> Config {
+    if pass.inner == 1 {
+        Config {
+            blocks: blocks(gpu, (pass.outer * chunks) as u64, 1),
+            threads: (THREADS, 1),
+        }
+    } else {
+        Config {
+            blocks: blocks(gpu, (pass.outer * pass.inner) as u64, 32),
+            threads: (32, 8),
+        }
+    }
+}
+
+/// One `sum_<in>_<out>` launch.
+#[allow(clippy::too_many_arguments)]
+fn sum_launch(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    (x, from): (CUdeviceptr, DType),
+    (out, to): (CUdeviceptr, DType),
+    pass: Pass,
+    chunks: usize,
+    mean: Option<f64>,
+) -> Result<()> {
+    let f = gpu.kernels.two(ctx, "sum", from, to)?;
+    let cfg = fold_config(gpu, pass, chunks);
+    // SAFETY: sum_<in>_<out>(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks,
+    // int mean, f64 count); `x` and `out` are locked storage or scratch of `gpu` sized for the
+    // pass.
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
+            inner = pass.inner as u64, parts = chunks as u64,
+            m = i32::from(mean.is_some()), count = mean.unwrap_or(1.0))
+    }
+}
+
+/// The accumulator dtype of sums of `from`.
+fn accumulator(from: DType) -> DType {
+    if from.is_float() {
+        DType::F64
+    } else {
+        DType::I64
+    }
+}
+
+/// Folds one pass of a sum from `x` (`from`) into `out` (`to`), through partial sums in
+/// `partial` when the rows are long and few.
+#[allow(clippy::too_many_arguments)]
+fn sum_pass(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    x: (CUdeviceptr, DType),
+    out: (CUdeviceptr, DType),
+    pass: Pass,
+    mean: Option<f64>,
+    partial: CUdeviceptr,
+) -> Result<()> {
+    let chunks = chunks_for(gpu, pass);
+    if chunks == 1 {
+        return sum_launch(ctx, gpu, x, out, pass, 1, mean);
+    }
+    let acc = accumulator(x.1);
+    sum_launch(ctx, gpu, x, (partial, acc), pass, chunks, None)?;
+    let second = Pass {
+        outer: pass.outer,
+        n: chunks,
+        inner: 1,
+    };
+    sum_launch(ctx, gpu, (partial, acc), out, second, 1, mean)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sum(
+    ctx: &Ctx,
+    from: DType,
+    to: DType,
+    (a, dims): Src<'_>,
+    mask: &[bool],
+    out: &mut DeviceBuffer,
+    mean: bool,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    if out.bytes() == 0 {
+        return Ok(());
+    }
+    let passes = reduction_passes(dims, mask);
+    if passes.is_empty() {
+        // Every reduced axis has size 1: the sum (and the mean) of one element is that element.
+        return convert(ctx, from, to, a, out);
+    }
+    let count: usize = dims
+        .iter()
+        .zip(mask)
+        .filter(|(_, &r)| r)
+        .map(|(&d, _)| d)
+        .product();
+    sum_passes(
+        ctx,
+        gpu,
+        (a.ptr(), from),
+        (out.ptr(), to),
+        &passes,
+        mean.then_some(count as f64),
+    )
+}
+
+/// Runs the passes of a sum, accumulating between passes in scratch memory.
+fn sum_passes(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    x: (CUdeviceptr, DType),
+    out: (CUdeviceptr, DType),
+    passes: &[Pass],
+    mean: Option<f64>,
+) -> Result<()> {
+    let acc = accumulator(x.1);
+    // Scratch: two accumulator buffers (one pass's output is the next one's input), then the
+    // partial sums of a split pass.
+    let intermediate = &passes[..passes.len().saturating_sub(1)];
+    let largest = intermediate
+        .iter()
+        .map(|p| p.outer * p.inner)
+        .max()
+        .unwrap_or(0);
+    let partials = passes
+        .iter()
+        .map(|p| p.outer * chunks_for(gpu, *p))
+        .max()
+        .unwrap_or(0);
+    let word = acc.size_in_bytes();
+    let mut scratch = gpu.scratch();
+    let base = scratch.ensure(ctx, gpu, (2 * largest + partials + 1) * word)?;
+    let tmp = [base, base + (largest * word) as u64];
+    let partial = base + (2 * largest * word) as u64;
+    let mut input = x;
+    for (i, pass) in passes.iter().enumerate() {
+        let last = i + 1 == passes.len();
+        let target = if last { out } else { (tmp[i % 2], acc) };
+        sum_pass(
+            ctx,
+            gpu,
+            input,
+            target,
+            *pass,
+            if last { mean } else { None },
+            partial,
+        )?;
+        input = (target.0, acc);
+    }
+    Ok(())
+}
+
+pub(crate) fn sum_all(
+    ctx: &Ctx,
+    from: DType,
+    to: DType,
+    a: &DeviceBuffer,
+    out: &mut DeviceBuffer,
+    mean: bool,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let n = elements(a, from) as usize;
+    let pass = Pass {
+        outer: 1,
+        n,
+        inner: 1,
+    };
+    sum_passes(
+        ctx,
+        gpu,
+        (a.ptr(), from),
+        (out.ptr(), to),
+        &[pass],
+        mean.then_some(n as f64),
+    )
+}
+
+fn max_launch(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (x, out): (CUdeviceptr, CUdeviceptr),
+    pass: Pass,
+    chunks: usize,
+) -> Result<()> {
+    let f = gpu.kernels.one(ctx, "max", dtype)?;
+    let cfg = fold_config(gpu, pass, chunks);
+    // SAFETY: max_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, u64 chunks); locked
+    // storage or scratch of `gpu` sized for the pass.
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
+            inner = pass.inner as u64, parts = chunks as u64)
+    }
+}
+
+pub(crate) fn max_axis(
+    ctx: &Ctx,
+    dtype: DType,
+    a: &DeviceBuffer,
+    (outer, n, inner): (usize, usize, usize),
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    if outer * inner == 0 {
+        return Ok(());
+    }
+    let pass = Pass { outer, n, inner };
+    let chunks = chunks_for(gpu, pass);
+    if chunks == 1 {
+        return max_launch(ctx, gpu, dtype, (a.ptr(), out.ptr()), pass, 1);
+    }
+    let mut scratch = gpu.scratch();
+    let partial = scratch.ensure(ctx, gpu, outer * chunks * dtype.size_in_bytes())?;
+    max_launch(ctx, gpu, dtype, (a.ptr(), partial), pass, chunks)?;
+    let second = Pass {
+        outer,
+        n: chunks,
+        inner: 1,
+    };
+    max_launch(ctx, gpu, dtype, (partial, out.ptr()), second, 1)
+}
+
+pub(crate) fn argmax_axis(
+    ctx: &Ctx,
+    dtype: DType,
+    a: &DeviceBuffer,
+    (outer, n, inner): (usize, usize, usize),
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let columns = (outer * inner) as u64;
+    if columns == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "argmax", dtype)?;
+    let cfg = Config {
+        blocks: blocks(gpu, columns, 1),
+        threads: (THREADS, 1),
+    };
+    // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner); locked storage of
+    // `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64)
+    }
+}
+
+// ---- matrix products ----
+
+fn int_dim(ctx: &Ctx, value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| {
+        ctx.unsupported(format!(
+            "cuBLAS products take dimensions up to {}; got {value}",
+            i32::MAX
+        ))
+    })
+}
+
+/// `c = beta·c + alpha·op(a)·op(b)` for `batch` row-major float products (`a` `[m, k]`, or
+/// `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the i-th at element offsets
+/// `i·steps`. A row-major product is the column-major product of the transposes, so cuBLAS
+/// computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn blas_gemm(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    (a, ta): (CUdeviceptr, bool),
+    (b, tb): (CUdeviceptr, bool),
+    c: CUdeviceptr,
+    (beta, alpha): (f64, f64),
+    (batch, steps): (usize, (usize, usize, usize)),
+) -> Result<()> {
+    let op = |t: bool| {
+        if t {
+            blas::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let (bm, bn, bk) = (int_dim(ctx, n)?, int_dim(ctx, m)?, int_dim(ctx, k)?);
+    let ldb = int_dim(ctx, if tb { k } else { n })?;
+    let lda = int_dim(ctx, if ta { m } else { k })?;
+    let ldc = int_dim(ctx, n)?;
+    let count = int_dim(ctx, batch)?;
+    let (sa, sb, sc) = (steps.0 as i64, steps.1 as i64, steps.2 as i64);
+    gpu.bind(ctx)?;
+    let mut handle = gpu.blas();
+    handle.apply_math_mode(ctx)?;
+    let h = handle.handle;
+    // SAFETY: the handle is used under its lock on the device's stream; `a`, `b` and `c` are
+    // locked storage of `gpu` holding the products' operands as described (cuBLAS reads within
+    // the leading dimensions and strides given); alpha and beta are host values that outlive
+    // the call (cuBLAS reads them before returning, in host pointer mode).
+    let status = unsafe {
+        match dtype {
+            DType::F32 => {
+                let (alpha, beta) = (alpha as f32, beta as f32);
+                if batch == 1 {
+                    blas::cublasSgemm_v2(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        &alpha,
+                        b as *const f32,
+                        ldb,
+                        a as *const f32,
+                        lda,
+                        &beta,
+                        c as *mut f32,
+                        ldc,
+                    )
+                } else {
+                    blas::cublasSgemmStridedBatched(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        &alpha,
+                        b as *const f32,
+                        ldb,
+                        sb,
+                        a as *const f32,
+                        lda,
+                        sa,
+                        &beta,
+                        c as *mut f32,
+                        ldc,
+                        sc,
+                        count,
+                    )
+                }
+            }
+            _ => {
+                if batch == 1 {
+                    blas::cublasDgemm_v2(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        &alpha,
+                        b as *const f64,
+                        ldb,
+                        a as *const f64,
+                        lda,
+                        &beta,
+                        c as *mut f64,
+                        ldc,
+                    )
+                } else {
+                    blas::cublasDgemmStridedBatched(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        &alpha,
+                        b as *const f64,
+                        ldb,
+                        sb,
+                        a as *const f64,
+                        lda,
+                        sa,
+                        &beta,
+                        c as *mut f64,
+                        ldc,
+                        sc,
+                        count,
+                    )
+                }
+            }
+        }
+    };
+    status
+        .result()
+        .map_err(|e| blas_error(ctx, "cuBLAS gemm", e))
+}
+
+/// `c = beta·c + alpha·op(a)·op(b)` (or `= op(a)·op(b)` without `accumulate`) for integers.
+#[allow(clippy::too_many_arguments)]
+fn int_gemm(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    (a, ta): (CUdeviceptr, bool),
+    (b, tb): (CUdeviceptr, bool),
+    c: CUdeviceptr,
+    accumulate: Option<(f64, f64)>,
+    (batch, steps): (usize, (usize, usize)),
+) -> Result<()> {
+    let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if tb { (1, k) } else { (n, 1) };
+    let (beta, alpha) = accumulate.unwrap_or((0.0, 1.0));
+    let f = gpu.kernels.one(ctx, "matmul", dtype)?;
+    let total = (batch * m * n) as u64;
+    // SAFETY: matmul_<T>(const T* a, const T* b, T* c, u64 m, u64 k, u64 n, u64 a_rs, u64 a_cs,
+    // u64 b_rs, u64 b_cs, u64 batch, u64 a_step, u64 b_step, int accumulate, T beta, T alpha);
+    // locked storage of `gpu` holding the operands as described.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, total);
+            pa = a, pb = b, pc = c, rows = m as u64, inner = k as u64, cols = n as u64,
+            ars = a_rs as u64, acs = a_cs as u64, brs = b_rs as u64, bcs = b_cs as u64,
+            count = batch as u64, astep = steps.0 as u64, bstep = steps.1 as u64,
+            acc = i32::from(accumulate.is_some()), be = scalar(dtype, beta), al = scalar(dtype, alpha))
+    }
+}
+
+/// The product with the edge cases handled: nothing to compute for an empty result, and for
+/// `k == 0` the result is `beta·c` (or zeros), which cuBLAS would refuse (its leading dimension
+/// would be 0).
+#[allow(clippy::too_many_arguments)]
+fn product(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    a: (CUdeviceptr, bool),
+    b: (CUdeviceptr, bool),
+    c: (CUdeviceptr, usize),
+    accumulate: Option<(f64, f64)>,
+    (batch, steps): (usize, (usize, usize, usize)),
+) -> Result<()> {
+    if m == 0 || n == 0 || batch == 0 {
+        return Ok(());
+    }
+    let (c, c_len) = c;
+    if k == 0 {
+        return match accumulate {
+            Some((beta, _)) => {
+                let f = gpu.kernels.one(ctx, "scale", dtype)?;
+                // SAFETY: scale_<T>(T* x, u64 n, T v); `c` is locked storage of `gpu` with
+                // `c_len` elements.
+                unsafe {
+                    launch!(ctx, gpu, f, linear(gpu, c_len as u64);
+                        px = c, count = c_len as u64, v = scalar(dtype, beta))
+                }
+            }
+            None => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),
+        };
+    }
+    if dtype.is_float() {
+        blas_gemm(
+            ctx,
+            gpu,
+            dtype,
+            (m, k, n),
+            a,
+            b,
+            c,
+            accumulate.unwrap_or((0.0, 1.0)),
+            (batch, steps),
+        )
+    } else {
+        int_gemm(
+            ctx,
+            gpu,
+            dtype,
+            (m, k, n),
+            a,
+            b,
+            c,
+            accumulate,
+            (batch, (steps.0, steps.1)),
+        )
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    ctx: &Ctx,
+    dtype: DType,
+    batch: Option<(Batched, usize)>,
+    (m, k, n): (usize, usize, usize),
+    a: &DeviceBuffer,
+    b: &DeviceBuffer,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+    let c = (out.ptr(), elements(out, dtype) as usize);
+    let (count, (m, steps)) = match batch {
+        None => (1, (m, (0, 0, 0))),
+        // A shared right operand: one product of (batch·m) rows.
+        Some((Batched::Left, batch)) => (1, (batch * m, (0, 0, 0))),
+        Some((Batched::Both, batch)) => (batch, (m, (m * k, k * n, m * n))),
+        Some((Batched::Right, batch)) => (batch, (m, (0, k * n, m * n))),
+    };
+    product(
+        ctx,
+        gpu,
+        dtype,
+        (m, k, n),
+        (a.ptr(), false),
+        (b.ptr(), false),
+        c,
+        None,
+        (count, steps),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(
+    ctx: &Ctx,
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    (a, ta): (&DeviceBuffer, bool),
+    (b, tb): (&DeviceBuffer, bool),
+    out: &mut DeviceBuffer,
+    accumulate: Option<(f64, f64)>,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+    let c = (out.ptr(), elements(out, dtype) as usize);
+    product(
+        ctx,
+        gpu,
+        dtype,
+        (m, k, n),
+        (a.ptr(), ta),
+        (b.ptr(), tb),
+        c,
+        accumulate,
+        (1, (0, 0, 0)),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgd_dense(
+    ctx: &Ctx,
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    (x, g): (&DeviceBuffer, &DeviceBuffer),
+    (v, w): (&mut DeviceBuffer, &mut DeviceBuffer),
+    lr: f64,
+    momentum: f64,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[x.gpu(), g.gpu(), v.gpu(), w.gpu()])?;
+    let len = m * n;
+    if len == 0 {
+        return Ok(());
+    }
+    // v ← momentum·v + xᵀ·g (with momentum 0, beta 0: cuBLAS does not read the old v), then
+    // w ← w − lr·v: two launches, in stream order.
+    product(
+        ctx,
+        gpu,
+        dtype,
+        (m, k, n),
+        (x.ptr(), true),
+        (g.ptr(), false),
+        (v.ptr(), len),
+        Some((momentum, 1.0)),
+        (1, (0, 0, 0)),
+    )?;
+    axpy_raw(
+        ctx,
+        gpu,
+        dtype,
+        (w.ptr(), len as u64),
+        -lr,
+        (v.ptr(), MODE_SAME, Strided::none()),
+    )
+}
+
+// ---- neural-network ops ----
+
+pub(crate) fn softmax(
+    ctx: &Ctx,
+    dtype: DType,
+    a: &DeviceBuffer,
+    (outer, n, inner): (usize, usize, usize),
+    out: &mut DeviceBuffer,
+    log: bool,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+    let columns = (outer * inner) as u64;
+    if columns == 0 || n == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.one(ctx, "softmax", dtype)?;
+    let cfg = Config {
+        blocks: blocks(gpu, columns, 1),
+        threads: (THREADS, 1),
+    };
+    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log); locked
+    // storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+            lg = i32::from(log))
+    }
+}
+
+pub(crate) fn first_bad_index(
+    ctx: &Ctx,
+    dtype: DType,
+    indices: &DeviceBuffer,
+    bound: usize,
+) -> Result<Option<(usize, i64)>> {
+    let gpu = indices.gpu();
+    let count = elements(indices, dtype);
+    if count == 0 {
+        return Ok(None);
+    }
+    let f = gpu.kernels.one(ctx, "bad_index", dtype)?;
+    let position = {
+        let mut scratch = gpu.scratch();
+        let first = scratch.ensure(ctx, gpu, 8)?;
+        memset(ctx, gpu, first, 0xff, 8)?;
+        // SAFETY: bad_index_<I>(const I* idx, u64 count, u64 bound, u64* first); `indices` is
+        // locked storage of `gpu`, `first` its scratch (under the scratch lock).
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, count);
+                pi = indices.ptr(), n = count, b = bound as u64, out = first)?
+        };
+        read_word(ctx, gpu, first)?
+    };
+    if position == u64::MAX {
+        return Ok(None);
+    }
+    let mut value = [0u8; 8];
+    let elem = dtype.size_in_bytes();
+    let at = indices.ptr() + position * elem as u64;
+    device_to_host(ctx, gpu, at, &mut value[..elem], false)?;
+    let value = match dtype {
+        DType::I32 => i64::from(i32::from_ne_bytes([value[0], value[1], value[2], value[3]])),
+        DType::U8 => i64::from(value[0]),
+        _ => i64::from_ne_bytes(value),
+    };
+    Ok(Some((position as usize, value)))
+}
+
+pub(crate) fn one_hot(
+    ctx: &Ctx,
+    (from, to): (DType, DType),
+    indices: &DeviceBuffer,
+    depth: usize,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[indices.gpu(), out.gpu()])?;
+    let count = elements(indices, from);
+    let total = count * depth as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
+    // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth); locked storage of
+    // `gpu` (`out` holds count·depth elements).
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, total);
+            pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64)
+    }
+}
+
+pub(crate) fn pick(
+    ctx: &Ctx,
+    (dtype, from): (DType, DType),
+    x: &DeviceBuffer,
+    (n, inner): (usize, usize),
+    indices: &DeviceBuffer,
+    out: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[x.gpu(), indices.gpu(), out.gpu()])?;
+    let count = elements(indices, from);
+    if count == 0 || inner == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
+    // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner);
+    // locked storage of `gpu`; indices outside the axis read nothing.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, count);
+            px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
+            i = inner as u64)
+    }
+}
+
+// ---- shape / gather ----
+
+pub(crate) fn transpose(
+    ctx: &Ctx,
+    dtype: DType,
+    src: &DeviceBuffer,
+    (rows, cols): (usize, usize),
+    dst: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.sized(ctx, "transpose", dtype.size_in_bytes())?;
+    let tiles = (rows.div_ceil(32) * cols.div_ceil(32)) as u64;
+    let cfg = Config {
+        blocks: blocks(gpu, tiles, 1),
+        threads: (32, 8),
+    };
+    // SAFETY: transpose_b<N>(const T* src, T* dst, u64 rows, u64 cols); locked storage of `gpu`
+    // holding rows·cols elements each.
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            ps = src.ptr(), pd = dst.ptr(), r = rows as u64, c = cols as u64)
+    }
+}
+
+pub(crate) fn permute(
+    ctx: &Ctx,
+    dtype: DType,
+    (src, dims): Src<'_>,
+    perm: &[usize],
+    dst: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+    let in_strides = contiguous_strides(dims);
+    let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+    let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+    gather(
+        ctx,
+        gpu,
+        dtype.size_in_bytes(),
+        (src.ptr(), size(dims), strides),
+        (dst.ptr(), &out_dims),
+    )
+}
+
+/// Copies `rows` rows of `cols` elements of `elem` bytes between pitched layouts.
+#[allow(clippy::too_many_arguments)]
+fn copy_rows(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    elem: usize,
+    (src, src_pitch): (CUdeviceptr, usize),
+    (dst, dst_pitch): (CUdeviceptr, usize),
+    (rows, cols): (usize, usize),
+) -> Result<()> {
+    let total = (rows * cols) as u64;
+    if total == 0 {
+        return Ok(());
+    }
+    let f = gpu.kernels.sized(ctx, "copy_rows", elem)?;
+    // SAFETY: copy_rows_b<N>(const T* src, T* dst, u64 rows, u64 cols, u64 src_pitch,
+    // u64 dst_pitch); both ranges lie inside locked storage of `gpu`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, total);
+            ps = src, pd = dst, r = rows as u64, c = cols as u64, sp = src_pitch as u64,
+            dp = dst_pitch as u64)
+    }
+}
+
+pub(crate) fn narrow(
+    ctx: &Ctx,
+    elem: usize,
+    src: &DeviceBuffer,
+    (outer, n, inner): (usize, usize, usize),
+    start: usize,
+    dst: &mut DeviceBuffer,
+) -> Result<()> {
+    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+    let row = dst.bytes().checked_div(outer * elem).unwrap_or(0);
+    let offset = (start * inner * elem) as u64;
+    copy_rows(
+        ctx,
+        gpu,
+        elem,
+        (src.ptr() + offset, n * inner),
+        (dst.ptr(), row),
+        (outer, row),
+    )
+}
+
+pub(crate) fn interleave(
+    ctx: &Ctx,
+    srcs: &[&DeviceBuffer],
+    row_bytes: &[usize],
+    outer: usize,
+    dst: &mut DeviceBuffer,
+) -> Result<()> {
+    let mut gpus: Vec<&Gpu> = srcs.iter().map(|s| s.gpu()).collect();
+    gpus.push(dst.gpu());
+    let gpu = same_gpu(ctx, &gpus)?;
+    let total: usize = row_bytes.iter().sum();
+    // Rows are whole elements: copy them as the widest element size dividing every length.
+    let elem = [8, 4, 1]
+        .into_iter()
+        .find(|&e| total.is_multiple_of(e) && row_bytes.iter().all(|b| b.is_multiple_of(e)))
+        .unwrap_or(1);
+    let mut at = 0;
+    for (src, &len) in srcs.iter().zip(row_bytes) {
+        copy_rows(
+            ctx,
+            gpu,
+            elem,
+            (src.ptr(), len / elem),
+            (dst.ptr() + at as u64, total / elem),
+            (outer, len / elem),
+        )?;
+        at += len;
+    }
+    Ok(())
+}
