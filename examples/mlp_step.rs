@@ -3,8 +3,12 @@
 //! milliseconds per step. `benches/peers/mlp_step.py` runs it in turns with the same step in
 //! PyTorch, so both are timed under the same machine conditions.
 //!
+//! On a GPU (`--features cuda`, `--device cuda`) the steps are timed in groups of ten, each
+//! ending with a synchronisation of the device, so the time counts the GPU's work.
+//!
 //! ```text
 //! cargo run --release --example mlp_step -- --batch 16 --steps 300
+//! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda
 //! ```
 
 #[path = "mlp/mod.rs"]
@@ -13,26 +17,32 @@ mod mlp;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ndscope::{manual_seed, DType, Manager, Result, WorkspaceConfig};
+use ndscope::{manual_seed, DType, Device, Manager, Result, WorkspaceConfig};
 
 fn main() -> ExitCode {
     let mut batch = 16usize;
     let mut steps = 300usize;
+    let mut device = Device::Cpu;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
-        let value = args.next().and_then(|v| v.parse::<usize>().ok());
-        match (flag.as_str(), value) {
-            ("--batch", Some(v)) if v > 0 => batch = v,
-            ("--steps", Some(v)) if v > 0 => steps = v,
+        let value = args.next();
+        let number = value.as_deref().and_then(|v| v.parse::<usize>().ok());
+        match (flag.as_str(), number, value.as_deref()) {
+            ("--batch", Some(v), _) if v > 0 => batch = v,
+            ("--steps", Some(v), _) if v > 0 => steps = v,
+            ("--device", _, Some("cpu")) => device = Device::Cpu,
+            ("--device", _, Some("cuda")) => device = Device::Cuda(0),
             _ => {
-                eprintln!("usage: mlp_step [--batch N] [--steps N] (positive numbers)");
+                eprintln!(
+                    "usage: mlp_step [--batch N] [--steps N] [--device cpu|cuda] (positive numbers)"
+                );
                 return ExitCode::from(2);
             }
         }
     }
-    match run(batch, steps) {
+    match run(batch, steps, device) {
         Ok(ms) => {
-            println!("batch {batch}: {ms:.4} ms/step (median of {steps} steps)");
+            println!("batch {batch}: {ms:.4} ms/step (median of {steps} steps) on {device}");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -42,23 +52,28 @@ fn main() -> ExitCode {
     }
 }
 
-/// The median milliseconds of `steps` training steps at `batch`, after 10 warm-up steps.
-fn run(batch: usize, steps: usize) -> Result<f64> {
-    let trainer = Manager::new_base().with_name("trainer");
+/// The median milliseconds of `steps` training steps at `batch` on `device`, after 10 warm-up
+/// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation).
+fn run(batch: usize, steps: usize, device: Device) -> Result<f64> {
+    let trainer = Manager::new_base_on(device)?.with_name("trainer");
     let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
     manual_seed(2);
-    let model = Manager::new_base().with_name("model");
+    let model = Manager::new_base_on(device)?.with_name("model");
     let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10])?;
     model.cap();
     let x = trainer.randn([batch, 784], DType::F32)?;
     let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
     let y = trainer.from_vec(labels, [batch])?;
-    let mut times = Vec::with_capacity(steps);
-    for i in 0..steps + 10 {
+    let group = if device.is_cpu() { 1 } else { 10 };
+    let mut times = Vec::with_capacity(steps / group + 1);
+    for i in 0..(steps + 10).div_ceil(group) {
         let start = Instant::now();
-        ws.cycle(|_| net.train_step(&x, &y, 0.01, 0.9).map(|_| ()))?;
-        if i >= 10 {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
+        for _ in 0..group {
+            ws.cycle(|_| net.train_step(&x, &y, 0.01, 0.9).map(|_| ()))?;
+        }
+        device.synchronize()?;
+        if i * group >= 10 {
+            times.push(start.elapsed().as_secs_f64() * 1e3 / group as f64);
         }
     }
     times.sort_by(f64::total_cmp);

@@ -22,9 +22,11 @@
 //! --device cpu|cuda where to train (default cpu)
 //! ```
 //!
-//! It prints per-epoch loss, accuracy, steps/s and live bytes (which must stay flat), a
-//! `debug_dump` of the model at the end, and fails (exit code 1) unless the loss fell, the
-//! held-out accuracy exceeds 90% and the live bytes stayed flat.
+//! It prints per-epoch loss, accuracy, steps/s, live bytes on the device (which must stay flat)
+//! and the allocations ndscope asked the system allocator or the CUDA driver for during the
+//! epoch (0 once the workspace has learned), a `debug_dump` of the model at the end, and fails
+//! (exit code 1) unless the loss fell, the held-out accuracy exceeds 90%, the live bytes stayed
+//! flat and, with a workspace, no epoch after the first allocated.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -135,6 +137,8 @@ struct Epoch {
     accuracy: f64,
     steps_per_s: f64,
     live: usize,
+    /// Allocations from the system allocator or the driver during the epoch.
+    allocations: u64,
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -183,6 +187,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let train_start = Instant::now();
     for epoch in 1..=args.epochs {
         let started = Instant::now();
+        let allocated_before = memory_usage(args.device).driver_allocations;
         let (mut loss, mut correct) = (0.0, 0i64);
         for step in 0..steps {
             let (l, c) = in_step(&|_batch| {
@@ -201,13 +206,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             accuracy: correct as f64 / (steps * args.batch) as f64,
             steps_per_s: steps as f64 / started.elapsed().as_secs_f64(),
             live: memory_usage(args.device).in_use,
+            allocations: memory_usage(args.device).driver_allocations - allocated_before,
         };
         println!(
-            "epoch {epoch:>2}: loss {:.4}  train accuracy {:>6.2}%  {:>6.0} steps/s  live {}",
+            "epoch {epoch:>2}: loss {:.4}  train accuracy {:>6.2}%  {:>6.0} steps/s  live {} on {}  allocations {}",
             e.loss,
             100.0 * e.accuracy,
             e.steps_per_s,
-            fmt_bytes(e.live)
+            fmt_bytes(e.live),
+            args.device,
+            e.allocations
         );
         epochs.push(e);
     }
@@ -264,6 +272,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if epochs.iter().any(|e| e.live != first.live) {
         let lives: Vec<String> = epochs.iter().map(|e| fmt_bytes(e.live)).collect();
         return Err(format!("live bytes changed between epochs: {lives:?}").into());
+    }
+    if args.workspace && epochs[1..].iter().any(|e| e.allocations > 0) {
+        let counts: Vec<u64> = epochs.iter().map(|e| e.allocations).collect();
+        return Err(format!(
+            "epochs after the first allocated memory (per epoch: {counts:?}); a learned workspace should not"
+        )
+        .into());
     }
     model.close()?;
     data.close()?;

@@ -24,13 +24,79 @@ pub(crate) fn uniform(seed: u64, counter: u64) -> f64 {
     (bits(seed, counter) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
-/// A standard normal (Box–Muller on counters 2c and 2c+1).
+/// `ln(x)` for a positive normal `x`, in plain IEEE arithmetic that CUDA's `portable_ln`
+/// (`src/backend/cuda/kernels.cu`) repeats operation for operation, so both devices get the
+/// same bits (the platform's `ln` and CUDA's `log` may differ in the last place): `x = 2^e·m`
+/// with `m` in [√½, √2), and `ln m = 2·atanh(s)` with `s = (m − 1)/(m + 1)`, summed as a series
+/// in `s²` (|s| ≤ 0.172, so eleven terms reach double precision).
+#[inline(always)]
+fn portable_ln(x: f64) -> f64 {
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & 0x000f_ffff_ffff_ffff) | 0x3ff0_0000_0000_0000);
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let mut p = 1.0 / 23.0;
+    for k in (0..11).rev() {
+        p = p * s2 + 1.0 / (2 * k + 1) as f64;
+    }
+    e as f64 * std::f64::consts::LN_2 + 2.0 * s * p
+}
+
+/// `cos(2π·u)` for `u` in [0, 1), as CUDA's `portable_cos_turn`: `4u = q + r` with a whole
+/// quadrant `q` and `r` in [−½, ½], then Taylor series of sin and cos of `r·π/2`.
+#[inline(always)]
+fn portable_cos_turn(u: f64) -> f64 {
+    let t = 4.0 * u;
+    let q = (t + 0.5).floor();
+    let r = t - q;
+    let a = r * std::f64::consts::FRAC_PI_2;
+    let a2 = a * a;
+    // 1/k! for the even (cos) and odd (sin) k, highest first.
+    const COS: [f64; 9] = [
+        1.0 / 20922789888000.0,
+        1.0 / 87178291200.0,
+        1.0 / 479001600.0,
+        1.0 / 3628800.0,
+        1.0 / 40320.0,
+        1.0 / 720.0,
+        1.0 / 24.0,
+        1.0 / 2.0,
+        1.0,
+    ];
+    const SIN: [f64; 9] = [
+        1.0 / 355687428096000.0,
+        1.0 / 1307674368000.0,
+        1.0 / 6227020800.0,
+        1.0 / 39916800.0,
+        1.0 / 362880.0,
+        1.0 / 5040.0,
+        1.0 / 120.0,
+        1.0 / 6.0,
+        1.0,
+    ];
+    let c = COS[1..].iter().fold(COS[0], |acc, &k| acc * -a2 + k);
+    let s = SIN[1..].iter().fold(SIN[0], |acc, &k| acc * -a2 + k) * a;
+    match (q as i64) & 3 {
+        0 => c,
+        1 => -s,
+        2 => -c,
+        _ => s,
+    }
+}
+
+/// A standard normal (Box–Muller on counters 2c and 2c+1), with the portable `ln` and `cos`
+/// above, so every device draws the same numbers.
 #[inline(always)]
 pub(crate) fn normal(seed: u64, counter: u64) -> f64 {
     // 1 - u is in (0, 1], so the logarithm is finite.
     let u1 = 1.0 - uniform(seed, counter.wrapping_mul(2));
     let u2 = uniform(seed, counter.wrapping_mul(2).wrapping_add(1));
-    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    (-2.0 * portable_ln(u1)).sqrt() * portable_cos_turn(u2)
 }
 
 fn fill<T: Element>(out: &mut [T], start: u64, value: impl Fn(u64) -> T + Sync) {
@@ -71,6 +137,26 @@ pub(crate) fn fill_uniform<T: Element>(out: &mut [T], seed: u64, start: u64, low
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn portable_functions_match_the_platform_to_the_last_places() {
+        for i in 1..=10_000u64 {
+            let x = i as f64 / 10_000.0;
+            let (mine, std) = (portable_ln(x), x.ln());
+            assert!(
+                (mine - std).abs() <= 4.0 * f64::EPSILON * std.abs().max(1.0),
+                "ln {x}: {mine} vs {std}"
+            );
+            let u = (i - 1) as f64 / 10_000.0;
+            let (mine, std) = (portable_cos_turn(u), (std::f64::consts::TAU * u).cos());
+            assert!(
+                (mine - std).abs() <= 4.0 * f64::EPSILON,
+                "cos {u}: {mine} vs {std}"
+            );
+        }
+        assert_eq!(portable_ln(1.0), 0.0);
+        assert_eq!(portable_cos_turn(0.0), 1.0);
+    }
 
     #[test]
     fn draws_are_reproducible_and_split_independent() {
