@@ -78,13 +78,42 @@ impl Shape {
 
     /// Row-major strides in elements.
     pub fn strides(&self) -> Vec<usize> {
-        let dims = self.dims();
-        let mut strides = vec![1; dims.len()];
-        for i in (0..dims.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * dims[i + 1];
-        }
-        strides
+        crate::backend::layout::contiguous_strides(self.dims())
     }
+
+    /// Bytes of an array of this shape with elements of `elem` bytes, if such an array can be
+    /// addressed: the product of the non-zero dimensions, times `elem`, must not pass
+    /// `isize::MAX`. Then no product of any of its dimensions (what every op computes: rows,
+    /// strides, byte offsets) can overflow, whatever their order, empty arrays included.
+    pub(crate) fn addressable_bytes(&self, elem: usize) -> Option<usize> {
+        let nonzero = self
+            .dims()
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(elem, |acc, &d| acc.checked_mul(d))?;
+        if nonzero > isize::MAX as usize {
+            return None;
+        }
+        Some(self.size() * elem)
+    }
+}
+
+/// The bytes of an array of `shape` and `dtype`, or `InvalidArgument` if it cannot be addressed
+/// (see [`Shape::addressable_bytes`]). Every array is created through this check, so op
+/// front-ends can compute products of an input's dimensions without overflow.
+pub(crate) fn check(
+    ctx: &crate::error::Ctx,
+    shape: &Shape,
+    dtype: crate::DType,
+) -> crate::Result<usize> {
+    shape
+        .addressable_bytes(dtype.size_in_bytes())
+        .ok_or_else(|| {
+            ctx.invalid(format!(
+                "an array of shape {shape} and dtype {dtype} cannot be addressed: the product of \
+                 its non-zero dimensions, in bytes, passes isize::MAX"
+            ))
+        })
 }
 
 impl Default for Shape {
@@ -172,6 +201,17 @@ mod tests {
         assert_eq!(big.dims(), &[1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(big.size(), 5040);
         assert_eq!(big.strides()[0], 5040);
+    }
+
+    #[test]
+    fn addressable_shapes_do_not_depend_on_dim_order() {
+        let max = usize::MAX;
+        assert_eq!(Shape::new(&[0, max, 2]).addressable_bytes(1), None);
+        assert_eq!(Shape::new(&[2, max, 0]).addressable_bytes(1), None);
+        assert_eq!(Shape::new(&[0, 1 << 62]).addressable_bytes(4), None);
+        assert_eq!(Shape::new(&[0, 1 << 40]).addressable_bytes(4), Some(0));
+        assert_eq!(Shape::new(&[3, 4]).addressable_bytes(8), Some(96));
+        assert_eq!(Shape::scalar().addressable_bytes(8), Some(8));
     }
 
     #[test]

@@ -135,6 +135,7 @@ pub(crate) fn adopt(
     dtype: DType,
     buffer: Storage,
 ) -> Result<NDArray> {
+    crate::shape::check(ctx, &shape, dtype)?;
     let mut state = arena::lock();
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {

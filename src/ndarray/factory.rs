@@ -232,8 +232,20 @@ impl Manager {
         })
     }
 
-    /// Uniform samples in `[low, high)` from the seeded stream; integer dtypes get integers
-    /// (`floor`). `InvalidArgument` unless `low < high`, both finite.
+    /// Uniform samples in `[low, high)` from the seeded stream; integer dtypes get the integers
+    /// of `[low, high)`, each equally likely. `InvalidArgument` unless `low < high`, both finite;
+    /// for an integer dtype, also unless the interval holds an integer and every integer in it
+    /// fits the dtype (`U8`: 0 to 255; `I64`: within ±2⁵³, where f64 counts exactly), as
+    /// PyTorch's `randint` refuses rather than saturating or wrapping.
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let m = Manager::new_base();
+    /// let dice = m.rand([6], 1.0, 7.0, DType::U8)?;
+    /// assert!(dice.to_vec::<u8>()?.iter().all(|&d| (1..=6).contains(&d)));
+    /// assert!(m.rand([6], 0.0, 300.0, DType::U8).is_err());   // 256..299 do not fit a u8
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
     #[track_caller]
     pub fn rand(
         &self,
@@ -248,10 +260,23 @@ impl Manager {
                 "rand needs finite bounds with low < high, got [{low}, {high})"
             )));
         }
-        if !dtype.is_float() && high.ceil() - low.ceil() < 1.0 {
-            return Err(ctx.invalid(format!(
-                "rand of {dtype} needs an integer in [{low}, {high})"
-            )));
+        if !dtype.is_float() {
+            let (first, last) = (low.ceil(), high.ceil() - 1.0);
+            if last < first {
+                return Err(ctx.invalid(format!(
+                    "rand of {dtype} needs an integer in [{low}, {high})"
+                )));
+            }
+            let (min, max) = match dtype {
+                DType::U8 => (0.0, 255.0),
+                DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+                _ => (-(2f64.powi(53)), 2f64.powi(53)),
+            };
+            if first < min || last > max {
+                return Err(ctx.invalid(format!(
+                    "rand of {dtype} draws the integers {first} to {last} of [{low}, {high}), but {dtype} holds {min} to {max}"
+                )));
+            }
         }
         let shape = shape.into();
         let n = shape.size();

@@ -308,8 +308,20 @@ impl NDArray {
         )
     }
 
-    /// A copy converted to `dtype` (floats to integers truncate toward zero and saturate), placed
-    /// like an op result.
+    /// A copy converted to `dtype`, placed like an op result. Conversions follow Rust's `as`:
+    /// integers to integers wrap (two's complement, as NumPy's `astype` and PyTorch's `to`: 300
+    /// as `U8` is 44), integers to floats and floats to floats round to nearest, floats to
+    /// integers truncate toward zero and saturate at the bounds (NaN gives 0).
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let m = Manager::new_base();
+    /// let a = m.from_slice(&[300i64, -1], [2])?;
+    /// assert_eq!(a.to_dtype(DType::U8)?.to_vec::<u8>()?, vec![44, 255]);
+    /// let f = m.from_slice(&[2.7f32, -2.7, 1e10], [3])?;
+    /// assert_eq!(f.to_dtype(DType::I32)?.to_vec::<i32>()?, vec![2, -2, i32::MAX]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
     #[track_caller]
     pub fn to_dtype(&self, dtype: DType) -> Result<NDArray> {
         self.copy_as(&Ctx::new("NDArray::to_dtype"), dtype)

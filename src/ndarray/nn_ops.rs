@@ -414,12 +414,7 @@ impl NDArray {
         let mut out = self.dims().to_vec();
         out.push(depth);
         let shape = Shape::new(&out);
-        if shape.checked_size().is_none() {
-            return Err(ctx.invalid(format!(
-                "one_hot of shape {} with depth {depth}: the result is too large",
-                self.shape()
-            )));
-        }
+        crate::shape::check(&ctx, &shape, dtype)?;
         // Checked before allocating; on the host checked again under the lock the kernel holds,
         // in case another thread changed the indices in between.
         let bad = |found| index_error(&ctx, self, found, depth, "depth");

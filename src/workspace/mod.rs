@@ -704,15 +704,7 @@ impl State {
         dtype: DType,
         device: Device,
     ) -> Result<Allocation> {
-        let bytes = shape
-            .checked_size()
-            .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
-            .filter(|&b| b <= isize::MAX as usize)
-            .ok_or_else(|| {
-                ctx.invalid(format!(
-                    "an array of shape {shape} and dtype {dtype} has more bytes than memory can address"
-                ))
-            })?;
+        let bytes = crate::shape::check(ctx, shape, dtype)?;
         let heap = |ctx: &Ctx| -> Result<Allocation> {
             Ok(Allocation {
                 buffer: Storage::alloc(ctx, device, bytes)?,

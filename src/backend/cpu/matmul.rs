@@ -12,7 +12,14 @@ const PAR_PRODUCT: usize = 48 * 48 * 48;
 
 /// `out[m×n] = a[m×k] · b[k×n]`, all row-major and contiguous.
 pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {
-    debug_assert!(a.len() == m * k && b.len() == k * n && out.len() == m * n);
+    // Checked in release builds too: the product reads through raw pointers and strides.
+    assert!(
+        a.len() == m * k && b.len() == k * n && out.len() == m * n,
+        "matmul: operand lengths {}, {}, {} do not fit [{m}, {k}] · [{k}, {n}]",
+        a.len(),
+        b.len(),
+        out.len()
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -81,7 +88,14 @@ pub(crate) fn gemm_general<T: Num>(
     out: &mut [T],
     accumulate: Option<(T, T)>,
 ) {
-    debug_assert!(a.len() == m * k && b.len() == k * n && out.len() == m * n);
+    // Checked in release builds too: gemm reads through raw pointers and strides.
+    assert!(
+        a.len() == m * k && b.len() == k * n && out.len() == m * n,
+        "gemm_general: operand lengths {}, {}, {} do not fit [{m}, {k}] · [{k}, {n}]",
+        a.len(),
+        b.len(),
+        out.len()
+    );
     if m == 0 || n == 0 {
         return;
     }

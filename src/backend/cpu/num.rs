@@ -8,7 +8,8 @@ pub(crate) trait Num: Element {
     fn add(self, other: Self) -> Self;
     fn sub(self, other: Self) -> Self;
     fn mul(self, other: Self) -> Self;
-    /// Integer division by zero gives 0; front-ends refuse it before computing.
+    /// Integer division truncates toward zero and wraps (`MIN / -1 == MIN`); division by zero
+    /// gives 0, which front-ends refuse before computing.
     fn div(self, other: Self) -> Self;
     fn max_nan(self, other: Self) -> Self;
     fn min_nan(self, other: Self) -> Self;
@@ -50,7 +51,12 @@ macro_rules! int_num {
             }
             #[inline(always)]
             fn div(self, o: Self) -> Self {
-                self.checked_div(o).unwrap_or(0)
+                // `MIN / -1` wraps to `MIN`, as every other integer operation wraps.
+                if o == 0 {
+                    0
+                } else {
+                    self.wrapping_div(o)
+                }
             }
             #[inline(always)]
             fn max_nan(self, o: Self) -> Self {
@@ -191,3 +197,28 @@ macro_rules! float_num {
 
 float_num!(f32);
 float_num!(f64);
+
+/// Element conversion by Rust's `as`, the rule of `to_dtype` (and of the CUDA kernels'
+/// `convert`): integers to integers wrap (two's complement truncation, as NumPy's `astype` and
+/// PyTorch's `to`), integers to floats round to nearest, floats to integers truncate toward zero
+/// and saturate at the bounds (NaN gives 0), floats to floats round to nearest.
+pub(crate) trait CastTo<D> {
+    fn cast(self) -> D;
+}
+
+macro_rules! cast_to {
+    ($from:ty => $($to:ty),*) => {
+        $(impl CastTo<$to> for $from {
+            #[inline(always)]
+            fn cast(self) -> $to {
+                self as $to
+            }
+        })*
+    };
+}
+
+cast_to!(f32 => f32, f64, i32, i64, u8);
+cast_to!(f64 => f32, f64, i32, i64, u8);
+cast_to!(i32 => f32, f64, i32, i64, u8);
+cast_to!(i64 => f32, f64, i32, i64, u8);
+cast_to!(u8 => f32, f64, i32, i64, u8);

@@ -5,7 +5,7 @@
 
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
-use super::num::{Float, Num};
+use super::num::{CastTo, Float, Num};
 use super::{matmul, nn, random, reduce, sgd, shape};
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::{dispatch, dispatch_float};
@@ -97,7 +97,7 @@ pub(crate) fn convert(from: DType, to: DType, src: &HostBuffer, dst: &mut HostBu
         return copy(src, dst);
     }
     dispatch!(from, S => dispatch!(to, D => {
-        elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), |x| D::from_f64(x.to_f64()));
+        elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), <S as CastTo<D>>::cast);
     }));
 }
 

@@ -49,7 +49,11 @@ pub(crate) fn sgd_dense<T: Num>(
     lr: T,
     momentum: T,
 ) {
-    debug_assert!(x.len() == k * m && g.len() == k * n && v.len() == m * n && w.len() == m * n);
+    // Checked in release builds too: the fused kernel writes through raw pointers.
+    assert!(
+        x.len() == k * m && g.len() == k * n && v.len() == m * n && w.len() == m * n,
+        "sgd_dense: operand lengths do not fit m {m}, k {k}, n {n}"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -193,7 +197,7 @@ mod avx512 {
         momentum: f32,
     ) {
         let chunks = n.div_ceil(NR);
-        debug_assert!(xpack.len() >= tiles.end * k * MR && gpack.len() == chunks * k * NR);
+        assert!(xpack.len() >= tiles.end * k * MR && gpack.len() == chunks * k * NR);
         for t in tiles {
             let rows = (m - t * MR).min(MR);
             let xt = &xpack[t * k * MR..(t + 1) * k * MR];
@@ -301,7 +305,14 @@ mod avx512 {
         let step = _mm512_set1_ps(lr);
         for (r, acc) in acc.iter().enumerate().take(rows) {
             for (q, (&acc, &mask)) in acc.iter().zip(&masks).enumerate() {
-                // SAFETY: row r < rows of the tile, masked columns only.
+                if mask == 0 {
+                    // Past the last column: even forming the address could leave the
+                    // allocation (the last row of `v` and `w`).
+                    continue;
+                }
+                // SAFETY: row r < rows of the tile; vector q starts at a column below n (its
+                // mask is not empty), so the address lies inside the row; only the masked
+                // columns are loaded and stored.
                 unsafe {
                     let vp = v.add(r * ld + 16 * q);
                     let wp = w.add(r * ld + 16 * q);
