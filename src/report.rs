@@ -72,7 +72,7 @@ pub struct ManagerReport {
 
 pub(crate) fn build(manager: &Manager) -> ManagerReport {
     let state = arena::lock();
-    if !state.managers.contains_key(manager.0.key) {
+    if state.live_manager(&manager.0).is_none() {
         return ManagerReport {
             id: manager.id(),
             name: manager.name(),

@@ -335,19 +335,44 @@ impl State {
         }
     }
 
+    /// The entry of the array `inner` if it is open. Checks identity, not only the key: a
+    /// closed array's slot is reused, and after its version wraps (2³¹ reuses, which a steady
+    /// loop reaches) an old key would name another array.
+    #[inline]
+    pub fn live_array(&self, inner: &ArrayInner) -> Option<&ArrayEntry> {
+        self.arrays
+            .get(inner.key)
+            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.inner), inner))
+    }
+
+    /// The entry of the manager `shared` if it is open (identity checked as for
+    /// [`live_array`](Self::live_array)).
+    #[inline]
+    pub fn live_manager(&self, shared: &ManagerShared) -> Option<&ManagerEntry> {
+        self.managers
+            .get(shared.key)
+            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
+    }
+
+    /// [`live_manager`](Self::live_manager), writable.
+    #[inline]
+    pub fn live_manager_mut(&mut self, shared: &ManagerShared) -> Option<&mut ManagerEntry> {
+        self.managers
+            .get_mut(shared.key)
+            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
+    }
+
     /// The live entry of an array, or its `ArrayClosed` error.
     #[inline]
     pub fn array(&self, inner: &ArrayInner, ctx: &Ctx) -> Result<&ArrayEntry> {
-        self.arrays
-            .get(inner.key)
+        self.live_array(inner)
             .ok_or_else(|| inner.closed_error(ctx))
     }
 
     /// The live entry of a manager, or its `ManagerClosed` error.
     #[inline]
     pub fn manager(&self, shared: &ManagerShared, ctx: &Ctx) -> Result<&ManagerEntry> {
-        self.managers
-            .get(shared.key)
+        self.live_manager(shared)
             .ok_or_else(|| manager_closed(shared, ctx))
     }
 
@@ -478,5 +503,59 @@ pub(crate) fn manager_closed(shared: &ManagerShared, ctx: &Ctx) -> Error {
         op: ctx.op,
         at: ctx.at,
         manager: shared.describe(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handle whose key names a live entry that is not its own (what a stale handle looks
+    /// like once its slot's version has wrapped around) is refused, for arrays and managers.
+    #[test]
+    fn a_reused_key_does_not_reach_another_entry() {
+        let ctx = Ctx::new("test");
+        let mut state = State::new();
+        let owner = state.system.key;
+        let storage = Storage::alloc(&ctx, Device::Cpu, 16).unwrap();
+        let live = state.insert_array(
+            Shape::new(&[4]),
+            DType::F32,
+            Device::Cpu,
+            ctx.at,
+            storage,
+            Owner::Manager(owner),
+            Place::Heap,
+        );
+        let stale = ArrayInner {
+            key: live.key,
+            id: u64::MAX,
+            shape: Shape::new(&[4]),
+            dtype: DType::F32,
+            device: Device::Cpu,
+            created_at: ctx.at,
+            name: Mutex::new(None),
+            closed: OnceLock::new(),
+            data: RwLock::new(None),
+        };
+        assert!(state.array(&live, &ctx).is_ok());
+        assert!(matches!(
+            state.array(&stale, &ctx),
+            Err(Error::ArrayClosed { .. })
+        ));
+        let manager = Arc::clone(&state.managers[owner].shared);
+        let stale_manager = ManagerShared {
+            key: owner,
+            id: u64::MAX,
+            device: Device::Cpu,
+            name: Mutex::new(None),
+            parent: None,
+        };
+        assert!(state.manager(&manager, &ctx).is_ok());
+        assert!(matches!(
+            state.manager(&stale_manager, &ctx),
+            Err(Error::ManagerClosed { .. })
+        ));
+        state.remove_array(live.key, CloseReason::Discarded);
     }
 }

@@ -174,6 +174,9 @@ impl Manager {
     /// The open children, newest first; empty once closed.
     pub fn children(&self) -> Vec<Manager> {
         let state = arena::lock();
+        if state.live_manager(&self.0).is_none() {
+            return Vec::new();
+        }
         state
             .children_of(self.0.key)
             .into_iter()
@@ -188,14 +191,13 @@ impl Manager {
 
     /// `false` once closed.
     pub fn is_open(&self) -> bool {
-        arena::lock().managers.contains_key(self.0.key)
+        arena::lock().live_manager(&self.0).is_some()
     }
 
     /// Whether [`cap`](Self::cap) was called (and the manager is open).
     pub fn is_capped(&self) -> bool {
         arena::lock()
-            .managers
-            .get(self.0.key)
+            .live_manager(&self.0)
             .is_some_and(|m| m.capped)
     }
 
@@ -207,10 +209,12 @@ impl Manager {
     pub fn close(&self) -> Result<()> {
         let ctx = Ctx::new("Manager::close");
         let mut state = arena::lock();
-        if self.0.key == state.system.key {
+        if Arc::ptr_eq(&self.0, &state.system) {
             return Err(ctx.system("the system manager is never closed"));
         }
-        state.close_manager(&ctx, self.0.key);
+        if state.live_manager(&self.0).is_some() {
+            state.close_manager(&ctx, self.0.key);
+        }
         Ok(())
     }
 
@@ -219,7 +223,7 @@ impl Manager {
     /// allowed: closing it, sub-managers, borrowing into or out of it, and borrowed arrays coming
     /// back to it. Capping a closed manager does nothing.
     pub fn cap(&self) {
-        if let Some(m) = arena::lock().managers.get_mut(self.0.key) {
+        if let Some(m) = arena::lock().live_manager_mut(&self.0) {
             m.capped = true;
         }
     }

@@ -5,7 +5,8 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::ops::Deref;
 
-use crate::arena::ManagerKey;
+use std::sync::Arc;
+
 use crate::{Manager, Result};
 
 /// A manager that is closed when this guard drops, also while unwinding from a panic. Derefs to
@@ -78,7 +79,8 @@ thread_local! {
 #[must_use = "the manager is active only while the guard lives"]
 #[derive(Debug)]
 pub struct ActiveScope {
-    key: ManagerKey,
+    /// The manager's identity (its shared part's address; a key could be reused).
+    manager: usize,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -86,7 +88,7 @@ impl ActiveScope {
     pub(crate) fn push(manager: &Manager) -> ActiveScope {
         ACTIVE.with(|stack| stack.borrow_mut().push(manager.clone()));
         ActiveScope {
-            key: manager.0.key,
+            manager: Arc::as_ptr(&manager.0) as usize,
             _not_send: PhantomData,
         }
     }
@@ -97,7 +99,10 @@ impl Drop for ActiveScope {
         ACTIVE.with(|stack| {
             let mut stack = stack.borrow_mut();
             // Normally the top; guards dropped out of order remove their own entry only.
-            if let Some(pos) = stack.iter().rposition(|m| m.0.key == self.key) {
+            if let Some(pos) = stack
+                .iter()
+                .rposition(|m| Arc::as_ptr(&m.0) as usize == self.manager)
+            {
                 stack.remove(pos);
             }
         });

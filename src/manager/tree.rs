@@ -103,14 +103,19 @@ impl State {
             return;
         }
         let order = self.subtree(key);
-        let mut closing = order.clone();
+        // The managers closing in this call, by identity (a lender's key alone could name a
+        // newer manager in a reused slot).
+        let mut closing: Vec<usize> = order
+            .iter()
+            .map(|&k| Arc::as_ptr(&self.managers[k].shared) as usize)
+            .collect();
         closing.sort_unstable();
         for manager in order.into_iter().rev() {
             self.close_one(ctx, manager, &closing);
         }
     }
 
-    fn close_one(&mut self, ctx: &Ctx, key: ManagerKey, closing: &[ManagerKey]) {
+    fn close_one(&mut self, ctx: &Ctx, key: ManagerKey, closing: &[usize]) {
         let cycle_of = self.managers[key].cycle_of;
         let shared = Arc::clone(&self.managers[key].shared);
         while let Some(array) = self.managers[key].arrays.head {
@@ -122,15 +127,18 @@ impl State {
                 match self.arrays[array].returns.pop() {
                     Some(Lender {
                         owner: Owner::Manager(lender),
-                        shared,
-                    }) if closing.binary_search(&lender).is_ok() => {
-                        original = shared.map(|s| (lender, s));
+                        shared: Some(shared),
+                    }) if closing
+                        .binary_search(&(Arc::as_ptr(&shared) as usize))
+                        .is_ok() =>
+                    {
+                        original = Some((lender, shared));
                     }
                     other => break other,
                 }
             };
             match back {
-                Some(lender) if self.owner_is_open(lender.owner) => {
+                Some(lender) if self.lender_is_open(&lender) => {
                     self.return_borrowed(ctx, array, lender, name);
                 }
                 Some(lender) => {
@@ -184,10 +192,13 @@ impl State {
         }
     }
 
-    fn owner_is_open(&self, owner: Owner) -> bool {
-        match owner {
-            Owner::Manager(key) => self.managers.contains_key(key),
-            Owner::Detached => true,
+    /// Whether the owner an array goes back to still exists (by identity: its key may have
+    /// been reused).
+    fn lender_is_open(&self, lender: &Lender) -> bool {
+        match (lender.owner, &lender.shared) {
+            (Owner::Manager(_), Some(shared)) => self.live_manager(shared).is_some(),
+            (Owner::Manager(_), None) => false,
+            (Owner::Detached, _) => true,
         }
     }
 }

@@ -161,15 +161,14 @@ pub(crate) fn adopt(
 /// Whether manager `m` allocates from a workspace block.
 pub(crate) fn allocates_from_workspace(m: &Manager) -> bool {
     arena::lock()
-        .managers
-        .get(m.0.key)
+        .live_manager(&m.0)
         .is_some_and(|e| e.alloc.is_some())
 }
 
 /// Closes an array created for an op that then failed.
 pub(crate) fn discard(array: &NDArray) {
     let mut state = arena::lock();
-    if state.arrays.contains_key(array.0.key) {
+    if state.live_array(&array.0).is_some() {
         state.remove_array(array.0.key, CloseReason::Discarded);
     }
 }

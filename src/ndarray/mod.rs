@@ -168,8 +168,7 @@ impl NDArray {
     pub fn is_detached(&self) -> bool {
         let state = arena::lock();
         state
-            .arrays
-            .get(self.0.key)
+            .live_array(&self.0)
             .is_some_and(|e| e.owner == Owner::Detached)
     }
 
@@ -229,7 +228,7 @@ impl NDArray {
     pub fn close(&self) -> Result<()> {
         let at: Site = Location::caller();
         let mut state = arena::lock();
-        if state.arrays.contains_key(self.0.key) {
+        if state.live_array(&self.0).is_some() {
             state.remove_array(self.0.key, CloseReason::ByUser { at });
         }
         Ok(())

@@ -478,7 +478,7 @@ impl Workspace {
     /// The workspace's figures. After [`destroy`](Self::destroy), the figures at destruction.
     pub fn stats(&self) -> WorkspaceStats {
         let state = arena::lock();
-        match state.workspaces.get(self.0.key) {
+        match state.live_workspace(&self.0) {
             Some(ws) => ws.stats(),
             None => self.0.final_stats.lock().clone().unwrap_or_default(),
         }
@@ -499,13 +499,16 @@ impl Workspace {
     #[track_caller]
     pub fn destroy(&self) -> Result<()> {
         let ctx = Ctx::new("Workspace::destroy");
-        arena::lock().destroy_workspace(&ctx, self.0.key);
+        let mut state = arena::lock();
+        if state.live_workspace(&self.0).is_some() {
+            state.destroy_workspace(&ctx, self.0.key);
+        }
         Ok(())
     }
 
     /// Whether [`destroy`](Self::destroy) ran or the owner closed.
     pub fn is_destroyed(&self) -> bool {
-        !arena::lock().workspaces.contains_key(self.0.key)
+        arena::lock().live_workspace(&self.0).is_none()
     }
 }
 
@@ -520,15 +523,22 @@ pub(crate) struct Allocation {
 }
 
 impl State {
+    /// The entry of the workspace `shared` if it exists (identity checked, as for arrays).
+    pub(crate) fn live_workspace(&self, shared: &WorkspaceShared) -> Option<&WorkspaceEntry> {
+        self.workspaces
+            .get(shared.key)
+            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
+    }
+
     fn workspace_mut(
         &mut self,
         ctx: &Ctx,
         shared: &WorkspaceShared,
     ) -> Result<&mut WorkspaceEntry> {
-        if self.workspaces.contains_key(shared.key) {
+        if self.live_workspace(shared).is_some() {
             return Ok(&mut self.workspaces[shared.key]);
         }
-        if !self.managers.contains_key(shared.owner.0.key) {
+        if self.live_manager(&shared.owner.0).is_none() {
             return Err(arena::manager_closed(&shared.owner.0, ctx));
         }
         Err(ctx.invalid(format!("workspace '{}' was destroyed", shared.name)))
