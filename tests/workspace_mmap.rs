@@ -91,3 +91,55 @@ fn mmap_to_an_unwritable_path_is_an_io_error_and_creates_nothing() {
     assert!(t.report().workspaces.is_empty());
     t.close().unwrap();
 }
+
+/// Two live workspaces on one `mmap_path` would alias each other's memory (and a shorter second
+/// mapping would truncate the file under the first, a SIGBUS): the second is refused with an
+/// error naming the path, creating nothing; once the first is gone the path is free again.
+#[test]
+fn a_path_mapped_by_a_live_workspace_is_refused() {
+    let dir = std::env::temp_dir().join(format!("ndscope-alias-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("shared.bin");
+    let conf = |size: usize| {
+        WorkspaceConfig::builder()
+            .location(LocationPolicy::Mmap)
+            .learning(LearningPolicy::None)
+            .initial_size(size)
+            .mmap_path(&path)
+            .build()
+            .unwrap()
+    };
+    let t = Manager::new_base();
+    let first = t.workspace("first", conf(1 << 20)).unwrap();
+    // The same file spelled another way is the same file.
+    let other_spelling = WorkspaceConfig::builder()
+        .location(LocationPolicy::Mmap)
+        .learning(LearningPolicy::None)
+        .initial_size(4096)
+        .mmap_path(dir.join(".").join("shared.bin"))
+        .build()
+        .unwrap();
+    for (name, c) in [("second", conf(4096)), ("third", other_spelling)] {
+        let err = t.workspace(name, c).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("shared.bin") && text.contains("'first'"),
+            "{text}"
+        );
+    }
+    assert_eq!(t.report().workspaces.len(), 1, "nothing was created");
+    // The first workspace still has its whole megabyte, with its own data.
+    let got = first
+        .cycle(|c| {
+            let a = c.full([200_000], 1.0, DType::F32)?;
+            a.sum_all()?.to_scalar::<f32>()
+        })
+        .unwrap();
+    assert_eq!(got, 200_000.0);
+    first.destroy().unwrap();
+    let again = t.workspace("again", conf(4096)).unwrap();
+    again.destroy().unwrap();
+    t.close().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

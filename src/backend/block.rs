@@ -6,13 +6,14 @@
 //! block alive.
 
 use std::alloc::Layout;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memmap2::MmapMut;
+use parking_lot::Mutex;
 
 use super::cpu::buffer::{HostBuffer, STORAGE_ALIGN};
 use super::cuda::{DeviceMemory, PinnedMemory};
@@ -39,6 +40,10 @@ enum Kind {
         base: NonNull<u8>,
         // Held for its Drop (unmapping); `base` points into it.
         _map: MmapMut,
+        // Held for its lock, released when the file closes.
+        _file: File,
+        // This process's claim on the path, given up on drop.
+        _claim: MappedFile,
         path: PathBuf,
         remove: bool,
     },
@@ -56,6 +61,51 @@ unsafe impl Send for Block {}
 unsafe impl Sync for Block {}
 
 static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
+
+/// Files mapped by live blocks of this process, with the workspace that maps each.
+static MAPPED: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
+
+/// This process's claim on a file for one block: registered in [`MAPPED`] until dropped.
+struct MappedFile(PathBuf);
+
+impl MappedFile {
+    /// Claims `path` for `workspace`, or `InvalidConfig` naming the workspace that maps it.
+    fn claim(ctx: &Ctx, path: &Path, workspace: &str) -> Result<MappedFile> {
+        let id = file_identity(path);
+        let mut mapped = MAPPED.lock();
+        if let Some((_, other)) = mapped.iter().find(|(p, _)| *p == id) {
+            return Err(ctx.config(format!(
+                "mmap_path {} of workspace '{workspace}' is already mapped by workspace '{other}' \
+                 of this process; two live workspaces cannot share one file (their memory would \
+                 alias)",
+                path.display()
+            )));
+        }
+        mapped.push((id.clone(), workspace.to_string()));
+        Ok(MappedFile(id))
+    }
+}
+
+impl Drop for MappedFile {
+    fn drop(&mut self) {
+        MAPPED.lock().retain(|(p, _)| *p != self.0);
+    }
+}
+
+/// One name for a file however it is spelled: the canonical path (of its folder, if the file
+/// does not exist yet).
+fn file_identity(path: &Path) -> PathBuf {
+    if let Ok(canonical) = std::fs::canonicalize(path) {
+        return canonical;
+    }
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent(), absolute.file_name()) {
+        (Some(dir), Some(name)) => std::fs::canonicalize(dir)
+            .map(|d| d.join(name))
+            .unwrap_or(absolute.clone()),
+        _ => absolute,
+    }
+}
 
 impl Block {
     /// A zeroed block of `capacity > 0` bytes in host RAM, reserved against the CPU's limit.
@@ -122,12 +172,18 @@ impl Block {
     }
 
     /// A block of `capacity > 0` bytes mapped from `path`, or from a new temporary file that is
-    /// removed when the block is freed.
-    pub fn mmap(ctx: &Ctx, capacity: usize, path: Option<&Path>, name: &str) -> Result<Block> {
+    /// removed when the block is freed; `workspace` names the owner in errors.
+    ///
+    /// A file is mapped by one live block at a time: a path already mapped in this process is
+    /// refused with `InvalidConfig` before anything is touched (two blocks on one file would
+    /// alias each other's memory, and a shorter second mapping would truncate the file under
+    /// the first), and an exclusive advisory lock on the file refuses a path mapped by another
+    /// process that also locks (another ndscope).
+    pub fn mmap(ctx: &Ctx, capacity: usize, path: Option<&Path>, workspace: &str) -> Result<Block> {
         let (path, remove) = match path {
             Some(p) => (p.to_path_buf(), false),
             None => {
-                let safe: String = name
+                let safe: String = workspace
                     .chars()
                     .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
                     .take(32)
@@ -140,6 +196,7 @@ impl Block {
                 (std::env::temp_dir().join(file), true)
             }
         };
+        let claim = MappedFile::claim(ctx, &path, workspace)?;
         let io = |source: std::io::Error| Error::Io {
             op: ctx.op,
             at: ctx.at,
@@ -147,17 +204,41 @@ impl Block {
             source,
         };
         memory::reserve(ctx, Device::Cpu, capacity)?;
-        let mapped = (|| {
+        let opened = (|| {
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
-                .truncate(true)
+                .truncate(false)
                 .open(&path)?;
+            Ok(file)
+        })();
+        let file = match opened {
+            Ok(file) => file,
+            Err(e) => {
+                memory::release(Device::Cpu, capacity);
+                return Err(io(e));
+            }
+        };
+        if let Err(e) = file.try_lock() {
+            memory::release(Device::Cpu, capacity);
+            return Err(match e {
+                std::fs::TryLockError::WouldBlock => ctx.config(format!(
+                    "mmap_path {} of workspace '{workspace}' is locked by another process that maps it; \
+                     two workspaces cannot share one file",
+                    path.display()
+                )),
+                std::fs::TryLockError::Error(e) => io(e),
+            });
+        }
+        let mapped = (|| {
+            // The old contents go (as a fresh block is zeroed), then the file takes its size.
+            file.set_len(0)?;
             file.set_len(capacity as u64)?;
-            // SAFETY: the file was just created or truncated by us and sized to `capacity`; we
-            // never truncate it while mapped. Other processes modifying it is outside our
-            // control, as for any mapped file.
+            // SAFETY: we hold the file's exclusive lock and this process maps it nowhere else
+            // (`claim`); it was just emptied and sized to `capacity`, and is never truncated
+            // while mapped. A process that ignores the advisory lock is outside our control, as
+            // for any mapped file.
             unsafe { MmapMut::map_mut(&file) }
         })();
         let mut map = match mapped {
@@ -181,6 +262,8 @@ impl Block {
             kind: Kind::Mmap {
                 base,
                 _map: map,
+                _file: file,
+                _claim: claim,
                 path,
                 remove,
             },
