@@ -3,21 +3,26 @@
 //!
 //! # Locks
 //!
-//! There are two kinds: the arena lock (`ARENA`, one `parking_lot::Mutex<State>`) and each
-//! array's data lock (`ArrayInner::data`, an `RwLock<Option<Storage>>`). The order is written
-//! down here and every function keeps it:
+//! There are two kinds: the arena lock (`ARENA`, one `parking_lot::Mutex<State>`, taken through
+//! [`lock`]) and each array's data lock (`ArrayInner::data`, an `RwLock<Option<Storage>>`). The
+//! order is written down here and every function keeps it:
 //!
 //! 1. **Never take the arena lock while holding a data lock.** Kernels run with data locks held
 //!    and the arena lock released, so computing never blocks ownership changes elsewhere.
-//! 2. Whoever holds the arena lock may take data locks (to close an array, or to copy it out of a
-//!    workspace): the data-lock holders it waits for never wait for the arena, so this cannot
-//!    deadlock, and an array is freed only once no kernel is reading it.
+//! 2. **Whoever holds the arena lock never waits for a data lock**: it only *tries* one. So a
+//!    kernel running on an array never stalls the threads that need the arena (any op, any
+//!    `close`, `is_open`, `report`) — only the thread that closes or moves that very array.
 //! 3. Several data locks are taken in address order ([`crate::ndarray`] does this), so two
 //!    in-place ops on crossed arrays cannot deadlock.
 //!
-//! Together these make "close an array while another thread computes on it" safe: the kernel
-//! finishes on valid memory (the closer waits for it), or, if the close came first, the kernel's
-//! thread finds `None` in the data lock and reports `ArrayClosed`.
+//! Closing an array removes it from the arena (under the arena lock) and then frees its bytes:
+//! at once if its data lock is free, else later, by the closing thread, after it has released
+//! the arena lock ([`Arena`]'s drop waits for the kernel, then frees). Moving an array out of a
+//! workspace copies its bytes the same way. Meanwhile the kernel finishes on valid memory, and a
+//! kernel that starts after the close finds `None` in the data lock and reports `ArrayClosed`.
+//! A workspace hands out no part of its block while an array closed this way still holds its
+//! bytes (it spills instead: see `WorkspaceEntry::plan`), so no new array is ever written where
+//! a kernel still reads an old one.
 
 pub(crate) mod memory;
 
@@ -66,6 +71,9 @@ pub(crate) struct ArrayInner {
     pub name: Mutex<Option<Arc<str>>>,
     /// Set, under the arena lock, when the array leaves the arena.
     pub closed: OnceLock<CloseReason>,
+    /// Moves of the bytes to new storage (copy-out of a workspace) so far: a deferred copy
+    /// checks it is still the latest.
+    pub moves: AtomicU64,
     pub data: RwLock<Option<Storage>>,
 }
 
@@ -201,11 +209,13 @@ pub(crate) struct CycleTag {
 pub(crate) enum Place {
     /// Its own allocation (including workspace spills).
     Heap,
-    /// `[offset, offset + len)` of a workspace block, allocated during `cycle`.
+    /// `[offset, offset + len)` of the workspace block with id `block`, allocated during
+    /// `cycle`.
     Block {
         cycle: CycleTag,
         offset: usize,
         len: usize,
+        block: u64,
     },
 }
 
@@ -293,14 +303,116 @@ pub(crate) struct State {
     pub system: Arc<ManagerShared>,
     /// Arrays owned by nobody.
     pub detached: ArrayList,
+    /// Work for [`Arena`]'s drop.
+    pub pending: Vec<Deferred>,
 }
 
 pub(crate) static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
 
+/// The locked arena. Dropping it unlocks, then finishes the work that had to wait for a data
+/// lock (see the module docs): freeing the bytes of arrays closed while a kernel used them, and
+/// copying arrays moved out of a workspace while a kernel used them.
+pub(crate) struct Arena {
+    guard: MutexGuard<'static, State>,
+}
+
+impl std::ops::Deref for Arena {
+    type Target = State;
+    #[inline]
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Arena {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.guard
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if self.guard.pending.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.guard.pending);
+        MutexGuard::unlocked(&mut self.guard, || {
+            for work in pending {
+                work.finish();
+            }
+        });
+    }
+}
+
 /// Locks the arena.
 #[inline]
-pub(crate) fn lock() -> MutexGuard<'static, State> {
-    ARENA.lock()
+pub(crate) fn lock() -> Arena {
+    Arena {
+        guard: ARENA.lock(),
+    }
+}
+
+/// Work that waits for an array's data lock, done after the arena lock is released.
+pub(crate) enum Deferred {
+    /// Free the bytes of a closed array (once the kernel using them is done).
+    Free(Arc<ArrayInner>),
+    /// Copy an array's bytes into `to` and switch it over, unless a later move (`moves` no
+    /// longer `seq`) superseded this one or the array was closed meanwhile.
+    Relocate {
+        inner: Arc<ArrayInner>,
+        to: Storage,
+        seq: u64,
+        ctx: Ctx,
+    },
+}
+
+impl Deferred {
+    fn finish(self) {
+        match self {
+            Deferred::Free(inner) => {
+                let storage = inner.data.write().take();
+                drop(storage);
+            }
+            Deferred::Relocate {
+                inner,
+                mut to,
+                seq,
+                ctx,
+            } => {
+                let failed = {
+                    let mut data = inner.data.write();
+                    if inner.moves.load(Ordering::Acquire) != seq {
+                        return;
+                    }
+                    let copied = match data.as_ref() {
+                        Some(old) => crate::backend::copy(&ctx, old, &mut to),
+                        None => return,
+                    };
+                    match copied {
+                        Ok(()) => {
+                            let old = data.replace(to);
+                            drop(data);
+                            drop(old);
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                };
+                if let Some(e) = failed {
+                    let mut state = lock();
+                    if state.live_array(&inner).is_some() {
+                        state.remove_array(
+                            inner.key,
+                            CloseReason::CopyFailed {
+                                error: e.to_string(),
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl State {
@@ -332,6 +444,7 @@ impl State {
             workspaces: SlotMap::with_key(),
             system,
             detached: ArrayList::default(),
+            pending: Vec::new(),
         }
     }
 
@@ -459,6 +572,7 @@ impl State {
                 created_at,
                 name: Mutex::new(None),
                 closed: OnceLock::new(),
+                moves: AtomicU64::new(0),
                 data: RwLock::new(Some(buffer)),
             }),
             owner,
@@ -469,31 +583,41 @@ impl State {
         });
         self.link(key);
         memory::array_opened(device);
-        if let Place::Block { cycle, offset, len } = place {
+        if let Place::Block { cycle, .. } = place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                ws.note_block_array(key, offset, len);
+                ws.note_block_array(key, place);
             }
         }
         Arc::clone(&self.arrays[key].inner)
     }
 
-    /// Closes an array: takes it out of the arena, records why, and frees its buffer (waiting for
-    /// any kernel still reading it, see the module docs).
+    /// Closes an array: takes it out of the arena, records why, and frees its bytes: now if no
+    /// kernel holds its data lock, else once the kernel is done, after the arena lock is released
+    /// (see the module docs).
     pub fn remove_array(&mut self, key: ArrayKey, reason: CloseReason) {
         self.unlink(key);
         let Some(entry) = self.arrays.remove(key) else {
             return;
         };
-        if let Place::Block { cycle, offset, .. } = entry.place {
+        if let Place::Block { cycle, .. } = entry.place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                ws.forget_block_array(key, offset);
+                ws.forget_block_array(key, entry.place);
             }
         }
         memory::array_closed(entry.inner.device);
         // The reason is set exactly once: the key was live until now.
         let _ = entry.inner.closed.set(reason);
-        let buffer = entry.inner.data.write().take();
-        drop(buffer);
+        self.free_storage(entry.inner);
+    }
+
+    /// Frees a removed array's bytes now if its data lock is free, else after the arena lock is
+    /// released.
+    fn free_storage(&mut self, inner: Arc<ArrayInner>) {
+        let taken = inner.data.try_write().map(|mut data| data.take());
+        match taken {
+            Some(storage) => drop(storage),
+            None => self.pending.push(Deferred::Free(inner)),
+        }
     }
 }
 
@@ -536,6 +660,7 @@ mod tests {
             created_at: ctx.at,
             name: Mutex::new(None),
             closed: OnceLock::new(),
+            moves: AtomicU64::new(0),
             data: RwLock::new(None),
         };
         assert!(state.array(&live, &ctx).is_ok());

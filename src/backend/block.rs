@@ -25,6 +25,8 @@ use crate::{Device, Error, Result};
 /// One contiguous block. Freed (and its reservation released) when the last `Arc` drops: the
 /// workspace holds one, and so does every array still living in it.
 pub(crate) struct Block {
+    /// Process-unique, so a workspace can tell its current block from one it replaced.
+    id: u64,
     capacity: usize,
     /// The device whose memory limit the block is reserved against (its arrays' device).
     device: Device,
@@ -61,6 +63,11 @@ unsafe impl Send for Block {}
 unsafe impl Sync for Block {}
 
 static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
+static NEXT_BLOCK: AtomicU64 = AtomicU64::new(0);
+
+fn next_id() -> u64 {
+    NEXT_BLOCK.fetch_add(1, Ordering::Relaxed)
+}
 
 /// Files mapped by live blocks of this process, with the workspace that maps each.
 static MAPPED: Mutex<Vec<(PathBuf, String)>> = Mutex::new(Vec::new());
@@ -120,6 +127,7 @@ impl Block {
             Some(base) => {
                 memory::driver_allocated(device);
                 Ok(Block {
+                    id: next_id(),
                     capacity,
                     device,
                     kind: Kind::Ram { base, layout },
@@ -141,6 +149,7 @@ impl Block {
             Ok(pinned) => {
                 memory::driver_allocated(device);
                 Ok(Block {
+                    id: next_id(),
                     capacity,
                     device,
                     kind: Kind::Pinned(pinned),
@@ -160,6 +169,7 @@ impl Block {
         memory::reserve(ctx, device, capacity)?;
         match DeviceMemory::alloc(ctx, ordinal, capacity) {
             Ok(memory) => Ok(Block {
+                id: next_id(),
                 capacity,
                 device,
                 kind: Kind::Device(memory),
@@ -257,6 +267,7 @@ impl Block {
         };
         memory::driver_allocated(Device::Cpu);
         Ok(Block {
+            id: next_id(),
             capacity,
             device: Device::Cpu,
             kind: Kind::Mmap {
@@ -273,6 +284,11 @@ impl Block {
     /// Bytes in the block.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The block's process-unique id.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     // Used by the CUDA backend only.

@@ -5,9 +5,12 @@
 //! bytes live in copies the bytes to where the new owner allocates (the heap, or the new owner's
 //! own workspace: ND4J's `detach`/`leverageTo`), keeping the same handle valid.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::arena::{ArrayInner, ArrayKey, CloseReason, Lender, ManagerShared, Owner, Place, State};
+use crate::arena::{
+    ArrayInner, ArrayKey, CloseReason, Deferred, Lender, ManagerShared, Owner, Place, State,
+};
 use crate::backend;
 use crate::error::Ctx;
 use crate::workspace::{Allocation, ResetPolicy};
@@ -127,9 +130,6 @@ impl State {
             }
         }
         // 4. Commit: nothing below fails.
-        for (_, allocation) in &copies {
-            self.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
-        }
         for (key, allocation) in copies {
             if self.arrays.contains_key(key) {
                 self.relocate(ctx, key, allocation);
@@ -181,24 +181,50 @@ impl State {
         }
     }
 
-    /// Copies an array's bytes into new storage and switches its handle over to it. A device
-    /// that fails the copy (a broken CUDA context) closes the array, saying so.
+    /// Moves an array's bytes to new storage (out of a workspace cycle): the bookkeeping now,
+    /// the copy now too if no kernel holds the array's data lock, else after the arena lock is
+    /// released (see `crate::arena`). Until the copy is done the old bytes stay in use, and
+    /// their workspace hands out no part of its block. A device that fails the copy (a broken
+    /// CUDA context) closes the array, saying so.
     fn relocate(&mut self, ctx: &Ctx, key: ArrayKey, allocation: Allocation) {
         let Allocation {
-            mut buffer, place, ..
+            buffer: mut to,
+            place,
         } = allocation;
         let entry = &mut self.arrays[key];
-        let copied = {
-            let mut data = entry.inner.data.write();
-            let copied = match data.as_ref() {
-                Some(old) => backend::copy(ctx, old, &mut buffer),
-                None => Ok(()),
-            };
-            if copied.is_ok() {
-                *data = Some(buffer);
+        let inner = Arc::clone(&entry.inner);
+        let old_place = std::mem::replace(&mut entry.place, place);
+        if let Place::Block { cycle, .. } = old_place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.forget_block_array(key, old_place);
             }
-            copied
+        }
+        if let Place::Block { cycle, .. } = place {
+            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
+                ws.note_block_array(key, place);
+            }
+        }
+        let seq = inner.moves.fetch_add(1, Ordering::AcqRel) + 1;
+        let Some(mut data) = inner.data.try_write() else {
+            self.pending.push(Deferred::Relocate {
+                inner: Arc::clone(&inner),
+                to,
+                seq,
+                ctx: *ctx,
+            });
+            return;
         };
+        let copied = match data.as_ref() {
+            Some(old) => backend::copy(ctx, old, &mut to),
+            None => Ok(()),
+        };
+        let old = if copied.is_ok() {
+            data.replace(to)
+        } else {
+            None
+        };
+        drop(data);
+        drop(old);
         if let Err(e) = copied {
             self.remove_array(
                 key,
@@ -206,19 +232,6 @@ impl State {
                     error: e.to_string(),
                 },
             );
-            return;
-        }
-        let entry = &mut self.arrays[key];
-        let old_place = std::mem::replace(&mut entry.place, place);
-        if let Place::Block { cycle, offset, .. } = old_place {
-            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                ws.forget_block_array(key, offset);
-            }
-        }
-        if let Place::Block { cycle, offset, len } = place {
-            if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                ws.note_block_array(key, offset, len);
-            }
         }
     }
 
@@ -235,7 +248,6 @@ impl State {
             let inner = Arc::clone(&self.arrays[key].inner);
             match self.allocate(ctx, lender.owner, &inner.shape, inner.dtype, inner.device) {
                 Ok(allocation) => {
-                    self.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
                     self.relocate(ctx, key, allocation);
                     if !self.arrays.contains_key(key) {
                         return;

@@ -112,7 +112,6 @@ pub(crate) fn new_array(
         });
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
-    state.evict(&allocation.evict, &allocation.evicted_by, ctx.at);
     let dirty = allocation.buffer.may_be_stale();
     let inner = state.insert_array(
         shape,

@@ -36,7 +36,8 @@ pub use config::{
 };
 
 use crate::arena::{
-    self, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State, WorkspaceKey,
+    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State,
+    WorkspaceKey,
 };
 use crate::backend::{Block, Storage};
 use crate::error::{Ctx, Site};
@@ -155,6 +156,7 @@ pub(crate) struct Checkpoint {
     cycle_bytes: usize,
     spilled_bytes: usize,
     spilled_count: u64,
+    block_live: usize,
 }
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
@@ -185,6 +187,11 @@ pub(crate) struct WorkspaceEntry {
     /// Circular workspaces only: open arrays whose bytes are in the block, by offset, so a wrap
     /// can close the ones it overwrites.
     block_arrays: BTreeMap<usize, (ArrayKey, usize)>,
+    /// Storage carved from the current block for arrays that are open (or being created or
+    /// moved in). Every such storage holds a reference to the block, so more references than
+    /// `1 + block_live` mean a closed array's bytes are still in use by a kernel (their free
+    /// waits for it): then no part of the block may be handed out.
+    block_live: usize,
 }
 
 impl WorkspaceEntry {
@@ -223,6 +230,13 @@ impl WorkspaceEntry {
         let Some(block) = &self.block else {
             return Ok(Slot::Spill);
         };
+        // An array closed while a kernel used it still holds its bytes (its free waits for the
+        // kernel): the block is handed out again only once they are freed. Until then
+        // allocations spill, whatever the policy: this is a moment of a race between threads,
+        // not a cycle that outgrew the block.
+        if Arc::strong_count(block) > 1 + self.block_live {
+            return Ok(Slot::Spill);
+        }
         let capacity = block.capacity();
         let fits = |start: usize, end_limit: usize| {
             start
@@ -294,15 +308,23 @@ impl WorkspaceEntry {
             cycle_bytes: self.cycle_bytes,
             spilled_bytes: self.spilled_bytes,
             spilled_count: self.spilled_count,
+            block_live: self.block_live,
         }
     }
 
+    /// Undoes the allocations made since `c` (their storage is dropped by the caller).
     pub fn restore(&mut self, c: Checkpoint) {
         self.offset = c.offset;
         self.wrapped = c.wrapped;
         self.cycle_bytes = c.cycle_bytes;
         self.spilled_bytes = c.spilled_bytes;
         self.spilled_count = c.spilled_count;
+        self.block_live = c.block_live;
+    }
+
+    /// Whether `place` is in the current block.
+    fn in_current_block(&self, place: Place) -> bool {
+        matches!((place, &self.block), (Place::Block { block, .. }, Some(current)) if block == current.id())
     }
 
     /// The open arrays whose bytes overlap `[offset, offset + len)` (circular workspaces).
@@ -323,13 +345,25 @@ impl WorkspaceEntry {
         hits
     }
 
-    pub fn note_block_array(&mut self, key: ArrayKey, offset: usize, len: usize) {
-        if self.config().reset() == ResetPolicy::EndOfBuffer {
-            self.block_arrays.insert(offset, (key, len));
+    /// Records the array `key` placed at `place` of this workspace's block (circular
+    /// workspaces track where their arrays lie).
+    pub fn note_block_array(&mut self, key: ArrayKey, place: Place) {
+        if let Place::Block { offset, len, .. } = place {
+            if self.config().reset() == ResetPolicy::EndOfBuffer && self.in_current_block(place) {
+                self.block_arrays.insert(offset, (key, len));
+            }
         }
     }
 
-    pub fn forget_block_array(&mut self, key: ArrayKey, offset: usize) {
+    /// Forgets the array `key` that was at `place` (closed, or moved out).
+    pub fn forget_block_array(&mut self, key: ArrayKey, place: Place) {
+        let Place::Block { offset, .. } = place else {
+            return;
+        };
+        if !self.in_current_block(place) {
+            return;
+        }
+        self.block_live = self.block_live.saturating_sub(1);
         if let Some(&(k, _)) = self.block_arrays.get(&offset) {
             if k == key {
                 self.block_arrays.remove(&offset);
@@ -357,6 +391,7 @@ impl WorkspaceEntry {
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
         // new block starts empty.
         self.block_arrays.clear();
+        self.block_live = 0;
         self.offset = 0;
         self.cycle_start = 0;
         self.wrapped = false;
@@ -512,14 +547,10 @@ impl Workspace {
     }
 }
 
-/// Storage for a new array: where it lives, and the circular-workspace arrays it overwrites
-/// (to be closed before anything is written).
+/// Storage for a new array, and where it lives.
 pub(crate) struct Allocation {
     pub buffer: Storage,
     pub place: Place,
-    pub evict: Vec<ArrayKey>,
-    /// The workspace to name in the eviction reason.
-    pub evicted_by: Option<Arc<str>>,
 }
 
 impl State {
@@ -609,6 +640,7 @@ impl State {
             spilled_count: 0,
             reallocations: 0,
             block_arrays: BTreeMap::new(),
+            block_live: 0,
         };
         // ND4J allocates `initial_size` at creation whatever the learning policy.
         let initial = entry.config().initial_size();
@@ -719,8 +751,6 @@ impl State {
             Ok(Allocation {
                 buffer: Storage::alloc(ctx, device, bytes)?,
                 place: Place::Heap,
-                evict: Vec::new(),
-                evicted_by: None,
             })
         };
         let cycle = match owner {
@@ -730,36 +760,49 @@ impl State {
         let Some(cycle) = cycle else {
             return heap(ctx);
         };
-        let Some(ws) = self.workspaces.get_mut(cycle.ws) else {
+        let Some(ws) = self.workspaces.get(cycle.ws) else {
             return heap(ctx);
         };
         if ws.open != Some(cycle) || ws.device != device || bytes == 0 {
             return heap(ctx);
         }
         let aligned = align_up(bytes).ok_or_else(|| ctx.invalid("allocation size overflows"))?;
-        match ws.plan(ctx, aligned)? {
+        let mut slot = ws.plan(ctx, aligned)?;
+        if let Slot::Block { offset, .. } = slot {
+            // A circular workspace reuses the bytes of arrays kept from earlier cycles: they are
+            // closed now ("overwritten"). One that a kernel is using right now cannot be, so the
+            // allocation spills instead. (If this allocation belongs to a move that is then
+            // refused, they stay closed: they were only kept until the buffer came round.)
+            let evict = ws.overlapping(offset, aligned);
+            let name = Arc::clone(&ws.shared.name);
+            if !self.evict(&evict, &name, ctx.at) {
+                slot = Slot::Spill;
+            }
+        }
+        let ws = &mut self.workspaces[cycle.ws];
+        match slot {
             Slot::Block { offset, wrap } => {
                 let block = ws
                     .block
                     .as_ref()
                     .map(Arc::clone)
                     .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
-                let evict = ws.overlapping(offset, aligned);
                 // SAFETY: `plan` placed `[offset, offset + aligned)` clear of the open cycle's
-                // arrays; the older arrays there (`evict`) are closed before anything is written,
-                // so the range belongs to this array alone.
+                // arrays; the older arrays there were closed just now, with their bytes freed
+                // (`evict` refused arrays in use), and no closed array's bytes are still held
+                // (`plan` checks), so the range belongs to this array alone.
                 let buffer = unsafe { block.carve(offset, bytes) }
                     .ok_or_else(|| ctx.invalid("workspace slot outside its block"))?;
                 ws.commit(Slot::Block { offset, wrap }, aligned);
+                ws.block_live += 1;
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {
                         cycle,
                         offset,
                         len: aligned,
+                        block: block.id(),
                     },
-                    evict,
-                    evicted_by: Some(Arc::clone(&ws.shared.name)),
                 })
             }
             slot @ (Slot::Spill | Slot::Bypass) => {
@@ -772,22 +815,34 @@ impl State {
         }
     }
 
-    /// Closes the arrays an allocation overwrites.
-    pub(crate) fn evict(&mut self, keys: &[ArrayKey], workspace: &Option<Arc<str>>, at: Site) {
-        let Some(workspace) = workspace else {
-            return;
-        };
-        for &key in keys {
-            if self.arrays.contains_key(key) {
-                self.remove_array(
-                    key,
-                    CloseReason::Overwritten {
-                        workspace: Arc::clone(workspace),
-                        at,
-                    },
-                );
+    /// Closes the arrays `keys` that an allocation of circular workspace `workspace` overwrites,
+    /// freeing their bytes now. If a kernel holds the data lock of any of them, closes none and
+    /// returns `false`.
+    fn evict(&mut self, keys: &[ArrayKey], workspace: &Arc<str>, at: Site) -> bool {
+        let inners: Vec<Arc<ArrayInner>> = keys
+            .iter()
+            .filter_map(|&k| self.arrays.get(k).map(|e| Arc::clone(&e.inner)))
+            .collect();
+        let mut guards = Vec::with_capacity(inners.len());
+        for inner in &inners {
+            match inner.data.try_write() {
+                Some(guard) => guards.push(guard),
+                None => return false,
             }
         }
+        let reason = CloseReason::Overwritten {
+            workspace: Arc::clone(workspace),
+            at,
+        };
+        for (inner, mut guard) in inners.iter().zip(guards) {
+            // Closed (with its reason) before its bytes go, so a reader that comes next sees why.
+            let _ = inner.closed.set(reason.clone());
+            let storage = guard.take();
+            drop(guard);
+            drop(storage);
+            self.remove_array(inner.key, reason.clone());
+        }
+        true
     }
 
     /// The stats of the workspaces owned by `manager`, with their names.
