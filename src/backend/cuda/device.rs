@@ -389,9 +389,11 @@ unsafe impl Send for Staging {}
 impl Staging {
     fn new(ctx: &Arc<CudaContext>, ordinal: usize) -> std::result::Result<Staging, String> {
         let fail = |what: &str, e: DriverError| format!("{what} failed: {}", describe(e));
+        ctx.bind_to_thread()
+            .map_err(|e| fail("binding the context", e))?;
         let mut bufs = [std::ptr::null_mut(); 2];
         for buf in &mut bufs {
-            // SAFETY: the context is current (set by `new_event` below and by the caller).
+            // SAFETY: the context is current (bound above).
             let ptr = unsafe {
                 result::malloc_host(STAGING, sys::CU_MEMHOSTALLOC_PORTABLE)
                     .map_err(|e| fail("allocating page-locked staging memory", e))?

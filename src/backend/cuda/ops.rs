@@ -145,21 +145,26 @@ fn size(dims: &[usize]) -> usize {
 
 /// How the elementwise kernels address operands `a` (strides `sa`) and `b` (`sb`) of an output
 /// of `out` dims: the fast modes when an operand is whole or one element, else merged strides.
+/// With `broadcasting`, an operand as long as the output has the output's layout (true of
+/// NumPy broadcasting, not of a permutation).
 fn addressing(
     ctx: &Ctx,
     out: &[usize],
     (a_len, sa): (usize, Vec<usize>),
     (b_len, sb): (usize, Vec<usize>),
+    broadcasting: bool,
 ) -> Result<(i32, Strided)> {
     let n = size(out);
-    if a_len == n && b_len == n {
-        return Ok((MODE_SAME, Strided::none()));
-    }
-    if b_len == 1 && a_len == n {
-        return Ok((MODE_B_ONE, Strided::none()));
-    }
-    if a_len == 1 && b_len == n {
-        return Ok((MODE_A_ONE, Strided::none()));
+    if broadcasting {
+        if a_len == n && b_len == n {
+            return Ok((MODE_SAME, Strided::none()));
+        }
+        if b_len == 1 && a_len == n {
+            return Ok((MODE_B_ONE, Strided::none()));
+        }
+        if a_len == 1 && b_len == n {
+            return Ok((MODE_A_ONE, Strided::none()));
+        }
     }
     let (dims, strides) = merge_dims(out, &[sa, sb]);
     if dims.len() > MAX_RANK {
@@ -192,6 +197,7 @@ fn broadcast(ctx: &Ctx, a: &[usize], b: &[usize], out: &[usize]) -> Result<(i32,
         out,
         (size(a), broadcast_strides(a, out)),
         (size(b), broadcast_strides(b, out)),
+        true,
     )
 }
 
@@ -202,6 +208,7 @@ fn inplace_source(ctx: &Ctx, x: &[usize], b: &[usize]) -> Result<(i32, Strided)>
         x,
         (size(x), contiguous_strides(x)),
         (size(b), broadcast_strides(b, x)),
+        true,
     )
 }
 
@@ -352,9 +359,21 @@ pub(crate) fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Res
         device_to_host(ctx, from, src.ptr(), &mut host, false)?;
         return host_to_device(ctx, to, &host, dst.ptr(), false);
     }
-    from.bind(ctx)?;
-    // SAFETY: both ranges are `bytes` of device memory of this context, held by locked storage.
-    unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr(), src.ptr(), bytes, from.cu_stream()) }
+    copy_bytes(ctx, from, src.ptr(), dst.ptr(), bytes)
+}
+
+/// Copies `bytes` bytes between two device addresses of `gpu`, in stream order.
+fn copy_bytes(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    src: CUdeviceptr,
+    dst: CUdeviceptr,
+    bytes: usize,
+) -> Result<()> {
+    gpu.bind(ctx)?;
+    // SAFETY: both ranges are `bytes` of device memory of this context, held by locked storage
+    // (callers pass their arrays' addresses and sizes).
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, gpu.cu_stream()) }
         .result()
         .map_err(|e| driver_error(ctx, "cuMemcpyDtoDAsync", e))
 }
@@ -791,8 +810,14 @@ fn gather(
     if n == 0 {
         return Ok(());
     }
+    // The length shortcut of `addressing` assumes an operand as long as the output is laid out
+    // like it, which holds for broadcasting but not for a permutation: a gather is a plain copy
+    // only when the source strides are the destination's own.
+    if src_strides == contiguous_strides(dst_dims) {
+        return copy_bytes(ctx, gpu, src, dst, n as usize * elem);
+    }
     let unused = vec![0; dst_dims.len()];
-    let (mode, strided) = addressing(ctx, dst_dims, (src_len, src_strides), (1, unused))?;
+    let (mode, strided) = addressing(ctx, dst_dims, (src_len, src_strides), (1, unused), false)?;
     let f = gpu.kernels.sized(ctx, "gather", elem)?;
     // SAFETY: gather_b<N>(const T* src, T* dst, u64 n, int mode, Strided s); locked storage of
     // `gpu`, the source addressed within its size.
