@@ -144,6 +144,17 @@ pub(crate) fn release(device: Device, bytes: usize) {
 
 /// The error for a refusal by the system allocator itself (no limit involved).
 pub(crate) fn system_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
+    refused(ctx, device, bytes, LimitSource::None)
+}
+
+/// The error for a refusal by the CUDA driver (device memory exhausted).
+// Used by the CUDA backend only.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn driver_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
+    refused(ctx, device, bytes, LimitSource::Driver)
+}
+
+fn refused(ctx: &Ctx, device: Device, bytes: usize, limit_source: LimitSource) -> Error {
     let c = counters(device);
     Error::OutOfMemory {
         op: ctx.op,
@@ -152,7 +163,7 @@ pub(crate) fn system_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
         requested: bytes,
         in_use: c.map_or(0, |c| c.in_use.load(Ordering::Relaxed)),
         limit: c.and_then(|c| c.limit()),
-        limit_source: LimitSource::None,
+        limit_source,
     }
 }
 
@@ -160,22 +171,6 @@ pub(crate) fn system_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
 pub(crate) fn driver_allocated(device: Device) {
     if let Some(c) = counters(device) {
         c.driver_allocations.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-// Used by the CUDA backend only.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-/// The error for a refusal by the CUDA driver (device memory exhausted).
-pub(crate) fn driver_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
-    let c = counters(device);
-    Error::OutOfMemory {
-        op: ctx.op,
-        at: ctx.at,
-        device,
-        requested: bytes,
-        in_use: c.map_or(0, |c| c.in_use.load(Ordering::Relaxed)),
-        limit: c.and_then(|c| c.limit()),
-        limit_source: LimitSource::Driver,
     }
 }
 

@@ -515,6 +515,45 @@ pub(crate) fn rand(
 
 // ---- binary / compare / unary ----
 
+/// Launches an elementwise kernel `(const A* a, const B* b, O* out, u64 n, int mode, Strided s)`
+/// over `out_dims`, with `a` and `b` broadcast to it.
+fn launch_broadcast(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    f: Function,
+    (a, a_dims): Src<'_>,
+    (b, b_dims): Src<'_>,
+    (out, out_dims): Dst<'_>,
+) -> Result<()> {
+    let n = size(out_dims) as u64;
+    let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+    // SAFETY: the kernels launched here (the binary ops and comparisons) take exactly these
+    // parameters; the three buffers are locked storage of `gpu`, addressed within their sizes
+    // by `mode` and `s`.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode, s = strided)
+    }
+}
+
+/// Launches an elementwise kernel `(const A* a, O* out, u64 n, P extra)` over `n` elements.
+fn launch_map<P: Copy>(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    f: Function,
+    (a, out): (&DeviceBuffer, &mut DeviceBuffer),
+    n: u64,
+    extra: P,
+) -> Result<()> {
+    // SAFETY: the kernels launched here (the scalar ops, scalar comparisons and `pow`) take
+    // exactly these parameters, `P` being their last one's type (`T` as a `Scalar`, or f64);
+    // both buffers are locked storage of `gpu` holding `n` elements.
+    unsafe {
+        launch!(ctx, gpu, f, linear(gpu, n);
+            pa = a.ptr(), po = out.ptr(), count = n, e = extra)
+    }
+}
+
 fn binary_name(op: Binary) -> (&'static str, &'static str, &'static str) {
     match op {
         Binary::Add => ("add", "add_scalar", "add_inplace"),
@@ -563,14 +602,8 @@ pub(crate) fn binary(
     {
         return Err(on_zero());
     }
-    let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
     let f = gpu.kernels.one(ctx, binary_name(op).0, dtype)?;
-    // SAFETY: <op>_<T>(const T* a, const T* b, T* out, u64 n, int mode, Strided s); the three
-    // are locked storage of `gpu`, addressed within their sizes by `mode`/`s`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n);
-            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode, s = strided)
-    }
+    launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
 }
 
 pub(crate) fn binary_scalar(
@@ -587,11 +620,7 @@ pub(crate) fn binary_scalar(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, binary_name(op).1, dtype)?;
-    // SAFETY: <op>_scalar_<T>(const T* a, T* out, u64 n, T v); locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n);
-            pa = a.ptr(), po = out.ptr(), count = n, v = scalar(dtype, value))
-    }
+    launch_map(ctx, gpu, f, (a, out), n, scalar(dtype, value))
 }
 
 fn compare_name(op: Compare) -> (&'static str, &'static str) {
@@ -615,14 +644,8 @@ pub(crate) fn compare(
     if n == 0 {
         return Ok(());
     }
-    let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
     let f = gpu.kernels.one(ctx, compare_name(op).0, dtype)?;
-    // SAFETY: <op>_<T>(const T* a, const T* b, u8* out, u64 n, int mode, Strided s); locked
-    // storage of `gpu`, addressed within their sizes.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n);
-            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode, s = strided)
-    }
+    launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
 }
 
 pub(crate) fn compare_scalar(
@@ -639,10 +662,7 @@ pub(crate) fn compare_scalar(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, compare_name(op).1, dtype)?;
-    // SAFETY: <op>_scalar_<T>(const T* a, u8* out, u64 n, f64 value); locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n, v = value)
-    }
+    launch_map(ctx, gpu, f, (a, out), n, value)
 }
 
 fn unary_name(op: Unary) -> &'static str {
@@ -689,10 +709,7 @@ pub(crate) fn pow_scalar(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, "pow", dtype)?;
-    // SAFETY: pow_<T>(const T* a, T* out, u64 n, f64 e); locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n, e = exponent)
-    }
+    launch_map(ctx, gpu, f, (a, out), n, exponent)
 }
 
 // ---- in place ----
