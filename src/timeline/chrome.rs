@@ -214,7 +214,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
         Name { name: &process },
     ))?;
 
-    let mut replay = rec.base.clone();
+    let mut replay = rec.base.with_totals();
     // Counter track names, made once.
     let mut device_tracks: BTreeMap<Device, String> = BTreeMap::new();
     let mut top_tracks: HashMap<u64, String> = HashMap::new();
@@ -232,13 +232,12 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
     };
 
     // The starting values.
-    let starting: Vec<(Device, i64)> = replay.device_bytes.iter().map(|(d, b)| (*d, *b)).collect();
-    for (device, bytes) in starting {
+    let starting = replay.totals.clone().unwrap_or_default();
+    for (device, bytes) in starting.device {
         let name = device_track(&mut device_tracks, device);
         out.emit(&Event::new(&name, "C", 0, pid, Counter { bytes }))?;
     }
-    let starting: Vec<(u64, i64)> = replay.top_bytes.iter().map(|(t, b)| (*t, *b)).collect();
-    for (top, bytes) in starting {
+    for (top, bytes) in starting.top {
         let name = top_track(&mut top_tracks, &replay, top);
         out.emit(&Event::new(&name, "C", 0, pid, Counter { bytes }))?;
     }
@@ -250,13 +249,17 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
         threads.push(e.thread);
         let mut closed = None;
         let changes = replay.apply_with(e, &mut closed);
+        let totals = replay.totals.as_ref();
         if let Some(device) = changes.device {
-            let bytes = replay.device_bytes.get(&device).copied().unwrap_or(0);
+            let bytes = totals
+                .and_then(|t| t.device.get(&device))
+                .copied()
+                .unwrap_or(0);
             let name = device_track(&mut device_tracks, device);
             out.emit(&Event::new(&name, "C", e.time_ns, pid, Counter { bytes }))?;
         }
         for top in changes.tops.into_iter().flatten() {
-            let bytes = replay.top_bytes.get(&top).copied().unwrap_or(0);
+            let bytes = totals.and_then(|t| t.top.get(&top)).copied().unwrap_or(0);
             let name = top_track(&mut top_tracks, &replay, top);
             out.emit(&Event::new(&name, "C", e.time_ns, pid, Counter { bytes }))?;
         }
@@ -288,7 +291,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 let name = format!("spill {} ({workspace})", Bytes(e.bytes));
                 let args = InstantArgs {
                     bytes: e.bytes,
-                    device: e.device.to_string(),
+                    device: e.device().to_string(),
                     manager: manager_name(),
                     workspace: Some(workspace),
                     at: Some(site.to_string()),
@@ -305,7 +308,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 );
                 let args = InstantArgs {
                     bytes: e.bytes,
-                    device: e.device.to_string(),
+                    device: e.device().to_string(),
                     manager,
                     workspace: None,
                     at: Some(site.to_string()),
@@ -320,7 +323,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 in_use,
                 limit,
             } => {
-                let name = format!("out of memory: {} on {}", Bytes(e.bytes), e.device);
+                let name = format!("out of memory: {} on {}", Bytes(e.bytes), e.device());
                 let detail = format!(
                     "{} in use, limit {}",
                     Bytes(*in_use),
@@ -328,7 +331,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 );
                 let args = InstantArgs {
                     bytes: e.bytes,
-                    device: e.device.to_string(),
+                    device: e.device().to_string(),
                     manager: None,
                     workspace: None,
                     at: Some(site.to_string()),
@@ -343,7 +346,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 let name = format!("workspace '{workspace}' block: {}", Bytes(e.bytes));
                 let args = InstantArgs {
                     bytes: e.bytes,
-                    device: e.device.to_string(),
+                    device: e.device().to_string(),
                     manager: manager_name(),
                     workspace: Some(workspace),
                     at: None,
@@ -356,7 +359,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 let name = format!("block freed: {}", Bytes(e.bytes));
                 let args = InstantArgs {
                     bytes: e.bytes,
-                    device: e.device.to_string(),
+                    device: e.device().to_string(),
                     manager: None,
                     workspace: None,
                     at: None,
@@ -380,11 +383,12 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
             slices.push(slice_of(open, end, f, true));
         }
     }
-    for (device, bytes) in &replay.device_bytes {
+    let totals = replay.totals.clone().unwrap_or_default();
+    for (device, bytes) in &totals.device {
         let name = device_track(&mut device_tracks, *device);
         out.emit(&Event::new(&name, "C", end, pid, Counter { bytes: *bytes }))?;
     }
-    for (top, bytes) in &replay.top_bytes {
+    for (top, bytes) in &totals.top {
         if *top == NO_MANAGER && *bytes == 0 && !top_tracks.contains_key(top) {
             continue;
         }

@@ -166,13 +166,8 @@ pub(crate) enum Data {
         site: Site,
         slot: Option<Slot>,
     },
-    Relocate {
-        array: u64,
-        site: Site,
-        address: u64,
-        from: Option<Slot>,
-        to: Option<Slot>,
-    },
+    /// Boxed: moves are rare, and every event is as large as the largest kind.
+    Relocate(Box<Relocation>),
     Attach {
         array: u64,
         site: Site,
@@ -217,6 +212,24 @@ pub(crate) enum Data {
     },
 }
 
+/// A copy of an array to new storage.
+#[derive(Clone)]
+pub(crate) struct Relocation {
+    pub array: u64,
+    pub site: Site,
+    pub address: u64,
+    pub from: Option<Slot>,
+    pub to: Option<Slot>,
+}
+
+/// A device in 4 bytes: 0 for the CPU, `i + 1` for `cuda:i`.
+fn device_code(device: Device) -> u32 {
+    match device {
+        Device::Cpu => 0,
+        Device::Cuda(ordinal) => u32::try_from(ordinal).map_or(u32::MAX, |o| o.saturating_add(1)),
+    }
+}
+
 /// No manager (a detached array).
 pub(crate) const NO_MANAGER: u64 = u64::MAX;
 
@@ -225,7 +238,7 @@ pub(crate) const NO_MANAGER: u64 = u64::MAX;
 pub struct MemoryEvent {
     time_ns: u64,
     thread: u32,
-    device: Device,
+    device: u32,
     manager: u64,
     bytes: usize,
     data: Data,
@@ -247,7 +260,7 @@ impl MemoryEvent {
         match self.data {
             Data::Alloc { .. } => EventKind::Alloc,
             Data::Free { .. } => EventKind::Free,
-            Data::Relocate { .. } => EventKind::Relocate,
+            Data::Relocate(_) => EventKind::Relocate,
             Data::Attach { .. } => EventKind::Attach,
             Data::ManagerOpen { .. } => EventKind::ManagerOpen,
             Data::ManagerClose => EventKind::ManagerClose,
@@ -263,7 +276,10 @@ impl MemoryEvent {
 
     /// The device whose memory it concerns.
     pub fn device(&self) -> Device {
-        self.device
+        match self.device {
+            0 => Device::Cpu,
+            code => Device::Cuda(code as usize - 1),
+        }
     }
 
     /// The manager involved: the array's owner (after the event, for `Attach`), the manager
@@ -277,9 +293,8 @@ impl MemoryEvent {
     pub fn array(&self) -> Option<ArrayId> {
         match &self.data {
             Data::Alloc { array, .. } => Some(ArrayId(array.id)),
-            Data::Free { array, .. }
-            | Data::Relocate { array, .. }
-            | Data::Attach { array, .. } => Some(ArrayId(*array)),
+            Data::Free { array, .. } | Data::Attach { array, .. } => Some(ArrayId(*array)),
+            Data::Relocate(r) => Some(ArrayId(r.array)),
             _ => None,
         }
     }
@@ -295,9 +310,8 @@ impl MemoryEvent {
     /// array.
     pub fn address(&self) -> Option<u64> {
         match &self.data {
-            Data::Alloc { address, .. }
-            | Data::Relocate { address, .. }
-            | Data::BlockAlloc { address, .. } => Some(*address),
+            Data::Alloc { address, .. } | Data::BlockAlloc { address, .. } => Some(*address),
+            Data::Relocate(r) => Some(r.address),
             _ => None,
         }
     }
@@ -306,8 +320,8 @@ impl MemoryEvent {
     pub fn site(&self) -> Option<Site> {
         match &self.data {
             Data::Alloc { array, .. } => Some(array.created_at),
+            Data::Relocate(r) => Some(r.site),
             Data::Free { site, .. }
-            | Data::Relocate { site, .. }
             | Data::Attach { site, .. }
             | Data::Spill { site, .. }
             | Data::Capped { site, .. }
@@ -339,7 +353,7 @@ impl MemoryEvent {
     pub fn in_workspace(&self) -> bool {
         match &self.data {
             Data::Alloc { slot, .. } | Data::Free { slot, .. } => slot.is_some(),
-            Data::Relocate { to, .. } => to.is_some(),
+            Data::Relocate(r) => r.to.is_some(),
             _ => false,
         }
     }
@@ -351,7 +365,7 @@ impl fmt::Debug for MemoryEvent {
         d.field("time", &self.time())
             .field("thread", &self.thread)
             .field("kind", &self.kind())
-            .field("device", &self.device)
+            .field("device", &self.device())
             .field("manager", &self.manager())
             .field("bytes", &self.bytes);
         if let Some(array) = self.array() {
@@ -385,7 +399,7 @@ impl Recorder {
     fn push(&mut self, event: MemoryEvent) {
         if self.events.len() >= self.max_entries {
             if let Some(old) = self.events.pop_front() {
-                self.base.apply(&old);
+                self.base.fold(old);
             }
             self.dropped += 1;
             if self.dropped == 1 {
@@ -459,7 +473,7 @@ fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     recorder.push(MemoryEvent {
         time_ns,
         thread,
-        device,
+        device: device_code(device),
         manager,
         bytes,
         data,
@@ -545,13 +559,13 @@ pub(crate) fn array_relocated(state: &State, key: ArrayKey, from: Place, address
         return;
     };
     let inner = &entry.inner;
-    let data = Data::Relocate {
+    let data = Data::Relocate(Box::new(Relocation {
         array: inner.id,
         site: inner.created_at,
         address,
         from: Slot::of(from),
         to: Slot::of(entry.place),
-    };
+    }));
     record(
         inner.device,
         manager_id(state, entry.owner),
@@ -722,7 +736,9 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
         started: Instant::now(),
         started_wall: SystemTime::now(),
         max_entries: options.max_entries,
-        events: VecDeque::with_capacity(options.max_entries.min(1 << 16)),
+        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
+        // touched as events arrive.
+        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
         dropped: 0,
         base: Replay::baseline(&state, thread),
         thread,
@@ -787,7 +803,9 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
         started: Instant::now(),
         started_wall: SystemTime::now(),
         max_entries: options.max_entries,
-        events: VecDeque::with_capacity(options.max_entries.min(1 << 16)),
+        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
+        // touched as events arrive.
+        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
         dropped: 0,
         base: Replay::with_system(system, thread),
         thread,

@@ -1,21 +1,24 @@
 //! The memory state a sequence of events leads to: live arrays with their addresses, workspace
-//! blocks, open managers, and bytes in use per device and per top-level manager. The recorder
-//! keeps one as the state before its oldest event (applying each event it drops), and the
-//! exports replay the kept events on a copy of it.
+//! blocks and open managers. The recorder keeps one as the state before its oldest event,
+//! folding in each event it drops; the exports replay the kept events on a copy of it, which
+//! also tracks bytes in use per device and per top-level manager ([`Totals`]).
+//!
+//! Folding a dropped event is on the recorder's hot path once its buffer is full, so it touches
+//! one map entry per array event and keeps no running totals: those are summed from the live
+//! arrays and blocks when an export starts.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{Data, MemoryEvent, Slot, NO_MANAGER};
-use crate::arena::{memory, ArrayInner, ManagerShared, State};
+use crate::arena::{memory, ArrayInner, ManagerShared, Owner, State};
 use crate::backend::Storage;
 use crate::error::Site;
 use crate::Device;
 
 /// Hashes the process-unique ids (arrays, managers, blocks) the maps are keyed by: a multiply
-/// spreads consecutive ids, and costs a few cycles where SipHash costs tens. The recorder
-/// applies every event it drops to these maps, so this is on its hot path once it is full.
+/// spreads consecutive ids, and costs a few cycles where SipHash costs tens.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct IdHasher(u64);
 
@@ -41,18 +44,29 @@ pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 /// An open array.
 #[derive(Clone)]
 pub(crate) struct LiveArray {
-    /// The array's metadata (shape, dtype, name), when known.
-    pub inner: Option<Arc<ArrayInner>>,
-    pub bytes: usize,
-    pub device: Device,
-    pub site: Site,
+    /// The array's metadata (shape, dtype, name).
+    pub inner: Arc<ArrayInner>,
     /// Address of its first byte; `None` when it could not be read.
     pub address: Option<u64>,
     pub slot: Option<Slot>,
-    /// The manager that allocated it (for the snapshot's category).
+    /// Its owner now (`NO_MANAGER` when detached): always an open manager.
+    pub owner: u64,
+    /// The manager it was created in (for the snapshot's category).
     pub allocated_by: u64,
-    /// Its current owner's top-level manager (for the counter tracks).
-    pub top: u64,
+}
+
+impl LiveArray {
+    pub fn bytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+
+    pub fn site(&self) -> Site {
+        self.inner.created_at
+    }
 }
 
 /// A live workspace block.
@@ -62,6 +76,7 @@ pub(crate) struct LiveBlock {
     pub capacity: usize,
     pub device: Device,
     pub workspace: Option<Arc<str>>,
+    /// The top-level manager of the workspace's owner when it was allocated.
     pub top: u64,
 }
 
@@ -83,19 +98,29 @@ pub(crate) struct Changes {
     pub tops: [Option<u64>; 2],
 }
 
+/// Bytes in use per device and per top-level manager, kept by the exports' replays.
+#[derive(Clone, Default)]
+pub(crate) struct Totals {
+    /// Per device: what was in use when recording started (arrays, blocks and anything else
+    /// ndscope reserved), plus what arrays with their own buffer and blocks added since.
+    pub device: BTreeMap<Device, i64>,
+    /// Per top-level manager: its arrays with their own buffer (by their owner) and its
+    /// workspaces' blocks. `NO_MANAGER` collects detached arrays.
+    pub top: BTreeMap<u64, i64>,
+}
+
 #[derive(Clone, Default)]
 pub(crate) struct Replay {
     pub arrays: IdMap<LiveArray>,
     pub blocks: IdMap<LiveBlock>,
     pub managers: IdMap<OpenManager>,
-    /// Bytes in use per device: what was in use when recording started, plus what the events
-    /// since allocated and freed (arrays with their own buffer, and blocks).
-    pub device_bytes: BTreeMap<Device, i64>,
-    /// The same bytes per top-level manager (arrays by their owner's, blocks by their
-    /// workspace owner's). `NO_MANAGER` collects detached arrays.
-    pub top_bytes: BTreeMap<u64, i64>,
     /// The top-level managers seen, for their names.
     pub tops: IdMap<Arc<ManagerShared>>,
+    /// Per device, bytes in use when recording started that no array or block accounts for
+    /// (page-locked staging, a `Vec`'s spare capacity adopted by `from_vec`).
+    pub device_extra: BTreeMap<Device, i64>,
+    /// Kept only by the exports' copies (see [`with_totals`](Self::with_totals)).
+    pub totals: Option<Totals>,
 }
 
 /// The manager itself if it is the system manager or one of its children, else the child of
@@ -126,11 +151,9 @@ impl Replay {
                 }
             }
         }
-        let mut devices = vec![Device::Cpu];
         for (_, ws) in state.workspaces.iter() {
             if let Some(block) = &ws.block {
-                let owner = ws.shared.owner.0.id;
-                let top = r.top(owner);
+                let top = r.top(ws.shared.owner.0.id);
                 r.blocks.insert(
                     block.id(),
                     LiveBlock {
@@ -141,8 +164,6 @@ impl Replay {
                         top,
                     },
                 );
-                *r.top_bytes.entry(top).or_default() += block.capacity() as i64;
-                devices.push(block.memory_device());
             }
         }
         for (_, entry) in state.arrays.iter() {
@@ -153,16 +174,14 @@ impl Replay {
                 .data
                 .try_read()
                 .and_then(|data| data.as_ref().map(Storage::address));
-            let manager = match entry.owner {
-                crate::arena::Owner::Manager(key) => {
-                    state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id)
-                }
-                crate::arena::Owner::Detached => NO_MANAGER,
+            let owner = match entry.owner {
+                Owner::Manager(key) => state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
+                Owner::Detached => NO_MANAGER,
             };
             let slot = Slot::of(entry.place);
             if let (Some(slot), Some(address)) = (slot, address) {
                 // A block replaced by a larger one lives on while arrays are in it.
-                let top = r.top(manager);
+                let top = r.top(owner);
                 let block = r.blocks.entry(slot.block).or_insert(LiveBlock {
                     address: address.wrapping_sub(slot.offset as u64),
                     capacity: 0,
@@ -172,29 +191,27 @@ impl Replay {
                 });
                 block.capacity = block.capacity.max(slot.offset + slot.len);
             }
-            let top = r.top(manager);
-            if slot.is_none() {
-                *r.top_bytes.entry(top).or_default() += inner.nbytes() as i64;
-            }
-            devices.push(inner.device);
             r.arrays.insert(
                 inner.id,
                 LiveArray {
-                    inner: Some(Arc::clone(inner)),
-                    bytes: inner.nbytes(),
-                    device: inner.device,
-                    site: inner.created_at,
+                    inner: Arc::clone(inner),
                     address,
                     slot,
-                    allocated_by: manager,
-                    top,
+                    owner,
+                    allocated_by: owner,
                 },
             );
         }
+        let mut devices = vec![Device::Cpu];
+        devices.extend(r.blocks.values().map(|b| b.device));
+        devices.extend(r.arrays.values().map(LiveArray::device));
         devices.sort();
         devices.dedup();
+        let accounted = r.sums().device;
         for device in devices {
-            r.device_bytes.insert(device, memory::in_use(device) as i64);
+            let in_use = memory::in_use(device) as i64;
+            let known = accounted.get(&device).copied().unwrap_or(0);
+            r.device_extra.insert(device, in_use - known);
         }
         r
     }
@@ -203,7 +220,7 @@ impl Replay {
     pub fn with_system(system: &Arc<ManagerShared>, thread: u32) -> Replay {
         let mut r = Replay::default();
         r.open_manager(system, 0, thread);
-        r.device_bytes
+        r.device_extra
             .insert(Device::Cpu, memory::in_use(Device::Cpu) as i64);
         r
     }
@@ -228,88 +245,135 @@ impl Replay {
         self.managers.get(&manager).map_or(NO_MANAGER, |m| m.top)
     }
 
-    fn add(&mut self, device: Device, top: u64, bytes: i64) {
-        *self.device_bytes.entry(device).or_default() += bytes;
-        *self.top_bytes.entry(top).or_default() += bytes;
+    /// Bytes per device and per top-level manager, summed from the live arrays with their own
+    /// buffer and the blocks (without `device_extra`).
+    fn sums(&self) -> Totals {
+        let mut t = Totals::default();
+        for a in self.arrays.values().filter(|a| a.slot.is_none()) {
+            *t.device.entry(a.device()).or_default() += a.bytes() as i64;
+            *t.top.entry(self.top(a.owner)).or_default() += a.bytes() as i64;
+        }
+        for b in self.blocks.values() {
+            *t.device.entry(b.device).or_default() += b.capacity as i64;
+            *t.top.entry(b.top).or_default() += b.capacity as i64;
+        }
+        t
     }
 
-    /// Applies one event; returns what it changed. A `ManagerClose` returns the closed manager
-    /// through `closed`.
+    /// A copy that keeps [`Totals`] as events are applied, starting from this state's.
+    pub fn with_totals(&self) -> Replay {
+        let mut r = self.clone();
+        let mut totals = self.sums();
+        for (device, extra) in &self.device_extra {
+            *totals.device.entry(*device).or_default() += extra;
+        }
+        r.totals = Some(totals);
+        r
+    }
+
+    fn add(&mut self, changes: &mut Changes, device: Device, top: u64, bytes: i64) {
+        if let Some(t) = &mut self.totals {
+            *t.device.entry(device).or_default() += bytes;
+            *t.top.entry(top).or_default() += bytes;
+            changes.device = Some(device);
+            changes.tops[0] = Some(top);
+        }
+    }
+
+    /// Folds an event the recorder drops into its starting state (taking the event's array
+    /// handle instead of cloning it).
+    pub fn fold(&mut self, e: MemoryEvent) {
+        match e.data {
+            Data::Alloc {
+                array,
+                address,
+                slot,
+            } => {
+                self.arrays.insert(
+                    array.id,
+                    LiveArray {
+                        inner: array,
+                        address: Some(address),
+                        slot,
+                        owner: e.manager,
+                        allocated_by: e.manager,
+                    },
+                );
+            }
+            Data::Free { array, .. } => {
+                self.arrays.remove(&array);
+            }
+            _ => {
+                let mut closed = None;
+                self.apply_with(&e, &mut closed);
+            }
+        }
+    }
+
+    /// Applies one event; returns what it changed in the totals (when kept). A `ManagerClose`
+    /// hands the closed manager back through `closed`.
     pub fn apply_with(&mut self, e: &MemoryEvent, closed: &mut Option<OpenManager>) -> Changes {
         let mut changes = Changes::default();
+        let device = e.device();
         match &e.data {
             Data::Alloc {
                 array,
                 address,
                 slot,
             } => {
-                let top = self.top(e.manager);
                 if slot.is_none() {
-                    self.add(e.device, top, e.bytes as i64);
-                    changes.device = Some(e.device);
-                    changes.tops[0] = Some(top);
+                    let top = self.top(e.manager);
+                    self.add(&mut changes, device, top, e.bytes as i64);
                 }
                 self.arrays.insert(
                     array.id,
                     LiveArray {
-                        inner: Some(Arc::clone(array)),
-                        bytes: e.bytes,
-                        device: e.device,
-                        site: array.created_at,
+                        inner: Arc::clone(array),
                         address: Some(*address),
                         slot: *slot,
+                        owner: e.manager,
                         allocated_by: e.manager,
-                        top,
                     },
                 );
             }
             Data::Free { array, slot, .. } => {
-                let top = match self.arrays.remove(array) {
-                    Some(live) => live.top,
-                    None => self.top(e.manager),
-                };
+                let owner = self.arrays.remove(array).map_or(e.manager, |a| a.owner);
                 if slot.is_none() {
-                    self.add(e.device, top, -(e.bytes as i64));
-                    changes.device = Some(e.device);
-                    changes.tops[0] = Some(top);
+                    let top = self.top(owner);
+                    self.add(&mut changes, device, top, -(e.bytes as i64));
                 }
             }
             Data::Attach { array, .. } => {
                 let new_top = self.top(e.manager);
-                if let Some(live) = self.arrays.get_mut(array) {
-                    let old_top = std::mem::replace(&mut live.top, new_top);
-                    if live.slot.is_none() && old_top != new_top {
-                        let bytes = live.bytes as i64;
-                        *self.top_bytes.entry(old_top).or_default() -= bytes;
-                        *self.top_bytes.entry(new_top).or_default() += bytes;
-                        changes.tops = [Some(old_top), Some(new_top)];
-                    }
+                let Some(live) = self.arrays.get_mut(array) else {
+                    return changes;
+                };
+                let old = std::mem::replace(&mut live.owner, e.manager);
+                let heap = live.slot.is_none();
+                let old_top = self.top(old);
+                if let (true, Some(t)) = (heap && old_top != new_top, &mut self.totals) {
+                    *t.top.entry(old_top).or_default() -= e.bytes as i64;
+                    *t.top.entry(new_top).or_default() += e.bytes as i64;
+                    changes.tops = [Some(old_top), Some(new_top)];
                 }
             }
-            Data::Relocate {
-                array,
-                address,
-                from,
-                to,
-                ..
-            } => {
-                let top = match self.arrays.get_mut(array) {
+            Data::Relocate(r) => {
+                let owner = match self.arrays.get_mut(&r.array) {
                     Some(live) => {
-                        live.address = Some(*address);
-                        live.slot = *to;
-                        live.top
+                        live.address = Some(r.address);
+                        live.slot = r.to;
+                        live.owner
                     }
-                    None => self.top(e.manager),
+                    None => e.manager,
                 };
-                let delta = match (from.is_none(), to.is_none()) {
+                let delta = match (r.from.is_none(), r.to.is_none()) {
                     (true, false) => -(e.bytes as i64),
                     (false, true) => e.bytes as i64,
                     _ => 0,
                 };
                 if delta != 0 {
-                    self.add(e.device, top, delta);
-                    changes.device = Some(e.device);
-                    changes.tops[0] = Some(top);
+                    let top = self.top(owner);
+                    self.add(&mut changes, device, top, delta);
                 }
             }
             Data::ManagerOpen { manager } => {
@@ -334,37 +398,31 @@ impl Replay {
                     LiveBlock {
                         address: *address,
                         capacity: e.bytes,
-                        device: e.device,
+                        device,
                         workspace: Some(Arc::clone(workspace)),
                         top,
                     },
                 );
-                self.add(e.device, top, e.bytes as i64);
-                changes.device = Some(e.device);
-                changes.tops[0] = Some(top);
+                self.add(&mut changes, device, top, e.bytes as i64);
             }
-            Data::BlockFree { block } => {
-                *self.device_bytes.entry(e.device).or_default() -= e.bytes as i64;
-                changes.device = Some(e.device);
-                // A block unknown here was allocated before recording and freed with nothing
-                // in it: only the device's total knew of it.
-                if let Some(b) = self.blocks.remove(block) {
-                    *self.top_bytes.entry(b.top).or_default() -= e.bytes as i64;
-                    changes.tops[0] = Some(b.top);
+            Data::BlockFree { block } => match self.blocks.remove(block) {
+                Some(b) => self.add(&mut changes, device, b.top, -(e.bytes as i64)),
+                None => {
+                    // Allocated before recording and freed with nothing in it: only the
+                    // device's total knew of it.
+                    *self.device_extra.entry(device).or_default() -= e.bytes as i64;
+                    if let Some(t) = &mut self.totals {
+                        *t.device.entry(device).or_default() -= e.bytes as i64;
+                        changes.device = Some(device);
+                    }
                 }
-            }
+            },
             Data::CycleClose { .. }
             | Data::Spill { .. }
             | Data::Capped { .. }
             | Data::OutOfMemory { .. } => {}
         }
         changes
-    }
-
-    /// Applies one event, forgetting what it changed.
-    pub fn apply(&mut self, e: &MemoryEvent) {
-        let mut closed = None;
-        self.apply_with(e, &mut closed);
     }
 
     /// The name of a top-level manager's counter track.

@@ -250,39 +250,41 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
                 let frames = b.array_frames(Some(array), array.created_at);
                 let category = b.manager_category(&replay, e.manager);
                 alloc_entries(
-                    &mut b, e.device, *address, e.bytes, slot, t, frames, category,
+                    &mut b,
+                    e.device(),
+                    *address,
+                    e.bytes,
+                    slot,
+                    t,
+                    frames,
+                    category,
                 );
             }
             Data::Free { array, site, slot } => {
                 if let Some(live) = replay.arrays.get(array) {
                     if let (Some(address), true) = (live.address, e.bytes > 0) {
-                        let frames = b.array_frames(live.inner.as_ref(), site);
-                        free_entries(&mut b, e.device, address, e.bytes, slot, t, frames);
+                        let frames = b.array_frames(Some(&live.inner), site);
+                        free_entries(&mut b, e.device(), address, e.bytes, slot, t, frames);
                     }
                 }
             }
-            Data::Relocate {
-                array,
-                address,
-                from,
-                to,
-                site,
-            } => {
-                if let Some(live) = replay.arrays.get(array) {
-                    if e.bytes > 0 {
-                        let frames = b.array_frames(live.inner.as_ref(), site);
-                        let category = b.manager_category(&replay, live.allocated_by);
-                        alloc_entries(&mut b, e.device, *address, e.bytes, to, t, frames, category);
-                        if let Some(old) = live.address {
-                            free_entries(&mut b, e.device, old, e.bytes, from, t, frames);
-                        }
+            Data::Relocate(r) => {
+                if let (Some(live), true) = (replay.arrays.get(&r.array), e.bytes > 0) {
+                    let frames = b.array_frames(Some(&live.inner), r.site);
+                    let category = b.manager_category(&replay, live.allocated_by);
+                    let device = e.device();
+                    alloc_entries(
+                        &mut b, device, r.address, e.bytes, &r.to, t, frames, category,
+                    );
+                    if let Some(old) = live.address {
+                        free_entries(&mut b, device, old, e.bytes, &r.from, t, frames);
                     }
                 }
             }
             Data::BlockAlloc { address, .. } => {
                 let category = b.manager_category(&replay, e.manager);
                 b.push(
-                    e.device,
+                    e.device(),
                     Entry {
                         action: Action::SegmentAlloc,
                         addr: *address,
@@ -297,7 +299,7 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
             Data::BlockFree { block } => {
                 if let Some(block) = replay.blocks.get(block) {
                     b.push(
-                        e.device,
+                        e.device(),
                         Entry {
                             action: Action::SegmentFree,
                             addr: block.address,
@@ -318,7 +320,7 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
             } => {
                 let frames = b.site_frames(site);
                 b.push(
-                    e.device,
+                    e.device(),
                     Entry {
                         action: Action::Oom,
                         addr: 0,
@@ -442,7 +444,7 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
     let mut in_blocks: HashMap<u64, Vec<&LiveArray>> = HashMap::new();
     let mut out = Vec::new();
     let mut arrays: Vec<&LiveArray> = replay.arrays.values().collect();
-    arrays.sort_by_key(|a| (a.address, a.bytes));
+    arrays.sort_by_key(|a| (a.address, a.inner.id));
     for live in arrays {
         let Some(address) = live.address else {
             continue;
@@ -451,20 +453,20 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
             Some(slot) if replay.blocks.contains_key(&slot.block) => {
                 in_blocks.entry(slot.block).or_default().push(live);
             }
-            _ if live.bytes > 0 => {
-                let frames = b.array_frames(live.inner.as_ref(), live.site);
-                let size = live.slot.map_or(live.bytes, |s| s.len) as u64;
+            _ if live.bytes() > 0 => {
+                let frames = b.array_frames(Some(&live.inner), live.site());
+                let size = live.slot.map_or(live.bytes(), |s| s.len) as u64;
                 out.push(Segment {
-                    device: device_index(live.device),
+                    device: device_index(live.device()),
                     address,
                     total: size,
-                    requested: live.bytes as u64,
+                    requested: live.bytes() as u64,
                     allocated: size,
                     frames,
                     blocks: vec![SegmentBlock {
                         address,
                         size,
-                        requested: live.bytes as u64,
+                        requested: live.bytes() as u64,
                         active: true,
                         frames,
                     }],
@@ -507,15 +509,15 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
                     frames: NONE,
                 });
             }
-            let frames = b.array_frames(live.inner.as_ref(), live.site);
+            let frames = b.array_frames(Some(&live.inner), live.site());
             segment.blocks.push(SegmentBlock {
                 address: block.address + offset,
                 size: len,
-                requested: live.bytes as u64,
+                requested: live.bytes() as u64,
                 active: true,
                 frames,
             });
-            segment.requested += live.bytes as u64;
+            segment.requested += live.bytes() as u64;
             segment.allocated += len;
             at = offset + len;
         }
