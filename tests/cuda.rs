@@ -1,7 +1,8 @@
 //! CUDA behaviour (DESIGN §3–§6 on `Device::Cuda(0)`): every op and factory computed on the
 //! GPU against the CPU, transfers and their owners, ops mixing devices, workspaces that make no
 //! driver allocation once learned and report the same figures as on the CPU, memory limits,
-//! reports, `synchronize` and TF32. Without a usable GPU each test prints why it skipped.
+//! reports, `synchronize` and TF32. Without a usable GPU each test prints why it skipped (all
+//! but `the_comparison_itself_tells_results_apart`, which checks the comparison they rely on).
 //!
 //! The tests share one device, its memory counters and process-wide settings (limits, TF32,
 //! the random seed), so each holds `SERIAL` while it runs.
@@ -11,7 +12,8 @@
 //! `arange`/`eye` (CUDA kernels are compiled without fused multiply-adds, so they round as the
 //! CPU does), bit for bit for `randn`/`rand` after the same seed, and with a relative
 //! tolerance for transcendental functions (element by element) and for reductions and matrix
-//! products (relative to the result's largest magnitude: the order of summation differs).
+//! products (relative to the result's largest magnitude: the order of summation differs; their
+//! float inputs are multiples of 1/16, so most sums are exact and a wrong element stands out).
 
 use std::mem::discriminant;
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -124,6 +126,42 @@ fn assert_values(what: &str, want: &NDArray, got: &NDArray, cmp: Cmp) {
     }
 }
 
+#[test]
+fn the_comparison_itself_tells_results_apart() {
+    // Runs on every machine: the GPU tests are only as strong as this check.
+    let m = Manager::new_base();
+    let a = m.from_slice(&[1.0f32, f32::NAN, -0.0, 100.0], [4]).unwrap();
+    let one_ulp = m
+        .from_slice(&[1.0f32 + f32::EPSILON, f32::NAN, 0.0, 100.0], [4])
+        .unwrap();
+    let off = m.from_slice(&[1.0f32, f32::NAN, 0.0, 100.1], [4]).unwrap();
+    let fails = |want: &NDArray, got: &NDArray, cmp: Cmp| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            assert_values("self-check", want, got, cmp)
+        }))
+        .is_err()
+    };
+    assert!(!fails(&a, &a, Cmp::Bits));
+    assert!(fails(&a, &one_ulp, Cmp::Exact), "one ulp apart");
+    assert!(!fails(&a, &one_ulp, Cmp::Close));
+    assert!(!fails(&a, &one_ulp, Cmp::Scaled));
+    assert!(fails(&a, &off, Cmp::Close), "1e-3 relative");
+    assert!(fails(&a, &off, Cmp::Scaled));
+    let zero = m.from_slice(&[1.0f32, f32::NAN, 0.0, 100.0], [4]).unwrap();
+    assert!(!fails(&a, &zero, Cmp::Exact), "-0 equals 0");
+    assert!(fails(&a, &zero, Cmp::Bits), "but not bit for bit");
+    let ints = m.from_slice(&[1i64, 2], [2]).unwrap();
+    let other = m.from_slice(&[1i64, 3], [2]).unwrap();
+    assert!(fails(&ints, &other, Cmp::Scaled), "integers always exactly");
+    let reshaped = ints.reshape([1, 2]).unwrap();
+    assert!(fails(&ints, &reshaped, Cmp::Exact), "shapes");
+    assert!(
+        fails(&ints, &ints.to_dtype(DType::I32).unwrap(), Cmp::Exact),
+        "dtypes"
+    );
+    m.close().unwrap();
+}
+
 /// Asserts that both devices refused with the same kind of error.
 fn same_error(what: &str, cpu: &Error, gpu: &Error) {
     assert_eq!(
@@ -149,6 +187,10 @@ enum Data {
     Special,
     /// As `Plain`, without zeros (integer divisors).
     NonZero,
+    /// As `Plain`, but floats are multiples of 1/16 in ±4: sums of up to 2^18 of them and of
+    /// their products are exact in f32 whatever the order, so reductions and products
+    /// compare the kernels rather than the rounding of a summation order.
+    Grid,
 }
 
 /// Runs ops on the CPU and the GPU and compares them. The CPU manager owns everything, the
@@ -232,6 +274,8 @@ fn host_data(m: &Manager, dtype: DType, shape: &[usize], seed: u64, data: Data) 
     let float = |i: usize, x: i64| -> f64 {
         if special(i) {
             pick(i, &[f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.0, 0.0])
+        } else if data == Data::Grid {
+            (x.rem_euclid(129) - 64) as f64 / 16.0
         } else {
             x as f64 * 0.0037
         }
@@ -425,7 +469,7 @@ fn reductions_match_the_cpu() {
     ];
     for dtype in DType::ALL {
         for (s, &shape) in small.iter().enumerate() {
-            let a = p.input(dtype, shape, s as u64, Data::Plain);
+            let a = p.input(dtype, shape, s as u64, Data::Grid);
             let nd = shape.len();
             for bits in 0..(1u32 << nd) {
                 let axes = axes_of(bits, nd);
@@ -449,7 +493,7 @@ fn reductions_match_the_cpu() {
             p.op(&what, [&a], scaled, |[x]| x.mean_all());
         }
         for (s, &(shape, axes)) in large.iter().enumerate() {
-            let a = p.input(dtype, shape, 50 + s as u64, Data::Plain);
+            let a = p.input(dtype, shape, 50 + s as u64, Data::Grid);
             for keep in [false, true] {
                 let w = |op: &str| format!("{op} {dtype} {shape:?} {axes:?} keep {keep}");
                 p.op(&w("sum"), [&a], scaled, |[x]| x.sum(axes, keep));
@@ -716,8 +760,8 @@ fn matrix_products_match_the_cpu() {
             (3, 0, 4),
             (4, 3, 0),
         ] {
-            let a = p.input(dtype, &[m, k], 1, Data::Plain);
-            let b = p.input(dtype, &[k, n], 2, Data::Plain);
+            let a = p.input(dtype, &[m, k], 1, Data::Grid);
+            let b = p.input(dtype, &[k, n], 2, Data::Grid);
             p.op(
                 &format!("matmul {dtype} {m}x{k}x{n}"),
                 [&a, &b],
@@ -727,11 +771,11 @@ fn matrix_products_match_the_cpu() {
         }
         // Batched: [b, m, k]·[b, k, n], a shared right operand, a shared left operand.
         for &(b, m, k, n) in &[(3, 2, 5, 7), (7, 33, 17, 9), (0, 2, 3, 4), (5, 16, 0, 8)] {
-            let x = p.input(dtype, &[b, m, k], 3, Data::Plain);
-            let y = p.input(dtype, &[b, k, n], 4, Data::Plain);
+            let x = p.input(dtype, &[b, m, k], 3, Data::Grid);
+            let y = p.input(dtype, &[b, k, n], 4, Data::Grid);
             let (x2, y2) = (
-                p.input(dtype, &[m, k], 5, Data::Plain),
-                p.input(dtype, &[k, n], 6, Data::Plain),
+                p.input(dtype, &[m, k], 5, Data::Grid),
+                p.input(dtype, &[k, n], 6, Data::Grid),
             );
             let w = |layout: &str| format!("batched matmul {layout} {dtype} {b}x{m}x{k}x{n}");
             p.op(&w("both"), [&x, &y], s, |[x, y]| x.matmul(y));
@@ -756,14 +800,14 @@ fn matrix_products_match_the_cpu() {
                 let right = matches!(t, Transpose::Right | Transpose::Both);
                 let a_shape = if left { [k, rows] } else { [rows, k] };
                 let b_shape = if right { [n, k] } else { [k, n] };
-                let a = p.input(dtype, &a_shape, 7, Data::Plain);
-                let b = p.input(dtype, &b_shape, 8, Data::Plain);
+                let a = p.input(dtype, &a_shape, 7, Data::Grid);
+                let b = p.input(dtype, &b_shape, 8, Data::Grid);
                 let what = format!("matmul_t {t:?} {dtype} {rows}x{k}x{n}");
                 p.op(&what, [&a, &b], s, |[x, y]| x.matmul_t(y, t));
                 // c = beta·c + alpha·op(a)·op(b); fractional or negative scales are refused
                 // for integers (and bytes) on both devices.
                 for (beta, alpha) in [(2.0, 3.0), (0.0, 1.0), (1.0, 0.0), (1.0, -1.0), (0.5, 2.0)] {
-                    let c = p.input(dtype, &[rows, n], 9, Data::Plain);
+                    let c = p.input(dtype, &[rows, n], 9, Data::Grid);
                     let what = format!("addmm_ {t:?} {dtype} {rows}x{k}x{n} {beta} {alpha}");
                     p.inplace(&what, &c, [&a, &b], s, |c, [a, b]| {
                         c.addmm_(a, b, t, beta, alpha)
@@ -785,10 +829,10 @@ fn matrix_products_match_the_cpu() {
             (0, 4, 3),
         ] {
             for momentum in [0.9, 0.0] {
-                let x = p.input(dtype, &[batch, fan_in], 10, Data::Plain);
-                let g = p.input(dtype, &[batch, fan_out], 11, Data::Plain);
-                let v = p.input(dtype, &[fan_in, fan_out], 12, Data::Plain);
-                let w = p.input(dtype, &[fan_in, fan_out], 13, Data::Plain);
+                let x = p.input(dtype, &[batch, fan_in], 10, Data::Grid);
+                let g = p.input(dtype, &[batch, fan_out], 11, Data::Grid);
+                let v = p.input(dtype, &[fan_in, fan_out], 12, Data::Grid);
+                let w = p.input(dtype, &[fan_in, fan_out], 13, Data::Grid);
                 if momentum == 0.0 {
                     // Without momentum the old velocity is not read.
                     v.cpu.fill_(f64::NAN).unwrap();
