@@ -9,19 +9,28 @@ mod dtype;
 mod error;
 mod manager;
 mod ndarray;
+mod print;
 mod report;
 mod shape;
 pub mod testing;
+mod timeline;
 pub mod workspace;
 
-pub use arena::memory::{memory_limit, memory_usage, reset_peak, set_memory_limit, DeviceUsage};
+pub use arena::memory::{
+    memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
+};
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
 pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
+pub use print::{print_options, set_print_options, PrintOptions};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
 pub use shape::Shape;
+pub use timeline::{
+    is_recording, recording_snapshot, start_recording, stop_recording, EventKind, MemoryEvent,
+    RecordOptions, Recording,
+};
 pub use workspace::{
     AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,

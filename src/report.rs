@@ -250,7 +250,8 @@ impl ManagerReport {
         growth
     }
 
-    /// The report as indented text (what `Manager::debug_dump` returns).
+    /// The report as indented text (what `Manager::debug_dump` returns, without its closing
+    /// lines of device memory figures).
     pub fn dump(&self, level: usize) -> String {
         // About 70 bytes a line: reserving up front saves copying the text as it grows.
         let mut lines = 0;
@@ -344,6 +345,46 @@ impl ManagerReport {
         for child in &self.children {
             child.dump_into(out, depth + 1, level);
         }
+    }
+}
+
+/// Appends one line per device the report's managers or arrays use (the CPU always) with its
+/// [`crate::memory_usage`] figures, as `debug_dump` ends.
+pub(crate) fn push_memory_lines(out: &mut String, report: &ManagerReport) {
+    let mut devices = vec![Device::Cpu];
+    report.visit(&mut |r| {
+        devices.push(r.device);
+        devices.extend(
+            r.arrays
+                .iter()
+                .chain(&r.borrowed)
+                .chain(&r.detached)
+                .map(|a| a.device),
+        );
+    });
+    devices.sort();
+    devices.dedup();
+    for device in devices {
+        let u = crate::memory_usage(device);
+        let limit = u
+            .limit
+            .map_or_else(|| "no limit".to_string(), |l| format!("limit {}", Bytes(l)));
+        let _ = writeln!(
+            out,
+            "memory on {device}: {} in use by {} arrays (peak {}, {limit}); {} allocations ({}), \
+             {} frees ({}), {} spills, {} reallocations, {} out-of-memory, {} driver allocations",
+            Bytes(u.in_use),
+            u.arrays,
+            Bytes(u.peak),
+            u.allocations,
+            Bytes(u.allocated_bytes as usize),
+            u.frees,
+            Bytes(u.freed_bytes as usize),
+            u.spills,
+            u.reallocations,
+            u.ooms,
+            u.driver_allocations
+        );
     }
 }
 

@@ -273,6 +273,35 @@ fn diff_ignores_shrinking() -> Result<()> {
 // debug_dump
 // ---------------------------------------------------------------------------------------------
 
+/// The dump's tree, without its closing `memory on <device>:` lines.
+fn tree_lines(dump: &str) -> Vec<&str> {
+    dump.lines()
+        .filter(|l| !l.starts_with("memory on "))
+        .collect()
+}
+
+#[test]
+fn debug_dump_ends_with_the_memory_counters_of_each_device() -> Result<()> {
+    let m = Manager::new_base().with_name("counted");
+    m.zeros([16], DType::F32)?;
+    let dump = m.debug_dump(0);
+    let last = dump.lines().last().unwrap_or_default();
+    assert!(last.starts_with("memory on cpu: "), "{dump}");
+    for part in [
+        "in use by",
+        "peak",
+        "allocations (",
+        "frees (",
+        "spills",
+        "reallocations",
+        "out-of-memory",
+        "driver allocations",
+    ] {
+        assert!(last.contains(part), "{part} missing: {dump}");
+    }
+    m.close()
+}
+
 #[test]
 fn debug_dump_level_0_is_one_line_per_manager() -> Result<()> {
     let root = Manager::new_base().with_name("root");
@@ -287,7 +316,7 @@ fn debug_dump_level_0_is_one_line_per_manager() -> Result<()> {
     child.cap();
 
     let dump = root.debug_dump(0);
-    let lines: Vec<&str> = dump.lines().collect();
+    let lines: Vec<&str> = tree_lines(&dump);
     assert_eq!(lines.len(), 3, "{dump}");
     assert!(lines[0].starts_with("root"), "{dump}");
     assert!(lines[0].contains(&root.id().to_string()), "{dump}");
@@ -325,7 +354,7 @@ fn debug_dump_level_1_lists_arrays_largest_first_with_creation_sites() -> Result
     let (_in_child, child_line) = (child.zeros([5000], DType::U8)?, line!());
 
     let dump = m.debug_dump(1);
-    let lines: Vec<&str> = dump.lines().collect();
+    let lines: Vec<&str> = tree_lines(&dump);
     assert_eq!(lines.len(), 6, "two managers, four arrays:\n{dump}");
     assert!(lines[0].starts_with("dumped"), "{dump}");
     assert!(
@@ -346,7 +375,7 @@ fn debug_dump_marks_a_closed_manager() {
     let m = Manager::new_base().with_name("gone");
     m.close().unwrap();
     let dump = m.debug_dump(1);
-    assert_eq!(dump.lines().count(), 1, "{dump}");
+    assert_eq!(tree_lines(&dump).len(), 1, "{dump}");
     assert!(dump.contains("gone") && dump.contains("closed"), "{dump}");
 }
 

@@ -18,12 +18,15 @@ const SOURCE_NONE: u8 = 0;
 const SOURCE_ENV: u8 = 1;
 const SOURCE_API: u8 = 2;
 
-/// A device's memory figures, from [`memory_usage`].
+/// A device's memory figures, from [`memory_usage`]: what is in use now, and counters like
+/// PyTorch's `torch.cuda.memory_stats` (accumulated since the process started or since
+/// [`reset_memory_stats`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct DeviceUsage {
     /// Bytes currently reserved: live array buffers, workspace blocks and spills.
     pub in_use: usize,
-    /// The largest `in_use` seen since the process started (or since [`reset_peak`]).
+    /// The largest `in_use` seen since the process started (or since [`reset_peak`] or
+    /// [`reset_memory_stats`]).
     pub peak: usize,
     /// The limit, if one is set.
     pub limit: Option<usize>,
@@ -32,13 +35,40 @@ pub struct DeviceUsage {
     /// Times ndscope asked the system allocator (host) or the driver (CUDA) for memory since
     /// the process started: array buffers, workspace blocks, spills and page-locked staging.
     /// A learned workspace cycle makes none, so this stays put across steady-state steps.
+    /// [`reset_memory_stats`] leaves it alone, so differences taken across a reset stay right.
     pub driver_allocations: u64,
+    /// Arrays created on the device (`allocation.all.allocated` in PyTorch's terms), in a
+    /// workspace block or not.
+    pub allocations: u64,
+    /// Arrays freed on the device (closed by any means).
+    pub frees: u64,
+    /// Bytes of the arrays counted by `allocations` (`allocated_bytes.all.allocated`).
+    pub allocated_bytes: u64,
+    /// Bytes of the arrays counted by `frees` (`allocated_bytes.all.freed`).
+    pub freed_bytes: u64,
+    /// Workspace allocations that did not fit the block and got their own buffer.
+    pub spills: u64,
+    /// Workspace blocks replaced by a larger one (`SpillPolicy::Reallocate`).
+    pub reallocations: u64,
+    /// Allocations refused with [`Error::OutOfMemory`] (`num_ooms`).
+    pub ooms: u64,
 }
 
+/// The accumulated counters come in pairs: a total that only grows, and its value at the last
+/// [`reset_memory_stats`]. Live arrays are `opened - closed`, so creating and freeing an array
+/// costs one atomic add for its count and one for its bytes, as before the counters existed.
 pub(crate) struct Counters {
     in_use: AtomicUsize,
     peak: AtomicUsize,
-    arrays: AtomicUsize,
+    opened: AtomicU64,
+    closed: AtomicU64,
+    opened_bytes: AtomicU64,
+    closed_bytes: AtomicU64,
+    spills: AtomicU64,
+    reallocations: AtomicU64,
+    ooms: AtomicU64,
+    /// The totals above at the last reset, in the same order.
+    at_reset: [AtomicU64; 7],
     driver_allocations: AtomicU64,
     limit: AtomicUsize,
     source: AtomicU8,
@@ -51,7 +81,7 @@ impl Counters {
             Ok(text) => match parse_bytes(&text) {
                 Some(bytes) => (bytes, SOURCE_ENV),
                 None => {
-                    eprintln!(
+                    tracing::warn!(
                         "ndscope: ignoring {env_var}={text:?}: expected a byte count such as 8G, 512M, 64K or 1048576"
                     );
                     (NO_LIMIT, SOURCE_NONE)
@@ -62,7 +92,14 @@ impl Counters {
         Counters {
             in_use: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
-            arrays: AtomicUsize::new(0),
+            opened: AtomicU64::new(0),
+            closed: AtomicU64::new(0),
+            opened_bytes: AtomicU64::new(0),
+            closed_bytes: AtomicU64::new(0),
+            spills: AtomicU64::new(0),
+            reallocations: AtomicU64::new(0),
+            ooms: AtomicU64::new(0),
+            at_reset: Default::default(),
             driver_allocations: AtomicU64::new(0),
             limit: AtomicUsize::new(limit),
             source: AtomicU8::new(source),
@@ -75,6 +112,20 @@ impl Counters {
             NO_LIMIT => None,
             limit => Some(limit),
         }
+    }
+
+    /// The accumulated totals, in the order of `at_reset`.
+    fn totals(&self) -> [u64; 7] {
+        [
+            &self.opened,
+            &self.closed,
+            &self.opened_bytes,
+            &self.closed_bytes,
+            &self.spills,
+            &self.reallocations,
+            &self.ooms,
+        ]
+        .map(|c| c.load(Ordering::Relaxed))
     }
 
     fn source(&self) -> LimitSource {
@@ -111,15 +162,14 @@ pub(crate) fn reserve(ctx: &Ctx, device: Device, bytes: usize) -> Result<()> {
         let next = match current.checked_add(bytes) {
             Some(next) if next <= limit => next,
             _ => {
-                return Err(Error::OutOfMemory {
-                    op: ctx.op,
-                    at: ctx.at,
+                return Err(out_of_memory(
+                    ctx,
+                    Some(c),
                     device,
-                    requested: bytes,
-                    in_use: current,
-                    limit: c.limit(),
-                    limit_source: c.source(),
-                })
+                    bytes,
+                    current,
+                    c.source(),
+                ))
             }
         };
         match c
@@ -156,15 +206,36 @@ pub(crate) fn driver_refused(ctx: &Ctx, device: Device, bytes: usize) -> Error {
 
 fn refused(ctx: &Ctx, device: Device, bytes: usize, limit_source: LimitSource) -> Error {
     let c = counters(device);
-    Error::OutOfMemory {
+    let in_use = c.map_or(0, |c| c.in_use.load(Ordering::Relaxed));
+    out_of_memory(ctx, c, device, bytes, in_use, limit_source)
+}
+
+/// Every `OutOfMemory` refusal is built here: it is counted, logged and recorded.
+#[cold]
+fn out_of_memory(
+    ctx: &Ctx,
+    c: Option<&Counters>,
+    device: Device,
+    requested: usize,
+    in_use: usize,
+    limit_source: LimitSource,
+) -> Error {
+    if let Some(c) = c {
+        c.ooms.fetch_add(1, Ordering::Relaxed);
+    }
+    let limit = c.and_then(Counters::limit);
+    let error = Error::OutOfMemory {
         op: ctx.op,
         at: ctx.at,
         device,
-        requested: bytes,
-        in_use: c.map_or(0, |c| c.in_use.load(Ordering::Relaxed)),
-        limit: c.and_then(|c| c.limit()),
+        requested,
+        in_use,
+        limit,
         limit_source,
-    }
+    };
+    tracing::warn!(target: "ndscope::memory", %device, requested, in_use, "{error}");
+    crate::timeline::out_of_memory(ctx, device, requested, in_use, limit);
+    error
 }
 
 /// Counts one allocation from the system allocator or the driver on `device`.
@@ -174,16 +245,37 @@ pub(crate) fn driver_allocated(device: Device) {
     }
 }
 
-pub(crate) fn array_opened(device: Device) {
+pub(crate) fn array_opened(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        c.arrays.fetch_add(1, Ordering::Relaxed);
+        c.opened.fetch_add(1, Ordering::Relaxed);
+        c.opened_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
 }
 
-pub(crate) fn array_closed(device: Device) {
+pub(crate) fn array_closed(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        c.arrays.fetch_sub(1, Ordering::Relaxed);
+        c.closed.fetch_add(1, Ordering::Relaxed);
+        c.closed_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
     }
+}
+
+/// Counts one workspace allocation that spilled on `device`.
+pub(crate) fn spilled(device: Device) {
+    if let Some(c) = counters(device) {
+        c.spills.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Counts one workspace block replaced by a larger one on `device`.
+pub(crate) fn reallocated(device: Device) {
+    if let Some(c) = counters(device) {
+        c.reallocations.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Bytes in use on `device` now.
+pub(crate) fn in_use(device: Device) -> usize {
+    counters(device).map_or(0, |c| c.in_use.load(Ordering::Relaxed))
 }
 
 /// Sets (or with `None` removes) the memory limit of `device`, in bytes. Overrides
@@ -226,15 +318,48 @@ pub fn memory_limit(device: Device) -> Option<usize> {
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 pub fn memory_usage(device: Device) -> DeviceUsage {
-    match counters(device) {
-        Some(c) => DeviceUsage {
-            in_use: c.in_use.load(Ordering::Relaxed),
-            peak: c.peak.load(Ordering::Relaxed),
-            limit: c.limit(),
-            arrays: c.arrays.load(Ordering::Relaxed),
-            driver_allocations: c.driver_allocations.load(Ordering::Relaxed),
-        },
-        None => DeviceUsage::default(),
+    let Some(c) = counters(device) else {
+        return DeviceUsage::default();
+    };
+    let total = c.totals();
+    let base = c.at_reset.each_ref().map(|b| b.load(Ordering::Relaxed));
+    let since = |i: usize| total[i].saturating_sub(base[i]);
+    DeviceUsage {
+        in_use: c.in_use.load(Ordering::Relaxed),
+        peak: c.peak.load(Ordering::Relaxed),
+        limit: c.limit(),
+        arrays: total[0].saturating_sub(total[1]) as usize,
+        driver_allocations: c.driver_allocations.load(Ordering::Relaxed),
+        allocations: since(0),
+        frees: since(1),
+        allocated_bytes: since(2),
+        freed_bytes: since(3),
+        spills: since(4),
+        reallocations: since(5),
+        ooms: since(6),
+    }
+}
+
+/// Resets the accumulated counters of `device` (`allocations`, `frees`, `allocated_bytes`,
+/// `freed_bytes`, `spills`, `reallocations`, `ooms`) to zero and its peak to the bytes in use
+/// now, like PyTorch's `reset_accumulated_memory_stats` and `reset_peak_memory_stats` together.
+/// `in_use`, `arrays`, `limit` and `driver_allocations` are left alone.
+///
+/// ```
+/// use ndscope::{memory_usage, reset_memory_stats, DType, Device, Manager};
+/// let m = Manager::new_base();
+/// m.zeros([8], DType::F32)?;
+/// reset_memory_stats(Device::Cuda(7));        // another device: the CPU's counters stay
+/// assert!(memory_usage(Device::Cpu).allocations >= 1);
+/// m.close()?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+pub fn reset_memory_stats(device: Device) {
+    if let Some(c) = counters(device) {
+        for (base, total) in c.at_reset.iter().zip(c.totals()) {
+            base.store(total, Ordering::Relaxed);
+        }
+        reset_peak(device);
     }
 }
 

@@ -438,6 +438,7 @@ impl State {
             workspaces: Vec::new(),
         });
         let system = Arc::clone(&managers[system_key].shared);
+        crate::timeline::start_from_env(&system);
         State {
             arrays: SlotMap::with_key(),
             managers,
@@ -547,6 +548,9 @@ impl State {
         self.unlink(key);
         self.arrays[key].owner = owner;
         self.link(key);
+        if crate::timeline::on() {
+            crate::timeline::array_attached(self, key);
+        }
     }
 
     /// Inserts a new open array owned by `owner`.
@@ -582,11 +586,14 @@ impl State {
             place,
         });
         self.link(key);
-        memory::array_opened(device);
+        memory::array_opened(device, self.arrays[key].inner.nbytes());
         if let Place::Block { cycle, .. } = place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.note_block_array(key, place);
             }
+        }
+        if crate::timeline::on() {
+            crate::timeline::array_allocated(self, key);
         }
         Arc::clone(&self.arrays[key].inner)
     }
@@ -604,9 +611,12 @@ impl State {
                 ws.forget_block_array(key, entry.place);
             }
         }
-        memory::array_closed(entry.inner.device);
+        memory::array_closed(entry.inner.device, entry.inner.nbytes());
         // The reason is set exactly once: the key was live until now.
         let _ = entry.inner.closed.set(reason);
+        if crate::timeline::on() {
+            crate::timeline::array_freed(self, &entry);
+        }
         self.free_storage(entry.inner);
     }
 

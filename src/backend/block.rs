@@ -291,6 +291,20 @@ impl Block {
         self.id
     }
 
+    /// The address of its first byte (host or device pointer; for the memory timeline).
+    pub fn address(&self) -> u64 {
+        match &self.kind {
+            Kind::Ram { base, .. } | Kind::Mmap { base, .. } => base.as_ptr() as usize as u64,
+            Kind::Pinned(pinned) => pinned.base().as_ptr() as usize as u64,
+            Kind::Device(memory) => memory.address(),
+        }
+    }
+
+    /// The device whose memory limit the block counts against.
+    pub fn memory_device(&self) -> Device {
+        self.device
+    }
+
     // Used by the CUDA backend only.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Whether the block is page-locked host memory.
@@ -342,5 +356,8 @@ impl Drop for Block {
             Kind::Pinned(_) | Kind::Device(_) => {}
         }
         memory::release(self.device, self.capacity);
+        if crate::timeline::on() {
+            crate::timeline::block_freed(self.id, self.device, self.capacity);
+        }
     }
 }

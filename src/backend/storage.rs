@@ -30,6 +30,15 @@ impl Storage {
         HostBuffer::from_vec(ctx, data).map(Storage::Host)
     }
 
+    /// The address of the first byte (host pointer or device pointer), 0 for zero bytes. For
+    /// the memory timeline only: it is never dereferenced.
+    pub fn address(&self) -> u64 {
+        match self {
+            Storage::Host(buffer) => buffer.address(),
+            Storage::Cuda(buffer) => buffer.address(),
+        }
+    }
+
     /// `true` when the bytes may hold data of an earlier array (a workspace block slice, or fresh
     /// device memory), so a factory that needs zeros must write them.
     pub fn may_be_stale(&self) -> bool {

@@ -310,9 +310,15 @@ impl Manager {
     }
 
     /// The subtree as indented text, one line per manager; `level >= 1` adds one line per array
-    /// with its creation site, largest first.
+    /// with its creation site, largest first. It ends with one line per device in use (the CPU
+    /// always), starting `memory on <device>:`, with its [`crate::memory_usage`] figures: bytes
+    /// and arrays in use, peak, limit, and the counters (allocations, frees, spills,
+    /// reallocations, out-of-memory refusals, driver allocations).
     pub fn debug_dump(&self, level: usize) -> String {
-        self.report().dump(level)
+        let report = self.report();
+        let mut text = report.dump(level);
+        crate::report::push_memory_lines(&mut text, &report);
+        text
     }
 
     /// The workspace called `name` owned by this manager, created with `config` on first use;

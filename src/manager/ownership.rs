@@ -14,7 +14,7 @@ use crate::arena::{
 use crate::backend;
 use crate::error::Ctx;
 use crate::workspace::{Allocation, ResetPolicy};
-use crate::{Error, Result};
+use crate::Result;
 
 /// The kinds of move.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,14 +91,9 @@ impl State {
                 // nothing: a borrowed array stays borrowed and will still go back.
                 Move::Attach | Move::Ret if entry.owner == target => Step::Stay,
                 Move::Attach | Move::Ret => {
-                    if capped {
-                        let shared = target_shared.map_or_else(String::new, |s| s.describe());
-                        return Err(Error::Capped {
-                            op: ctx.op,
-                            at: ctx.at,
-                            manager: shared,
-                            what: format!("array {} would be attached to it", inner.describe()),
-                        });
+                    if let (true, Some(shared)) = (capped, target_shared) {
+                        let what = format!("array {} would be attached to it", inner.describe());
+                        return Err(crate::timeline::capped(ctx, shared, what));
                     }
                     Step::Own
                 }
@@ -203,6 +198,9 @@ impl State {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.note_block_array(key, place);
             }
+        }
+        if crate::timeline::on() {
+            crate::timeline::array_relocated(self, key, old_place, to.address());
         }
         let seq = inner.moves.fetch_add(1, Ordering::AcqRel) + 1;
         let Some(mut data) = inner.data.try_write() else {

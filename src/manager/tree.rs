@@ -52,7 +52,11 @@ impl State {
             self.managers[old].prev_sibling = Some(key);
         }
         self.managers[parent].first_child = Some(key);
-        Ok(Manager(Arc::clone(&self.managers[key].shared)))
+        let shared = Arc::clone(&self.managers[key].shared);
+        if crate::timeline::on() {
+            crate::timeline::manager_opened(&shared);
+        }
+        Ok(Manager(shared))
     }
 
     /// The open children of `key`, newest first.
@@ -174,6 +178,9 @@ impl State {
         }
         if let Some(next) = next {
             self.managers[next].prev_sibling = prev;
+        }
+        if crate::timeline::on() {
+            crate::timeline::manager_closed(&shared);
         }
         self.managers.remove(key);
     }

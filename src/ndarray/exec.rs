@@ -104,12 +104,11 @@ pub(crate) fn new_array(
         }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
-        return Err(Error::Capped {
-            op: ctx.op,
-            at: ctx.at,
-            manager: state.managers[m].shared.describe(),
+        return Err(crate::timeline::capped(
+            ctx,
+            &state.managers[m].shared,
             what,
-        });
+        ));
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
     let dirty = allocation.buffer.may_be_stale();
@@ -138,12 +137,8 @@ pub(crate) fn adopt(
     let mut state = arena::lock();
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {
-        return Err(Error::Capped {
-            op: ctx.op,
-            at: ctx.at,
-            manager: m.0.describe(),
-            what: format!("a new {dtype} array of shape {shape} would be created in it"),
-        });
+        let what = format!("a new {dtype} array of shape {shape} would be created in it");
+        return Err(crate::timeline::capped(ctx, &m.0, what));
     }
     let inner = state.insert_array(
         shape,

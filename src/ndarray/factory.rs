@@ -6,7 +6,7 @@ use super::exec::{self, Target};
 use crate::arena;
 use crate::backend::{self, Storage};
 use crate::error::Ctx;
-use crate::{DType, Element, Error, Manager, NDArray, Result, Shape};
+use crate::{DType, Element, Manager, NDArray, Result, Shape};
 
 /// The seed and the next counter offset of the random stream.
 static RNG: Mutex<(u64, u64)> = Mutex::new((0x6E64_7363_6F70_6521, 0));
@@ -47,12 +47,8 @@ impl Manager {
     fn check_accepts_new_array(&self, ctx: &Ctx, shape: &Shape, dtype: DType) -> Result<()> {
         let state = arena::lock();
         if state.manager(&self.0, ctx)?.capped {
-            return Err(Error::Capped {
-                op: ctx.op,
-                at: ctx.at,
-                manager: self.0.describe(),
-                what: format!("a new {dtype} array of shape {shape} would be created in it"),
-            });
+            let what = format!("a new {dtype} array of shape {shape} would be created in it");
+            return Err(crate::timeline::capped(ctx, &self.0, what));
         }
         Ok(())
     }

@@ -23,6 +23,7 @@
 //! ```
 
 mod config;
+mod events;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -34,6 +35,7 @@ pub use config::{
     AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     WorkspaceConfig, WorkspaceConfigBuilder,
 };
+pub use events::{set_spill_warning_threshold, spill_warning_threshold};
 
 use crate::arena::{
     self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State,
@@ -72,7 +74,7 @@ static DEBUG: LazyLock<AtomicU8> = LazyLock::new(|| {
             "bypass" => 2,
             "" | "off" | "none" => 0,
             other => {
-                eprintln!(
+                tracing::warn!(
                     "ndscope: ignoring NDSCOPE_WORKSPACE_DEBUG={other:?}: expected spill_everything or bypass"
                 );
                 0
@@ -192,6 +194,10 @@ pub(crate) struct WorkspaceEntry {
     /// `1 + block_live` mean a closed array's bytes are still in use by a kernel (their free
     /// waits for it): then no part of the block may be handed out.
     block_live: usize,
+    /// `(spilled_bytes, spilled_count)` when the open cycle opened, for its own spills.
+    spilled_at_open: (usize, u64),
+    /// The most a learned cycle spilled so far, to warn once per new maximum, not every cycle.
+    warned_spill: usize,
 }
 
 impl WorkspaceEntry {
@@ -387,7 +393,9 @@ impl WorkspaceEntry {
             },
             (LocationPolicy::Ram, Device::Cuda(ordinal)) => Block::device(ctx, ordinal, size)?,
         };
+        let old_capacity = self.capacity();
         let replaced = self.block.replace(Arc::new(block)).is_some();
+        events::block_allocated(self, old_capacity);
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
         // new block starts empty.
         self.block_arrays.clear();
@@ -420,12 +428,14 @@ impl WorkspaceEntry {
 
     /// Ends the open cycle: stats, learning, growth and reset. Never fails: a block that cannot
     /// be allocated (memory limit) leaves the workspace spilling, as before.
-    fn end_cycle(&mut self, ctx: &Ctx) {
+    fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
+        let generation = self.open.map_or(self.generation, |tag| tag.generation);
         self.open = None;
         self.cycles += 1;
         self.last_cycle_bytes = self.cycle_bytes;
         self.max_cycle_bytes = self.max_cycle_bytes.max(self.cycle_bytes);
         self.cycle_bytes = 0;
+        events::cycle_ended(self, generation, scope);
         if self.config().reset() == ResetPolicy::BlockLeft {
             self.offset = 0;
         }
@@ -442,13 +452,19 @@ impl WorkspaceEntry {
             };
             // Learning from a cycle that allocated nothing waits for one that does.
             if demand > 0 {
-                let _ = self.grow_to(ctx, demand);
+                let grown = self.grow_to(ctx, demand);
+                events::learned(self, demand, &grown);
             }
         } else if self.config().spill() == SpillPolicy::Reallocate
             && self.max_cycle_bytes > self.capacity()
-            && matches!(self.grow_to(ctx, self.max_cycle_bytes), Ok(true))
         {
-            self.reallocations += 1;
+            let old_capacity = self.capacity();
+            let grown = self.grow_to(ctx, self.max_cycle_bytes);
+            if matches!(grown, Ok(true)) {
+                self.reallocations += 1;
+                crate::arena::memory::reallocated(self.device);
+            }
+            events::reallocated(self, old_capacity, &grown);
         }
     }
 }
@@ -641,6 +657,8 @@ impl State {
             reallocations: 0,
             block_arrays: BTreeMap::new(),
             block_live: 0,
+            spilled_at_open: (0, 0),
+            warned_spill: 0,
         };
         // ND4J allocates `initial_size` at creation whatever the learning policy.
         let initial = entry.config().initial_size();
@@ -689,13 +707,21 @@ impl State {
         ws.cycle_start = ws.offset;
         ws.wrapped = false;
         ws.cycle_bytes = 0;
+        ws.spilled_at_open = (ws.spilled_bytes, ws.spilled_count);
+        events::cycle_opened(ws, manager.0.id);
         Ok(manager)
     }
 
     /// Ends the cycle of workspace `ws` whose scope has just closed.
     pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
+        let scope = self
+            .workspaces
+            .get(ws)
+            .and_then(|w| w.open)
+            .and_then(|tag| self.managers.get(tag.scope))
+            .map_or(crate::timeline::NO_MANAGER, |m| m.shared.id);
         if let Some(ws) = self.workspaces.get_mut(ws) {
-            ws.end_cycle(ctx);
+            ws.end_cycle(ctx, scope);
         }
     }
 
@@ -807,8 +833,12 @@ impl State {
             }
             slot @ (Slot::Spill | Slot::Bypass) => {
                 let allocation = heap(ctx)?;
+                let scope = self.managers.get(cycle.scope).map(|m| m.shared.id);
                 if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                     ws.commit(slot, aligned);
+                    if slot == Slot::Spill {
+                        events::spilled(ws, scope, aligned, ctx.at);
+                    }
                 }
                 Ok(allocation)
             }

@@ -131,6 +131,14 @@ impl HostBuffer {
         }
     }
 
+    /// The address of the first byte, 0 for a zero-byte buffer (for the memory timeline).
+    pub fn address(&self) -> u64 {
+        match self.backing {
+            Backing::Empty => 0,
+            _ => self.ptr.as_ptr() as usize as u64,
+        }
+    }
+
     /// `true` if the bytes are a slice of a block (their previous contents are stale).
     pub fn is_block(&self) -> bool {
         matches!(self.backing, Backing::Block(_))

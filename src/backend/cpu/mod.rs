@@ -8,6 +8,7 @@ pub(crate) mod nn;
 pub(crate) mod num;
 pub(crate) mod ops;
 pub(crate) mod pool;
+pub(crate) mod process;
 pub(crate) mod random;
 pub(crate) mod reduce;
 pub(crate) mod sgd;

@@ -66,6 +66,11 @@ impl DeviceBuffer {
         self.ptr
     }
 
+    /// The device address of the first byte, as the memory timeline records it.
+    pub fn address(&self) -> u64 {
+        self.ptr
+    }
+
     /// Bytes of data.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -104,6 +109,11 @@ impl DeviceMemory {
             ptr: gpu.malloc(ctx, bytes)?,
             gpu,
         })
+    }
+
+    /// The device address of the first byte (for the memory timeline).
+    pub fn address(&self) -> u64 {
+        self.ptr
     }
 
     /// Storage for `[offset, offset + bytes)` of this block's memory, keeping `block` alive.

@@ -1,0 +1,1024 @@
+//! Seeing memory over time: a bounded recorder of memory events, exported as a Chrome trace
+//! (Perfetto UI, `chrome://tracing`) and as a PyTorch memory snapshot (PyTorch's `memory_viz`).
+//!
+//! While recording is on, every array allocation, free, move between managers and copy out of a
+//! workspace, every manager opened and closed, every workspace cycle, block allocation and free,
+//! spill, cap refusal and out-of-memory refusal is recorded with its time, thread, device,
+//! manager, bytes and creation site, into a buffer of at most `max_entries` events (like
+//! PyTorch's `_record_memory_history(max_entries=…)`): past that the oldest are dropped, and
+//! counted. Off, each hook costs one relaxed load and a branch.
+//!
+//! ```
+//! use ndscope::{DType, Manager, RecordOptions, WorkspaceConfig};
+//! ndscope::start_recording(RecordOptions::default())?;
+//! let trainer = Manager::new_base().with_name("trainer");
+//! let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+//! for _ in 0..3 {
+//!     ws.cycle(|batch| {
+//!         let x = batch.ones([64, 64], DType::F32)?;
+//!         x.add(&x)?;
+//!         Ok(())
+//!     })?;
+//! }
+//! trainer.close()?;
+//! let recording = ndscope::stop_recording().expect("it was recording");
+//! assert!(recording.events().len() > 10);
+//! let dir = std::env::temp_dir();
+//! recording.write_chrome_trace(dir.join("ndscope-doc.trace.json"))?;   // Perfetto UI
+//! recording.write_memory_snapshot(dir.join("ndscope-doc.pickle"))?;    // PyTorch's memory_viz
+//! # Ok::<(), ndscope::Error>(())
+//! ```
+//!
+//! Locks: hooks run under the arena lock (or none) and take the recorder's own lock; nothing
+//! takes the arena lock while holding the recorder's.
+
+mod chrome;
+mod pickle;
+mod replay;
+mod snapshot;
+
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::fmt;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::Mutex;
+
+use crate::arena::{self, ArrayEntry, ArrayInner, ArrayKey, ManagerShared, Owner, Place, State};
+use crate::backend::{Block, Storage};
+use crate::error::{Ctx, Site};
+use crate::{ArrayId, Device, Error, ManagerId, Result};
+
+use replay::Replay;
+
+/// Whether a recording is on. Every hook checks this first: off, that is all it costs.
+static ON: AtomicBool = AtomicBool::new(false);
+
+/// The recording in progress.
+static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+/// Whether a recording is on (a relaxed load: the branch every hook costs when it is off).
+#[inline(always)]
+pub(crate) fn on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+/// How to record, for [`start_recording`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordOptions {
+    max_entries: usize,
+}
+
+impl Default for RecordOptions {
+    /// At most 1,000,000 events (about 100 MB).
+    fn default() -> Self {
+        RecordOptions {
+            max_entries: 1_000_000,
+        }
+    }
+}
+
+impl RecordOptions {
+    /// Keeps at most `n` events; older ones are dropped (and counted in
+    /// [`Recording::dropped`]). Each event takes about 100 bytes. Must be at least 1.
+    ///
+    /// ```
+    /// let options = ndscope::RecordOptions::default().with_max_entries(10_000);
+    /// assert_eq!(options.max_entries(), 10_000);
+    /// ```
+    pub fn with_max_entries(mut self, n: usize) -> Self {
+        self.max_entries = n;
+        self
+    }
+
+    /// The cap on events kept.
+    pub fn max_entries(&self) -> usize {
+        self.max_entries
+    }
+}
+
+/// What a [`MemoryEvent`] records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// An array was created (in a workspace block, or with its own buffer).
+    Alloc,
+    /// An array was closed (by the user, its manager, its cycle, a circular overwrite, …).
+    Free,
+    /// An array's bytes were copied to new storage (moved out of or into a workspace).
+    Relocate,
+    /// An array changed owner (`attach`, `ret`, `temp_attach`, `detach`, a borrow returning).
+    Attach,
+    /// A manager was created (including the scope of a workspace cycle).
+    ManagerOpen,
+    /// A manager was closed.
+    ManagerClose,
+    /// A workspace cycle opened.
+    CycleOpen,
+    /// A workspace cycle ended.
+    CycleClose,
+    /// A workspace allocated a block (learned, initialised or grown).
+    BlockAlloc,
+    /// A workspace block was freed.
+    BlockFree,
+    /// A workspace allocation did not fit the block and got its own buffer.
+    Spill,
+    /// A capped manager refused an array (`Error::Capped`).
+    Capped,
+    /// An allocation was refused (`Error::OutOfMemory`).
+    OutOfMemory,
+}
+
+/// Where a workspace-block array lies: block id, offset and aligned length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub block: u64,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Slot {
+    fn of(place: Place) -> Option<Slot> {
+        match place {
+            Place::Heap => None,
+            Place::Block {
+                offset, len, block, ..
+            } => Some(Slot { block, offset, len }),
+        }
+    }
+}
+
+/// An event's own data.
+#[derive(Clone)]
+pub(crate) enum Data {
+    Alloc {
+        array: Arc<ArrayInner>,
+        address: u64,
+        slot: Option<Slot>,
+    },
+    Free {
+        array: u64,
+        site: Site,
+        slot: Option<Slot>,
+    },
+    /// Boxed: moves are rare, and every event is as large as the largest kind.
+    Relocate(Box<Relocation>),
+    Attach {
+        array: u64,
+        site: Site,
+    },
+    ManagerOpen {
+        manager: Arc<ManagerShared>,
+    },
+    ManagerClose,
+    CycleOpen {
+        workspace: Arc<str>,
+        cycle: u64,
+    },
+    CycleClose {
+        workspace: Arc<str>,
+        cycle: u64,
+        spilled_bytes: usize,
+        spilled_count: u64,
+        capacity: usize,
+    },
+    BlockAlloc {
+        workspace: Arc<str>,
+        block: u64,
+        address: u64,
+    },
+    BlockFree {
+        block: u64,
+    },
+    Spill {
+        workspace: Arc<str>,
+        site: Site,
+    },
+    Capped {
+        site: Site,
+        op: &'static str,
+        what: Arc<str>,
+    },
+    OutOfMemory {
+        site: Site,
+        op: &'static str,
+        in_use: usize,
+        limit: Option<usize>,
+    },
+}
+
+/// A copy of an array to new storage.
+#[derive(Clone)]
+pub(crate) struct Relocation {
+    pub array: u64,
+    pub site: Site,
+    pub address: u64,
+    pub from: Option<Slot>,
+    pub to: Option<Slot>,
+}
+
+/// A device in 4 bytes: 0 for the CPU, `i + 1` for `cuda:i`.
+fn device_code(device: Device) -> u32 {
+    match device {
+        Device::Cpu => 0,
+        Device::Cuda(ordinal) => u32::try_from(ordinal).map_or(u32::MAX, |o| o.saturating_add(1)),
+    }
+}
+
+/// No manager (a detached array).
+pub(crate) const NO_MANAGER: u64 = u64::MAX;
+
+/// One recorded event. Read it with its methods; a [`Recording`] holds them in time order.
+#[derive(Clone)]
+pub struct MemoryEvent {
+    time_ns: u64,
+    thread: u32,
+    device: u32,
+    manager: u64,
+    bytes: usize,
+    data: Data,
+}
+
+impl MemoryEvent {
+    /// When it happened, from the start of the recording.
+    pub fn time(&self) -> Duration {
+        Duration::from_nanos(self.time_ns)
+    }
+
+    /// The thread it happened on: an index into [`Recording::threads`].
+    pub fn thread(&self) -> usize {
+        self.thread as usize
+    }
+
+    /// What happened.
+    pub fn kind(&self) -> EventKind {
+        match self.data {
+            Data::Alloc { .. } => EventKind::Alloc,
+            Data::Free { .. } => EventKind::Free,
+            Data::Relocate(_) => EventKind::Relocate,
+            Data::Attach { .. } => EventKind::Attach,
+            Data::ManagerOpen { .. } => EventKind::ManagerOpen,
+            Data::ManagerClose => EventKind::ManagerClose,
+            Data::CycleOpen { .. } => EventKind::CycleOpen,
+            Data::CycleClose { .. } => EventKind::CycleClose,
+            Data::BlockAlloc { .. } => EventKind::BlockAlloc,
+            Data::BlockFree { .. } => EventKind::BlockFree,
+            Data::Spill { .. } => EventKind::Spill,
+            Data::Capped { .. } => EventKind::Capped,
+            Data::OutOfMemory { .. } => EventKind::OutOfMemory,
+        }
+    }
+
+    /// The device whose memory it concerns.
+    pub fn device(&self) -> Device {
+        match self.device {
+            0 => Device::Cpu,
+            code => Device::Cuda(code as usize - 1),
+        }
+    }
+
+    /// The manager involved: the array's owner (after the event, for `Attach`), the manager
+    /// opened or closed, the cycle's scope, the workspace's owner for block events, the capped
+    /// manager. `None` for a detached array and for out-of-memory refusals.
+    pub fn manager(&self) -> Option<ManagerId> {
+        (self.manager != NO_MANAGER).then_some(ManagerId(self.manager))
+    }
+
+    /// The array involved (allocations, frees, moves).
+    pub fn array(&self) -> Option<ArrayId> {
+        match &self.data {
+            Data::Alloc { array, .. } => Some(ArrayId(array.id)),
+            Data::Free { array, .. } | Data::Attach { array, .. } => Some(ArrayId(*array)),
+            Data::Relocate(r) => Some(ArrayId(r.array)),
+            _ => None,
+        }
+    }
+
+    /// Bytes: of the array (its data), of the block, of the cycle's demand (`CycleClose`), the
+    /// spilled allocation (aligned), or the refused request (`OutOfMemory`); 0 otherwise.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The address of the array's or block's first byte (host or device pointer), where the
+    /// event allocates: `Alloc`, `Relocate` (the new storage) and `BlockAlloc`. 0 for an empty
+    /// array.
+    pub fn address(&self) -> Option<u64> {
+        match &self.data {
+            Data::Alloc { address, .. } | Data::BlockAlloc { address, .. } => Some(*address),
+            Data::Relocate(r) => Some(r.address),
+            _ => None,
+        }
+    }
+
+    /// Where the array involved was created, or where the refused or spilled call was made.
+    pub fn site(&self) -> Option<Site> {
+        match &self.data {
+            Data::Alloc { array, .. } => Some(array.created_at),
+            Data::Relocate(r) => Some(r.site),
+            Data::Free { site, .. }
+            | Data::Attach { site, .. }
+            | Data::Spill { site, .. }
+            | Data::Capped { site, .. }
+            | Data::OutOfMemory { site, .. } => Some(site),
+            _ => None,
+        }
+    }
+
+    /// The workspace involved (cycles, block allocations, spills).
+    pub fn workspace(&self) -> Option<&str> {
+        match &self.data {
+            Data::CycleOpen { workspace, .. }
+            | Data::CycleClose { workspace, .. }
+            | Data::BlockAlloc { workspace, .. }
+            | Data::Spill { workspace, .. } => Some(workspace),
+            _ => None,
+        }
+    }
+
+    /// The workspace cycle's number (`CycleOpen`, `CycleClose`).
+    pub fn cycle(&self) -> Option<u64> {
+        match &self.data {
+            Data::CycleOpen { cycle, .. } | Data::CycleClose { cycle, .. } => Some(*cycle),
+            _ => None,
+        }
+    }
+
+    /// Whether the array's bytes are (after the event) in a workspace block.
+    pub fn in_workspace(&self) -> bool {
+        match &self.data {
+            Data::Alloc { slot, .. } | Data::Free { slot, .. } => slot.is_some(),
+            Data::Relocate(r) => r.to.is_some(),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Debug for MemoryEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("MemoryEvent");
+        d.field("time", &self.time())
+            .field("thread", &self.thread)
+            .field("kind", &self.kind())
+            .field("device", &self.device())
+            .field("manager", &self.manager())
+            .field("bytes", &self.bytes);
+        if let Some(array) = self.array() {
+            d.field("array", &array);
+        }
+        if let Some(workspace) = self.workspace() {
+            d.field("workspace", &workspace);
+        }
+        if let Some(site) = self.site() {
+            d.field("site", &format_args!("{site}"));
+        }
+        d.finish()
+    }
+}
+
+/// The recorder's state while it runs.
+struct Recorder {
+    started: Instant,
+    started_wall: SystemTime,
+    max_entries: usize,
+    events: VecDeque<MemoryEvent>,
+    dropped: u64,
+    /// The state before the oldest event kept: what was live when recording started, with the
+    /// dropped events applied.
+    base: Replay,
+    /// The thread that started it (baseline managers are drawn on its track).
+    thread: u32,
+}
+
+impl Recorder {
+    fn push(&mut self, event: MemoryEvent) {
+        if self.events.len() >= self.max_entries {
+            if let Some(old) = self.events.pop_front() {
+                self.base.fold(old);
+            }
+            self.dropped += 1;
+            if self.dropped == 1 {
+                tracing::warn!(
+                    target: "ndscope::timeline",
+                    max_entries = self.max_entries,
+                    "memory recording is full ({} events): the oldest events are being dropped",
+                    self.max_entries
+                );
+            }
+        }
+        self.events.push_back(event);
+    }
+
+    fn recording(&self) -> Recording {
+        Recording {
+            events: self.events.iter().cloned().collect(),
+            base: self.base.clone(),
+            dropped: self.dropped,
+            max_entries: self.max_entries,
+            duration_ns: self.started.elapsed().as_nanos() as u64,
+            started_wall: self.started_wall,
+            thread: self.thread,
+            threads: THREADS.lock().clone(),
+            pid: std::process::id(),
+        }
+    }
+}
+
+/// Names of the threads that recorded events, by index.
+static THREADS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static NEXT_THREAD: AtomicU32 = AtomicU32::new(0);
+
+thread_local! {
+    static THREAD: Cell<u32> = const { Cell::new(u32::MAX) };
+}
+
+/// This thread's index in [`THREADS`], registering its name on first use.
+fn thread_index() -> u32 {
+    THREAD
+        .try_with(|t| {
+            let id = t.get();
+            if id != u32::MAX {
+                return id;
+            }
+            let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
+            let current = std::thread::current();
+            let name = match current.name() {
+                Some(name) => name.to_string(),
+                None => format!("thread {id}"),
+            };
+            let mut names = THREADS.lock();
+            if names.len() <= id as usize {
+                names.resize(id as usize + 1, String::new());
+            }
+            names[id as usize] = name;
+            t.set(id);
+            id
+        })
+        .unwrap_or(u32::MAX - 1)
+}
+
+/// Records one event, timed under the recorder's lock so the buffer stays in time order.
+fn record(device: Device, manager: u64, bytes: usize, data: Data) {
+    let thread = thread_index();
+    let mut guard = RECORDER.lock();
+    let Some(recorder) = guard.as_mut() else {
+        return;
+    };
+    let time_ns = recorder.started.elapsed().as_nanos() as u64;
+    recorder.push(MemoryEvent {
+        time_ns,
+        thread,
+        device: device_code(device),
+        manager,
+        bytes,
+        data,
+    });
+}
+
+fn manager_id(state: &State, owner: Owner) -> u64 {
+    match owner {
+        Owner::Manager(key) => state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
+        Owner::Detached => NO_MANAGER,
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Hooks. Callers check `on()` first; each checks again (a recording may stop in between).
+// ----------------------------------------------------------------------------------------------
+
+/// `State::insert_array`: the array `key` was just created.
+#[cold]
+#[inline(never)]
+pub(crate) fn array_allocated(state: &State, key: ArrayKey) {
+    let Some(entry) = state.arrays.get(key) else {
+        return;
+    };
+    let inner = Arc::clone(&entry.inner);
+    let address = inner
+        .data
+        .try_read()
+        .and_then(|data| data.as_ref().map(Storage::address))
+        .unwrap_or(0);
+    let (device, bytes) = (inner.device, inner.nbytes());
+    let data = Data::Alloc {
+        array: inner,
+        address,
+        slot: Slot::of(entry.place),
+    };
+    record(device, manager_id(state, entry.owner), bytes, data);
+}
+
+/// `State::remove_array`: `entry` was just taken out of the arena.
+#[cold]
+#[inline(never)]
+pub(crate) fn array_freed(state: &State, entry: &ArrayEntry) {
+    let inner = &entry.inner;
+    let data = Data::Free {
+        array: inner.id,
+        site: inner.created_at,
+        slot: Slot::of(entry.place),
+    };
+    record(
+        inner.device,
+        manager_id(state, entry.owner),
+        inner.nbytes(),
+        data,
+    );
+}
+
+/// `State::set_owner`: the array `key` has a new owner.
+#[cold]
+#[inline(never)]
+pub(crate) fn array_attached(state: &State, key: ArrayKey) {
+    let Some(entry) = state.arrays.get(key) else {
+        return;
+    };
+    let inner = &entry.inner;
+    let data = Data::Attach {
+        array: inner.id,
+        site: inner.created_at,
+    };
+    record(
+        inner.device,
+        manager_id(state, entry.owner),
+        inner.nbytes(),
+        data,
+    );
+}
+
+/// A move of the array `key` to new storage at `address` (its place is already the new one).
+#[cold]
+#[inline(never)]
+pub(crate) fn array_relocated(state: &State, key: ArrayKey, from: Place, address: u64) {
+    let Some(entry) = state.arrays.get(key) else {
+        return;
+    };
+    let inner = &entry.inner;
+    let data = Data::Relocate(Box::new(Relocation {
+        array: inner.id,
+        site: inner.created_at,
+        address,
+        from: Slot::of(from),
+        to: Slot::of(entry.place),
+    }));
+    record(
+        inner.device,
+        manager_id(state, entry.owner),
+        inner.nbytes(),
+        data,
+    );
+}
+
+/// A manager was created.
+#[cold]
+#[inline(never)]
+pub(crate) fn manager_opened(shared: &Arc<ManagerShared>) {
+    let data = Data::ManagerOpen {
+        manager: Arc::clone(shared),
+    };
+    record(shared.device, shared.id, 0, data);
+}
+
+/// A manager is closing (its arrays are freed already).
+#[cold]
+#[inline(never)]
+pub(crate) fn manager_closed(shared: &ManagerShared) {
+    record(shared.device, shared.id, 0, Data::ManagerClose);
+}
+
+/// A cycle of `workspace` opened, as the scope manager `scope`.
+#[cold]
+#[inline(never)]
+pub(crate) fn cycle_opened(workspace: &Arc<str>, cycle: u64, scope: u64, device: Device) {
+    let data = Data::CycleOpen {
+        workspace: Arc::clone(workspace),
+        cycle,
+    };
+    record(device, scope, 0, data);
+}
+
+/// The figures of a cycle that just ended.
+pub(crate) struct CycleEnd {
+    pub cycle: u64,
+    pub scope: u64,
+    pub device: Device,
+    pub bytes: usize,
+    pub spilled_bytes: usize,
+    pub spilled_count: u64,
+    pub capacity: usize,
+}
+
+/// A cycle of `workspace` ended.
+#[cold]
+#[inline(never)]
+pub(crate) fn cycle_closed(workspace: &Arc<str>, end: CycleEnd) {
+    let data = Data::CycleClose {
+        workspace: Arc::clone(workspace),
+        cycle: end.cycle,
+        spilled_bytes: end.spilled_bytes,
+        spilled_count: end.spilled_count,
+        capacity: end.capacity,
+    };
+    record(end.device, end.scope, end.bytes, data);
+}
+
+/// `workspace` (owned by manager `owner`) allocated `block`.
+#[cold]
+#[inline(never)]
+pub(crate) fn block_allocated(workspace: &Arc<str>, owner: u64, block: &Block) {
+    let data = Data::BlockAlloc {
+        workspace: Arc::clone(workspace),
+        block: block.id(),
+        address: block.address(),
+    };
+    record(block.memory_device(), owner, block.capacity(), data);
+}
+
+/// A block was freed (its last user dropped it).
+#[cold]
+#[inline(never)]
+pub(crate) fn block_freed(block: u64, device: Device, capacity: usize) {
+    record(device, NO_MANAGER, capacity, Data::BlockFree { block });
+}
+
+/// An allocation of `bytes` (aligned) for a cycle of `workspace` (scope `scope`) spilled.
+#[cold]
+#[inline(never)]
+pub(crate) fn spilled(workspace: &Arc<str>, scope: u64, device: Device, bytes: usize, site: Site) {
+    let data = Data::Spill {
+        workspace: Arc::clone(workspace),
+        site,
+    };
+    record(device, scope, bytes, data);
+}
+
+/// Builds the `Capped` error for an array refused by the capped `manager`; records it and logs
+/// it (debug) on the way.
+pub(crate) fn capped(ctx: &Ctx, manager: &ManagerShared, what: String) -> Error {
+    let described = manager.describe();
+    tracing::debug!(target: "ndscope::manager", manager = %described, op = ctx.op, at = %ctx.at, "capped manager refused an array: {what}");
+    if on() {
+        let data = Data::Capped {
+            site: ctx.at,
+            op: ctx.op,
+            what: Arc::from(what.as_str()),
+        };
+        record(manager.device, manager.id, 0, data);
+    }
+    Error::Capped {
+        op: ctx.op,
+        at: ctx.at,
+        manager: described,
+        what,
+    }
+}
+
+/// An allocation of `requested` bytes on `device` was refused.
+pub(crate) fn out_of_memory(
+    ctx: &Ctx,
+    device: Device,
+    requested: usize,
+    in_use: usize,
+    limit: Option<usize>,
+) {
+    if !on() {
+        return;
+    }
+    let data = Data::OutOfMemory {
+        site: ctx.at,
+        op: ctx.op,
+        in_use,
+        limit,
+    };
+    record(device, NO_MANAGER, requested, data);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Starting and stopping
+// ----------------------------------------------------------------------------------------------
+
+/// Starts recording memory events (see the [module docs](self)). What is live now (arrays,
+/// managers, workspace blocks) is taken as the starting state, so the exports show it.
+///
+/// Errors: `InvalidArgument` if `max_entries` is 0, or if a recording is already running
+/// (started by an earlier call or by `NDSCOPE_RECORD`); nothing changes then.
+///
+/// ```
+/// ndscope::start_recording(ndscope::RecordOptions::default().with_max_entries(1000))?;
+/// assert!(ndscope::is_recording());
+/// let recording = ndscope::stop_recording().expect("it was recording");
+/// assert_eq!(recording.dropped(), 0);
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[track_caller]
+pub fn start_recording(options: RecordOptions) -> Result<()> {
+    let ctx = Ctx::new("start_recording");
+    if options.max_entries == 0 {
+        return Err(ctx.invalid("max_entries must be at least 1"));
+    }
+    let thread = thread_index();
+    // The arena lock first (the order every hook keeps), so no event is missed or counted twice
+    // between the starting state and the first event.
+    let state = arena::lock();
+    let mut guard = RECORDER.lock();
+    if guard.is_some() {
+        return Err(ctx.invalid(
+            "a memory recording is already running (started by start_recording or \
+             NDSCOPE_RECORD); call stop_recording first",
+        ));
+    }
+    *guard = Some(Recorder {
+        started: Instant::now(),
+        started_wall: SystemTime::now(),
+        max_entries: options.max_entries,
+        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
+        // touched as events arrive.
+        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
+        dropped: 0,
+        base: Replay::baseline(&state, thread),
+        thread,
+    });
+    ON.store(true, Ordering::Relaxed);
+    drop(guard);
+    drop(state);
+    tracing::debug!(target: "ndscope::timeline", max_entries = options.max_entries, "memory recording started");
+    Ok(())
+}
+
+/// Stops recording and returns what was recorded; `None` if no recording was running.
+pub fn stop_recording() -> Option<Recording> {
+    let mut guard = RECORDER.lock();
+    ON.store(false, Ordering::Relaxed);
+    let recorder = guard.take()?;
+    drop(guard);
+    let recording = recorder.recording();
+    tracing::debug!(target: "ndscope::timeline", events = recording.events.len(), dropped = recording.dropped, "memory recording stopped");
+    Some(recording)
+}
+
+/// A copy of what has been recorded so far, while the recording goes on; `None` if no recording
+/// is running. Like PyTorch's `torch.cuda.memory._snapshot()`.
+pub fn recording_snapshot() -> Option<Recording> {
+    RECORDER.lock().as_ref().map(Recorder::recording)
+}
+
+/// Whether a recording is running.
+pub fn is_recording() -> bool {
+    on()
+}
+
+/// Where `NDSCOPE_RECORD` asked for the recording to be written at exit.
+static EXIT_PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// Starts a recording if `NDSCOPE_RECORD=path` is set (called once, when the arena is created:
+/// nothing is live yet but the system manager). The files are written when the process exits:
+/// `path` as a Chrome trace if it ends in `.json`, as a PyTorch snapshot if it ends in `.pickle`
+/// or `.pkl`, else both, at `path.json` and `path.pickle`. `NDSCOPE_RECORD_MAX_ENTRIES` sets the
+/// cap on events.
+pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
+    let Some(path) = std::env::var_os("NDSCOPE_RECORD").filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let mut options = RecordOptions::default();
+    if let Ok(text) = std::env::var("NDSCOPE_RECORD_MAX_ENTRIES") {
+        match text.trim().parse::<usize>() {
+            Ok(n) if n > 0 => options = options.with_max_entries(n),
+            _ => tracing::warn!(
+                target: "ndscope::timeline",
+                "ignoring NDSCOPE_RECORD_MAX_ENTRIES={text:?}: expected a positive number of events"
+            ),
+        }
+    }
+    let thread = thread_index();
+    let mut guard = RECORDER.lock();
+    if guard.is_some() {
+        return;
+    }
+    *guard = Some(Recorder {
+        started: Instant::now(),
+        started_wall: SystemTime::now(),
+        max_entries: options.max_entries,
+        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
+        // touched as events arrive.
+        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
+        dropped: 0,
+        base: Replay::with_system(system, thread),
+        thread,
+    });
+    ON.store(true, Ordering::Relaxed);
+    drop(guard);
+    *EXIT_PATH.lock() = Some(PathBuf::from(path));
+    if !crate::backend::cpu::process::at_exit(write_at_exit) {
+        tracing::warn!(
+            target: "ndscope::timeline",
+            "NDSCOPE_RECORD: this platform cannot run code at exit; call ndscope::stop_recording() and write the files yourself"
+        );
+    }
+}
+
+/// The paths `NDSCOPE_RECORD=path` writes: (Chrome trace, PyTorch snapshot).
+pub(crate) fn env_outputs(path: &Path) -> (Option<PathBuf>, Option<PathBuf>) {
+    let text = path.to_string_lossy();
+    if text.ends_with(".json") {
+        (Some(path.to_path_buf()), None)
+    } else if text.ends_with(".pickle") || text.ends_with(".pkl") {
+        (None, Some(path.to_path_buf()))
+    } else {
+        (
+            Some(PathBuf::from(format!("{text}.json"))),
+            Some(PathBuf::from(format!("{text}.pickle"))),
+        )
+    }
+}
+
+extern "C" fn write_at_exit() {
+    let Some(path) = EXIT_PATH.lock().take() else {
+        return;
+    };
+    // Another thread may hold the recorder's lock as the process exits: wait a little, no more.
+    let recording = match RECORDER.try_lock_for(Duration::from_secs(2)) {
+        Some(mut guard) => {
+            ON.store(false, Ordering::Relaxed);
+            guard.take().map(|r| r.recording())
+        }
+        None => None,
+    };
+    let Some(recording) = recording else {
+        tracing::error!(target: "ndscope::timeline", path = %path.display(), "NDSCOPE_RECORD: the recording was stopped before exit, or is busy; nothing written");
+        return;
+    };
+    let (trace, snapshot) = env_outputs(&path);
+    let mut written = Vec::new();
+    if let Some(trace) = trace {
+        match recording.write_chrome_trace(&trace) {
+            Ok(()) => written.push(trace),
+            Err(e) => tracing::error!(target: "ndscope::timeline", "NDSCOPE_RECORD: {e}"),
+        }
+    }
+    if let Some(snapshot) = snapshot {
+        match recording.write_memory_snapshot(&snapshot) {
+            Ok(()) => written.push(snapshot),
+            Err(e) => tracing::error!(target: "ndscope::timeline", "NDSCOPE_RECORD: {e}"),
+        }
+    }
+    for path in written {
+        tracing::info!(target: "ndscope::timeline", path = %path.display(), events = recording.events.len(), dropped = recording.dropped, "NDSCOPE_RECORD: wrote the memory recording");
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Recording
+// ----------------------------------------------------------------------------------------------
+
+/// What a recording captured: the events kept (the last `max_entries`), the number dropped, the
+/// threads, and the state when the oldest kept event happened. Export it with
+/// [`write_chrome_trace`](Self::write_chrome_trace) and
+/// [`write_memory_snapshot`](Self::write_memory_snapshot).
+#[derive(Clone)]
+pub struct Recording {
+    events: Vec<MemoryEvent>,
+    base: Replay,
+    dropped: u64,
+    max_entries: usize,
+    duration_ns: u64,
+    started_wall: SystemTime,
+    thread: u32,
+    threads: Vec<String>,
+    pid: u32,
+}
+
+impl fmt::Debug for Recording {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Recording")
+            .field("events", &self.events.len())
+            .field("dropped", &self.dropped)
+            .field("max_entries", &self.max_entries)
+            .field("duration", &self.duration())
+            .finish()
+    }
+}
+
+impl Recording {
+    /// The events kept, oldest first.
+    pub fn events(&self) -> &[MemoryEvent] {
+        &self.events
+    }
+
+    /// Events dropped because the buffer was full (the oldest ones).
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// The cap on events kept.
+    pub fn max_entries(&self) -> usize {
+        self.max_entries
+    }
+
+    /// How long it recorded (until it stopped, or until this copy was taken).
+    pub fn duration(&self) -> Duration {
+        Duration::from_nanos(self.duration_ns)
+    }
+
+    /// Names of the threads, indexed by [`MemoryEvent::thread`] (the thread's name, or
+    /// `thread N`).
+    pub fn threads(&self) -> &[String] {
+        &self.threads
+    }
+
+    /// Writes the recording as a Chrome trace (JSON), which Perfetto UI
+    /// (<https://ui.perfetto.dev>, "Open trace file") and `chrome://tracing` ("Load") open:
+    /// counter tracks of bytes in use per device and per top-level manager, workspace cycles and
+    /// scopes as nested slices per thread, instants for spills, cap refusals, out-of-memory
+    /// refusals and block allocations.
+    ///
+    /// Errors: `Io` if the file cannot be written.
+    #[track_caller]
+    pub fn write_chrome_trace(&self, path: impl AsRef<Path>) -> Result<()> {
+        let ctx = Ctx::new("Recording::write_chrome_trace");
+        write_file(&ctx, path.as_ref(), |w| chrome::write(self, w))
+    }
+
+    /// Writes the Chrome trace to `writer` (see [`write_chrome_trace`](Self::write_chrome_trace)).
+    #[track_caller]
+    pub fn write_chrome_trace_to(&self, writer: impl Write) -> Result<()> {
+        let ctx = Ctx::new("Recording::write_chrome_trace_to");
+        let mut w = BufWriter::with_capacity(1 << 20, writer);
+        chrome::write(self, &mut w)
+            .and_then(|()| w.flush())
+            .map_err(|e| io_error(&ctx, Path::new("<writer>"), e))
+    }
+
+    /// Writes the recording as a PyTorch memory snapshot (the pickle that
+    /// `torch.cuda.memory._snapshot()` returns), which PyTorch's memory viewer
+    /// (<https://pytorch.org/memory_viz>, or `python -m torch.cuda._memory_viz trace_plot`)
+    /// opens: segments (workspace blocks, and each array with its own buffer) with the blocks
+    /// that tile them, and one trace per device of `alloc`, `free_requested`/`free_completed`,
+    /// `segment_alloc`, `segment_free` and `oom` events whose frames are the creation sites, with
+    /// categories from manager names. Device index 0 is the CPU, index `i + 1` is `cuda:i`.
+    ///
+    /// Errors: `Io` if the file cannot be written.
+    #[track_caller]
+    pub fn write_memory_snapshot(&self, path: impl AsRef<Path>) -> Result<()> {
+        let ctx = Ctx::new("Recording::write_memory_snapshot");
+        write_file(&ctx, path.as_ref(), |w| snapshot::write(self, w))
+    }
+
+    /// Writes the PyTorch memory snapshot to `writer` (see
+    /// [`write_memory_snapshot`](Self::write_memory_snapshot)).
+    #[track_caller]
+    pub fn write_memory_snapshot_to(&self, writer: impl Write) -> Result<()> {
+        let ctx = Ctx::new("Recording::write_memory_snapshot_to");
+        let mut w = BufWriter::with_capacity(1 << 20, writer);
+        snapshot::write(self, &mut w)
+            .and_then(|()| w.flush())
+            .map_err(|e| io_error(&ctx, Path::new("<writer>"), e))
+    }
+}
+
+fn io_error(ctx: &Ctx, path: &Path, source: std::io::Error) -> Error {
+    Error::Io {
+        op: ctx.op,
+        at: ctx.at,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn write_file(
+    ctx: &Ctx,
+    path: &Path,
+    body: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<()> {
+    let file = File::create(path).map_err(|e| io_error(ctx, path, e))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    body(&mut w)
+        .and_then(|()| w.flush())
+        .map_err(|e| io_error(ctx, path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_paths_pick_the_format_from_the_extension() {
+        let (t, s) = env_outputs(Path::new("run.json"));
+        assert_eq!(
+            (t.as_deref(), s.as_deref()),
+            (Some(Path::new("run.json")), None)
+        );
+        let (t, s) = env_outputs(Path::new("run.pickle"));
+        assert_eq!(
+            (t.as_deref(), s.as_deref()),
+            (None, Some(Path::new("run.pickle")))
+        );
+        let (t, s) = env_outputs(Path::new("out/run"));
+        assert_eq!(t.as_deref(), Some(Path::new("out/run.json")));
+        assert_eq!(s.as_deref(), Some(Path::new("out/run.pickle")));
+    }
+}
