@@ -947,10 +947,9 @@ impl Recording {
     #[track_caller]
     pub fn write_chrome_trace_to(&self, writer: impl Write) -> Result<()> {
         let ctx = Ctx::new("Recording::write_chrome_trace_to");
-        let mut w = BufWriter::with_capacity(1 << 20, writer);
-        chrome::write(self, &mut w)
-            .and_then(|()| w.flush())
-            .map_err(|e| io_error(&ctx, Path::new("<writer>"), e))
+        write_buffered(&ctx, Path::new("<writer>"), writer, |w| {
+            chrome::write(self, w)
+        })
     }
 
     /// Writes the recording as a PyTorch memory snapshot (the pickle that
@@ -973,11 +972,23 @@ impl Recording {
     #[track_caller]
     pub fn write_memory_snapshot_to(&self, writer: impl Write) -> Result<()> {
         let ctx = Ctx::new("Recording::write_memory_snapshot_to");
-        let mut w = BufWriter::with_capacity(1 << 20, writer);
-        snapshot::write(self, &mut w)
-            .and_then(|()| w.flush())
-            .map_err(|e| io_error(&ctx, Path::new("<writer>"), e))
+        write_buffered(&ctx, Path::new("<writer>"), writer, |w| {
+            snapshot::write(self, w)
+        })
     }
+}
+
+/// Writes through a 1 MiB buffer to `writer`; an I/O error names it `name`.
+fn write_buffered<W: Write>(
+    ctx: &Ctx,
+    name: &Path,
+    writer: W,
+    body: impl FnOnce(&mut BufWriter<W>) -> std::io::Result<()>,
+) -> Result<()> {
+    let mut w = BufWriter::with_capacity(1 << 20, writer);
+    body(&mut w)
+        .and_then(|()| w.flush())
+        .map_err(|e| io_error(ctx, name, e))
 }
 
 fn io_error(ctx: &Ctx, path: &Path, source: std::io::Error) -> Error {
@@ -995,10 +1006,7 @@ fn write_file(
     body: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
 ) -> Result<()> {
     let file = File::create(path).map_err(|e| io_error(ctx, path, e))?;
-    let mut w = BufWriter::with_capacity(1 << 20, file);
-    body(&mut w)
-        .and_then(|()| w.flush())
-        .map_err(|e| io_error(ctx, path, e))
+    write_buffered(ctx, path, file, |w| body(w))
 }
 
 #[cfg(test)]
