@@ -7,8 +7,13 @@ mod backend;
 mod device;
 mod dtype;
 mod error;
+mod host;
+mod inference;
+mod layer_workspace;
 mod manager;
 mod ndarray;
+mod persist;
+mod prefetch;
 mod report;
 mod shape;
 pub mod testing;
@@ -18,13 +23,23 @@ pub use arena::memory::{memory_limit, memory_usage, reset_peak, set_memory_limit
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
+pub use host::HostArray;
+pub use inference::{
+    InferenceMode, InferenceStats, ParallelInference, ParallelInferenceBuilder, Pending, Predictor,
+    PredictorBuilder, ShutdownMode, ShutdownReport,
+};
+pub use layer_workspace::{
+    ArrayKind, KindScope, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, Placement,
+};
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
 pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
+pub use prefetch::{PrefetchStats, Prefetcher};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
 pub use shape::Shape;
 pub use workspace::{
-    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
+    destroy_all_workspaces_for_current_thread, AllocationPolicy, LearningPolicy, LocationPolicy,
+    MirroringPolicy, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig, WorkspaceConfigBuilder,
+    WorkspaceStats,
 };
 
 /// Lets float matrix products on CUDA devices use TF32 tensor cores (10 bits of mantissa for
