@@ -15,6 +15,30 @@ use super::predictor::{Predictor, PredictorBuilder};
 use crate::error::Ctx;
 use crate::{Error, HostArray, Manager, NDArray, Result, WorkspaceConfig};
 
+/// How long a worker with an empty queue, or a caller waiting for its answer, keeps polling
+/// before it sleeps. A sleeping thread's wake-up costs tens of microseconds, more on a busy
+/// machine, and a request goes through two of them (the worker's and the caller's); a short
+/// poll takes both off the latency of back-to-back requests.
+const SPIN: Duration = Duration::from_micros(100);
+
+/// Polls `ready` for up to [`SPIN`]; whether it became true.
+fn spin_until(mut ready: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    let mut n = 0u32;
+    while start.elapsed() < SPIN {
+        if ready() {
+            return true;
+        }
+        n = n.wrapping_add(1);
+        if n.is_multiple_of(64) {
+            thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    ready()
+}
+
 /// The model's forward pass: a batch in the call's context in, the output out (also in the
 /// context, or anywhere the step's ops put it; it is copied out before the context closes).
 type Forward = dyn Fn(&Manager, &NDArray) -> Result<NDArray> + Send + Sync;
@@ -91,6 +115,18 @@ impl Pending {
     #[track_caller]
     pub fn wait(self) -> Result<HostArray> {
         let ctx = Ctx::new("Pending::wait");
+        let mut early = None;
+        spin_until(|| match self.answer.try_recv() {
+            Ok(answer) => {
+                early = Some(answer);
+                true
+            }
+            Err(mpsc::TryRecvError::Empty) => false,
+            Err(mpsc::TryRecvError::Disconnected) => true,
+        });
+        if let Some(answer) = early {
+            return answer;
+        }
         self.answer
             .recv()
             .unwrap_or_else(|_| Err(lost(&ctx, &self.service)))
@@ -146,6 +182,8 @@ struct Shared {
     queue_limit: usize,
     queue: Mutex<Queue>,
     changed: Condvar,
+    /// Requests ever queued: a worker polls it before sleeping on `changed`.
+    pushed: AtomicU64,
     submitted: AtomicU64,
     completed: AtomicU64,
     failed: AtomicU64,
@@ -172,6 +210,7 @@ impl Shared {
     /// The next batch for a worker, or `None` when it should stop.
     fn next_batch(&self) -> Option<Vec<Request>> {
         let mut q = self.queue.lock();
+        let mut polled = false;
         loop {
             if q.phase == Phase::Refusing {
                 return None;
@@ -183,6 +222,15 @@ impl Shared {
                 if q.phase == Phase::Draining {
                     return None;
                 }
+            }
+            if !polled && !q.gathering {
+                // Poll briefly for the next request before sleeping (see `SPIN`).
+                polled = true;
+                let seen = self.pushed.load(Ordering::Acquire);
+                drop(q);
+                spin_until(|| self.pushed.load(Ordering::Acquire) != seen);
+                q = self.queue.lock();
+                continue;
             }
             self.changed.wait(&mut q);
         }
@@ -404,6 +452,7 @@ impl ParallelInferenceBuilder {
                 finished_in_shutdown: 0,
             }),
             changed: Condvar::new(),
+            pushed: AtomicU64::new(0),
             submitted: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -430,6 +479,9 @@ impl ParallelInferenceBuilder {
             let _ = partial.shutdown(ShutdownMode::Refuse);
             error
         };
+        // With a worker per core or more, each worker computes alone: pool helpers joining
+        // its kernels would only compete with the other workers for the cores.
+        let inline = self.workers >= crate::num_threads();
         let mut handles = Vec::with_capacity(self.workers);
         for index in 0..self.workers {
             // Made here, so that a failure is this call's error.
@@ -441,7 +493,7 @@ impl ParallelInferenceBuilder {
             let worker_factory = factory.clone();
             let spawned = thread::Builder::new()
                 .name(format!("{}-worker-{index}", self.name))
-                .spawn(move || worker(worker_shared, worker_factory, index, predictor));
+                .spawn(move || worker(worker_shared, worker_factory, index, predictor, inline));
             match spawned {
                 Ok(handle) => handles.push(handle),
                 Err(e) => {
@@ -499,7 +551,11 @@ fn worker(
     factory: WorkerFactory,
     index: usize,
     mut predictor: Predictor<HostArray, HostArray>,
+    inline: bool,
 ) {
+    if inline {
+        crate::backend::cpu::pool::run_inline();
+    }
     while let Some(batch) = shared.next_batch() {
         let panicked = serve(&shared, &predictor, batch, &factory, index);
         if let Some(fresh) = panicked {
@@ -626,6 +682,7 @@ impl ParallelInference {
             self.shared.changed.wait(&mut q);
         }
         q.requests.push_back(Request { input, answer: tx });
+        self.shared.pushed.fetch_add(1, Ordering::Release);
         drop(q);
         self.shared.submitted.fetch_add(1, Ordering::Relaxed);
         self.shared.changed.notify_all();
