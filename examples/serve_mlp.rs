@@ -248,14 +248,36 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         args.workers, args.clients, args.requests, args.rows
     );
 
-    // Warm-up: full batches for every worker, so each workspace grows to its largest cycle.
-    let burst: Vec<_> = (0..args.batch * args.workers * 4)
-        .map(|i| service.submit(requests[i % samples].clone()))
-        .collect::<ndscope::Result<_>>()?;
-    for pending in burst {
-        pending.wait()?;
+    // Warm-up: bursts of full batches from every client thread at once, so that each worker's
+    // workspace grows to its largest cycle. Which worker takes which batch is up to the
+    // scheduler (on a busy machine one worker may take them all), so bursts go on until the
+    // live bytes have not changed for three rounds in a row.
+    let (mut stable, mut rounds) = (0, 0);
+    let mut live_start = memory_usage(Device::Cpu).in_use;
+    while stable < 3 && rounds < 50 {
+        std::thread::scope(|s| -> Result<(), String> {
+            let bursts: Vec<_> = (0..args.clients)
+                .map(|c| {
+                    let (service, requests) = (&service, &requests);
+                    s.spawn(move || -> ndscope::Result<()> {
+                        let burst: Vec<_> = (0..args.batch * args.workers * 2)
+                            .map(|i| service.submit(requests[(c * 131 + i) % samples].clone()))
+                            .collect::<ndscope::Result<_>>()?;
+                        burst.into_iter().try_for_each(|p| p.wait().map(drop))
+                    })
+                })
+                .collect();
+            bursts.into_iter().try_for_each(|b| match b.join() {
+                Ok(result) => result.map_err(|e| format!("warm-up: {e}")),
+                Err(_) => Err("a warm-up client thread panicked".into()),
+            })
+        })?;
+        let live = memory_usage(Device::Cpu).in_use;
+        stable = if live == live_start { stable + 1 } else { 0 };
+        live_start = live;
+        rounds += 1;
     }
-    let live_start = memory_usage(Device::Cpu).in_use;
+    println!("warm-up: {rounds} rounds of bursts until the live bytes held for three");
 
     // The load: every client sends its requests one after another and checks each answer.
     let started = Instant::now();

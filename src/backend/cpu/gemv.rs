@@ -122,6 +122,10 @@ const UNROLL: usize = 8;
 
 /// `out += c[0]·b[0] + c[1]·b[1] + …`, summed left to right with fused multiply-adds. All the
 /// slices have one length.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and FMA ([`available`]); the body itself only indexes slices.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
 unsafe fn axpy_rows(out: &mut [f32], b: [&[f32]; UNROLL], c: [f32; UNROLL]) {
     let len = out.len();
@@ -136,6 +140,10 @@ unsafe fn axpy_rows(out: &mut [f32], b: [&[f32]; UNROLL], c: [f32; UNROLL]) {
 }
 
 /// `out += c·b` with a fused multiply-add; both slices have one length.
+///
+/// # Safety
+///
+/// The CPU must have AVX2 and FMA ([`available`]); the body itself only indexes slices.
 #[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma"))]
 unsafe fn axpy1(out: &mut [f32], b: &[f32], c: f32) {
     let b = &b[..out.len()];
