@@ -116,6 +116,7 @@ struct Step {
     model: Manager,
     trainer: Manager,
     ws: ndscope::Workspace,
+    layers: ndscope::LayerWorkspaceMgr,
     net: mlp::Mlp,
     x: ndscope::NDArray,
     y: ndscope::NDArray,
@@ -131,6 +132,7 @@ impl Step {
         let ws = trainer
             .workspace("batch", WorkspaceConfig::default())
             .unwrap();
+        let layers = ndscope::LayerWorkspaceMgr::training(&trainer).unwrap();
         let x = trainer.randn([batch, 784], DType::F32).unwrap();
         let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
         let y = trainer.from_slice(&labels, [batch]).unwrap();
@@ -138,6 +140,7 @@ impl Step {
             model,
             trainer,
             ws,
+            layers,
             net,
             x,
             y,
@@ -146,7 +149,11 @@ impl Step {
 
     fn run(&self) {
         self.ws
-            .cycle(|_| self.net.train_step(&self.x, &self.y, 0.01, 0.9).map(|_| ()))
+            .cycle(|_| {
+                self.net
+                    .train_step(&self.layers, &self.x, &self.y, 0.01, 0.9)
+                    .map(|_| ())
+            })
             .unwrap();
     }
 

@@ -22,7 +22,9 @@ use std::hint::black_box;
 
 use common::{bench, human, median_ns, ratio, save};
 use criterion::{criterion_group, Criterion};
-use ndscope::{manual_seed, DType, Manager, Transpose, Workspace, WorkspaceConfig};
+use ndscope::{
+    manual_seed, DType, LayerWorkspaceMgr, Manager, Transpose, Workspace, WorkspaceConfig,
+};
 
 const N: usize = 1024;
 
@@ -91,18 +93,21 @@ fn mlp_step(c: &mut Criterion, batch: usize, group: &str) {
     let x = t.randn([batch, 784], DType::F32).unwrap();
     let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
     let y = t.from_vec(labels, [batch]).unwrap();
+    // DL4J's layer workspaces, and plain scopes for the step in a plain scope.
+    let layers = LayerWorkspaceMgr::training(&t).unwrap();
+    let plain = LayerWorkspaceMgr::no_workspaces(&t);
     let mut g = c.benchmark_group(group);
     g.sample_size(if batch >= 256 { 20 } else { 50 });
     bench(&mut g, group, "ndscope step in a workspace cycle", || {
         ws.cycle(|_| {
-            net.train_step(&x, &y, 0.01, 0.9)
+            net.train_step(&layers, &x, &y, 0.01, 0.9)
                 .map(|o| black_box(o.loss).size())
         })
         .unwrap();
     });
     bench(&mut g, group, "ndscope step in a plain scope", || {
         t.scope(|_| {
-            net.train_step(&x, &y, 0.01, 0.9)
+            net.train_step(&plain, &x, &y, 0.01, 0.9)
                 .map(|o| black_box(o.loss).size())
         })
         .unwrap();

@@ -17,7 +17,7 @@ mod mlp;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ndscope::{manual_seed, DType, Device, Manager, Result, WorkspaceConfig};
+use ndscope::{manual_seed, DType, Device, LayerWorkspaceMgr, Manager, Result, WorkspaceConfig};
 
 fn main() -> ExitCode {
     let mut batch = 16usize;
@@ -57,6 +57,7 @@ fn main() -> ExitCode {
 fn run(batch: usize, steps: usize, device: Device) -> Result<f64> {
     let trainer = Manager::new_base_on(device)?.with_name("trainer");
     let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+    let layers = LayerWorkspaceMgr::training(&trainer)?;
     manual_seed(2);
     let model = Manager::new_base_on(device)?.with_name("model");
     let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10])?;
@@ -69,7 +70,7 @@ fn run(batch: usize, steps: usize, device: Device) -> Result<f64> {
     for i in 0..(steps + 10).div_ceil(group) {
         let start = Instant::now();
         for _ in 0..group {
-            ws.cycle(|_| net.train_step(&x, &y, 0.01, 0.9).map(|_| ()))?;
+            ws.cycle(|_| net.train_step(&layers, &x, &y, 0.01, 0.9).map(|_| ()))?;
         }
         device.synchronize()?;
         if i * group >= 10 {

@@ -3,9 +3,13 @@
 //! ```text
 //! system
 //! ├─ data      the generated samples
+//! │  └─ prefetch   the next batches, cut on a background thread into a circular workspace
 //! └─ model     parameters and momentum buffers; capped while training
-//!    └─ trainer    owns workspace "batch"
-//!       └─ batch#N     one workspace cycle per step: every temporary of the step lives here
+//!    └─ trainer    owns workspace "batch" and the layer workspaces
+//!       ├─ batch#N                  one workspace cycle per step: the step's results
+//!       ├─ ws-all-layers-act#N      the activations the backward pass reads
+//!       ├─ ws-activation-grad#N     the gradients handed down the layers
+//!       └─ ws-layer-working-mem#N   one layer's temporaries (a cycle per layer)
 //! ```
 //!
 //! Run it with `cargo run --release --example train_mlp -- [flags]`:
@@ -18,7 +22,10 @@
 //! --lr X            learning rate (default 0.02)
 //! --momentum X      SGD momentum (default 0.9)
 //! --seed N          seed of every random number (default 7)
-//! --no-workspace    one plain sub-scope per step instead of a workspace cycle (to compare)
+//! --no-workspace    plain scopes instead of workspace cycles, for the step and every layer
+//!                   (LayerWorkspaceMgr::no_workspaces; to compare)
+//! --no-prefetch     cut each batch in the step instead of on the prefetch thread (to compare)
+//! --save PATH       write the trained parameters (w1, b1, …) to PATH as safetensors
 //! --device cpu|cuda where to train (default cpu)
 //! --trace PATH      record memory over the run and write it as a Chrome trace (Perfetto UI,
 //!                   chrome://tracing)
@@ -32,7 +39,8 @@
 //!
 //! It prints per-epoch loss, accuracy, steps/s, live bytes on the device (which must stay flat)
 //! and the allocations ndscope asked the system allocator or the CUDA driver for during the
-//! epoch (0 once the workspace has learned), a `debug_dump` of the model at the end, and fails
+//! epoch (0 once the workspaces have learned), how long the steps waited for the prefetch
+//! thread, a `debug_dump` of the model at the end, and fails
 //! (exit code 1) unless the loss fell, the held-out accuracy exceeds 90%, the live bytes stayed
 //! flat and, with a workspace, no epoch after the first allocated.
 
@@ -44,7 +52,8 @@ use std::time::Instant;
 
 use mlp::{make_data, Mlp};
 use ndscope::{
-    fmt_bytes, manual_seed, memory_usage, Device, Manager, NDArray, RecordOptions, WorkspaceConfig,
+    fmt_bytes, manual_seed, memory_usage, ArrayKind, Device, LayerWorkspaceMgr, Manager, NDArray,
+    Prefetcher, RecordOptions, WorkspaceConfig,
 };
 
 const FEATURES: usize = 784;
@@ -62,6 +71,8 @@ struct Args {
     momentum: f64,
     seed: u64,
     workspace: bool,
+    prefetch: bool,
+    save: Option<std::path::PathBuf>,
     device: Device,
     trace: Option<String>,
     snapshot: Option<String>,
@@ -77,6 +88,8 @@ fn parse_args() -> Result<Args, String> {
         momentum: 0.9,
         seed: 7,
         workspace: true,
+        prefetch: true,
+        save: None,
         device: Device::Cpu,
         trace: None,
         snapshot: None,
@@ -100,6 +113,8 @@ fn parse_args() -> Result<Args, String> {
             "--no-workspace" => args.workspace = false,
             "--trace" => args.trace = Some(value("--trace")?),
             "--snapshot" => args.snapshot = Some(value("--snapshot")?),
+            "--no-prefetch" => args.prefetch = false,
+            "--save" => args.save = Some(value("--save")?.into()),
             "--device" => {
                 args.device = match value("--device")?.as_str() {
                     "cpu" => Device::Cpu,
@@ -109,8 +124,8 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
-                            [--lr X] [--momentum X] [--seed N] [--no-workspace] [--device cpu|cuda] \
-                            [--trace PATH] [--snapshot PATH]"
+                            [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
+                            [--device cpu|cuda] [--trace PATH] [--snapshot PATH]"
                     .into())
             }
             other => return Err(format!("unknown flag {other:?} (try --help)")),
@@ -178,15 +193,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     model.cap(); // from here on, a temporary landing in the model fails at its line
     let trainer = model.new_sub_manager()?.with_name("trainer");
     let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+    // Where each kind of array of a step lives: DL4J's layer workspaces, or plain scopes.
+    let layers = if args.workspace {
+        LayerWorkspaceMgr::training(&trainer)?
+    } else {
+        LayerWorkspaceMgr::no_workspaces(&trainer)
+    };
     println!(
         "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {}, {} epochs, \
-         lr {}, momentum {}, {} on {} (data generated in {:.2} s)",
+         lr {}, momentum {}, {}, {} on {} (data generated in {:.2} s)",
         args.samples,
         args.batch,
         args.epochs,
         args.lr,
         args.momentum,
         if args.workspace { "workspace cycles" } else { "plain scopes" },
+        if args.prefetch { "batches prefetched" } else { "batches cut in the step" },
         args.device,
         t0.elapsed().as_secs_f64()
     );
@@ -204,6 +226,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
 
     let steps = args.samples / args.batch;
+    // Every training batch of every epoch, cut two ahead on a background thread into a
+    // circular workspace (each valid until the step two later asks for its batch).
+    let mut prefetched = if args.prefetch {
+        let (x, y, batch) = (x.clone(), y.clone(), args.batch);
+        let order = (0..args.epochs).flat_map(move |_| 0..steps);
+        Some(Prefetcher::from_iter(
+            &data,
+            2,
+            order,
+            move |_scope, step| {
+                let start = step * batch;
+                Ok(vec![x.narrow(0, start, batch)?, y.narrow(0, start, batch)?].into())
+            },
+        )?)
+    } else {
+        None
+    };
     let mut epochs: Vec<Epoch> = Vec::new();
     let train_start = Instant::now();
     for epoch in 1..=args.epochs {
@@ -211,9 +250,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let allocated_before = memory_usage(args.device).driver_allocations;
         let (mut loss, mut correct) = (0.0, 0i64);
         for step in 0..steps {
+            let batch = match prefetched.as_mut() {
+                Some(batches) => Some(batches.next().ok_or("the prefetcher ended early")??),
+                None => None,
+            };
             let (l, c) = in_step(&|_batch| {
-                let (xb, yb) = batch_of(step * args.batch, args.batch)?;
-                let out = net.train_step(&xb, &yb, args.lr, args.momentum)?;
+                let (xb, yb) = match &batch {
+                    Some(b) => (b.as_slice()[0].clone(), b.as_slice()[1].clone()),
+                    None => batch_of(step * args.batch, args.batch)?,
+                };
+                let out = net.train_step(&layers, &xb, &yb, args.lr, args.momentum)?;
                 Ok((
                     out.loss.to_scalar::<f32>()? as f64,
                     out.correct.to_scalar::<i64>()?,
@@ -241,6 +287,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         epochs.push(e);
     }
     let train_secs = train_start.elapsed().as_secs_f64();
+    if let Some(batches) = &prefetched {
+        let s = batches.stats();
+        println!(
+            "prefetch: {} batches cut on the background thread; the steps waited for {} of them, \
+             {:.1} ms in all ({:.2}% of the training time)",
+            s.consumed,
+            s.waits,
+            s.waited.as_secs_f64() * 1e3,
+            100.0 * s.waited.as_secs_f64() / train_secs
+        );
+    }
+    drop(prefetched);
 
     // Held-out accuracy, one cycle per batch.
     let mut held_correct = 0i64;
@@ -271,6 +329,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             s.spilled_count,
             s.reallocations
         );
+        for kind in [
+            ArrayKind::Activations,
+            ArrayKind::ActivationGrad,
+            ArrayKind::FfWorkingMem,
+        ] {
+            if let Some(lw) = layers.workspace(kind) {
+                let s = lw.stats();
+                println!(
+                    "workspace '{}' ({kind}): {} cycles, block {}, {} reallocations",
+                    lw.name(),
+                    s.cycles,
+                    fmt_bytes(s.capacity),
+                    s.reallocations
+                );
+            }
+        }
+    }
+    if let Some(path) = &args.save {
+        net.parameters().save_safetensors(path)?;
+        println!("saved the parameters to {}", path.display());
     }
     println!("\n{}", model.debug_dump(1));
 

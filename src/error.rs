@@ -251,7 +251,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// A file operation failed (memory-mapped workspaces).
+    /// A file operation failed (memory-mapped workspaces, saved parameters). A file that is
+    /// not valid safetensors (truncated, corrupt header, offsets outside the data) is reported
+    /// here too, with `source.kind()` `InvalidData`.
     #[error("{op} at {at}: I/O error on {}: {source}", path.display())]
     Io {
         /// The operation that failed.
@@ -264,6 +266,45 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    /// User code run by ndscope (a predictor's step, a prefetch producer) panicked. The panic
+    /// was caught where it happened and its memory freed; the message is the panic's.
+    #[error("{op} at {at}: {during} panicked: {message}")]
+    Panicked {
+        /// The operation that ran the code.
+        op: &'static str,
+        /// Where it was called.
+        at: Site,
+        /// What was running, e.g. `the step of predictor 'worker-0' (m12)`.
+        during: String,
+        /// The panic message (`"<non-string panic payload>"` when it is not text).
+        message: String,
+    },
+
+    /// A service (parallel inference, a prefetching iterator) is shut down or shutting down and
+    /// refuses the request; nothing of it ran.
+    #[error("{op} at {at}: {service} is shut down: {reason}")]
+    ShutDown {
+        /// The operation that was refused.
+        op: &'static str,
+        /// Where it was called.
+        at: Site,
+        /// The service, e.g. `parallel inference 'mlp'`.
+        service: String,
+        /// Why the request was refused.
+        reason: String,
+    },
+}
+
+/// The text of a caught panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&'static str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "<non-string panic payload>".to_string()
+    }
 }
 
 /// Formats a byte count as `512 B`, `1.50 KiB`, `4.00 MiB`, `7.99 GiB`.

@@ -7,8 +7,13 @@ mod backend;
 mod device;
 mod dtype;
 mod error;
+mod host;
+mod inference;
+mod layer_workspace;
 mod manager;
 mod ndarray;
+mod persist;
+mod prefetch;
 mod print;
 mod report;
 mod shape;
@@ -22,8 +27,17 @@ pub use arena::memory::{
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
+pub use host::HostArray;
+pub use inference::{
+    InferenceMode, InferenceStats, ParallelInference, ParallelInferenceBuilder, Pending, Predictor,
+    PredictorBuilder, ShutdownMode, ShutdownReport,
+};
+pub use layer_workspace::{
+    ArrayKind, KindScope, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, Placement,
+};
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
 pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
+pub use prefetch::{PrefetchStats, Prefetcher};
 pub use print::{print_options, set_print_options, PrintOptions};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};
 pub use shape::Shape;
@@ -32,8 +46,9 @@ pub use timeline::{
     RecordOptions, Recording,
 };
 pub use workspace::{
-    AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
-    Workspace, WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
+    destroy_all_workspaces_for_current_thread, AllocationPolicy, LearningPolicy, LocationPolicy,
+    MirroringPolicy, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig, WorkspaceConfigBuilder,
+    WorkspaceStats,
 };
 
 /// Lets float matrix products on CUDA devices use TF32 tensor cores (10 bits of mantissa for

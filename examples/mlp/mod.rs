@@ -1,14 +1,17 @@
 //! A multilayer perceptron with a hand-written backward pass, built only from ndscope's public
-//! op set. Shared by `examples/train_mlp.rs` and `benches/training.rs`.
+//! op set. Shared by `examples/train_mlp.rs`, `examples/serve_mlp.rs` and the benches.
 //!
 //! Parameters (and their momentum buffers) live in the manager given to [`Mlp::new`]. A training
-//! step creates every temporary as an op result, so it lands in the thread's active scope (a
-//! workspace cycle in the example): with the model manager capped, any temporary that would
-//! land in the model instead fails at its line with `Error::Capped`.
+//! step places its arrays through a [`LayerWorkspaceMgr`] (DL4J's layer workspace manager): each
+//! layer's forward and backward temporaries in working-memory scopes that close after the
+//! layer, the activations the backward pass needs in an activations scope open for the step,
+//! the gradients handed down the layers in an activation-gradient scope. With the model
+//! manager capped, any temporary that would land in the model instead fails at its line with
+//! `Error::Capped`.
 
 #![allow(dead_code)]
 
-use ndscope::{DType, Manager, NDArray, Result, Transpose};
+use ndscope::{ArrayKind, DType, LayerWorkspaceMgr, Manager, NDArray, NDList, Result, Transpose};
 
 /// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and their velocities.
 pub struct Dense {
@@ -24,7 +27,7 @@ pub struct Mlp {
     pub classes: usize,
 }
 
-/// What one step reports, as 0-d arrays in the active scope.
+/// What one step reports, as 0-d arrays in the caller's active scope.
 pub struct StepOut {
     /// Mean cross-entropy (f32).
     pub loss: NDArray,
@@ -60,73 +63,99 @@ impl Mlp {
         })
     }
 
-    /// The logits of `x` (`[batch, inputs]`) and the activations feeding each layer.
-    pub fn forward(&self, x: &NDArray) -> Result<(NDArray, Vec<NDArray>)> {
-        let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            inputs.push(h.clone());
-            let z = h.matmul(&layer.w)?.add(&layer.b)?;
-            h = if i + 1 < self.layers.len() {
-                z.relu()?
-            } else {
-                z
-            };
-        }
-        Ok((h, inputs))
+    /// The logits of `x` (`[batch, inputs]`), every temporary in the active scope.
+    pub fn logits(&self, x: &NDArray) -> Result<NDArray> {
+        logits(self.layers.iter().map(|l| (&l.w, &l.b)), x)
+    }
+
+    /// The parameters (weights and biases, not the momentum buffers), named `w1`, `b1`, …: what
+    /// a trained model saves and a server loads.
+    pub fn parameters(&self) -> NDList {
+        self.layers
+            .iter()
+            .flat_map(|l| [l.w.clone(), l.b.clone()])
+            .collect()
     }
 
     /// One step of SGD with momentum on a batch: forward, softmax cross-entropy against
-    /// `labels` (`[batch]`, i64), backward, and the in-place update of every parameter.
+    /// `labels` (`[batch]`, i64), backward, and the in-place update of every parameter. Arrays
+    /// are placed by `mgr`; call it inside a scope (a workspace cycle), where the returned
+    /// [`StepOut`] lands.
     pub fn train_step(
         &self,
+        mgr: &LayerWorkspaceMgr,
         x: &NDArray,
         labels: &NDArray,
         lr: f64,
         momentum: f64,
     ) -> Result<StepOut> {
         let batch = x.dims()[0] as f64;
-        let (logits, inputs) = self.forward(x)?;
-        let log_probs = logits.log_softmax(1)?;
+        // Open for the whole step: what the backward pass reads, and what it hands down.
+        let _activations = mgr.open(ArrayKind::Activations)?;
+        let _gradients = mgr.open(ArrayKind::ActivationGrad)?;
+
+        // Forward: each layer's temporaries in a working-memory scope of their own; its output
+        // (the next layer's input, read again by the backward pass) kept as an activation.
+        let last = self.layers.len() - 1;
+        let mut inputs = Vec::with_capacity(self.layers.len());
+        let mut h = x.clone();
+        for (i, layer) in self.layers.iter().enumerate() {
+            inputs.push(h.clone());
+            h = mgr.scope(ArrayKind::FfWorkingMem, |_| {
+                let z = h.matmul(&layer.w)?.add(&layer.b)?;
+                let out = if i < last { z.relu()? } else { z };
+                mgr.leverage_to(ArrayKind::Activations, &out)
+            })?;
+        }
+        let logits = h;
+        let log_probs = mgr.scope(ArrayKind::FfWorkingMem, |_| {
+            mgr.leverage_to(ArrayKind::Activations, &logits.log_softmax(1)?)
+        })?;
+        // The step's results: small, in the caller's active scope.
         let loss = log_probs.pick(labels, 1)?.mean_all()?.neg()?;
         let correct = logits.argmax(1)?.eq(labels)?.sum_all()?;
 
         // d loss / d logits = (softmax − one_hot) / batch
-        let mut grad = log_probs
-            .exp()?
-            .sub(&labels.one_hot(self.classes, DType::F32)?)?
-            .div_scalar(batch)?;
+        let mut grad = mgr.scope(ArrayKind::BpWorkingMem, |_| {
+            let g = log_probs
+                .exp()?
+                .sub(&labels.one_hot(self.classes, DType::F32)?)?
+                .div_scalar(batch)?;
+            mgr.leverage_to(ArrayKind::ActivationGrad, &g)
+        })?;
         for (i, layer) in self.layers.iter().enumerate().rev() {
             let input = &inputs[i];
-            let db = grad.sum(&[0], false)?;
-            // Through this layer's weights (before they change) and the ReLU below it:
-            // relu'(z) is 1 exactly where the layer's input h = relu(z) is positive.
-            let below = if i > 0 {
-                let dh = grad.matmul_t(&layer.w, Transpose::Right)?; // grad · wᵀ, no copy of w
-                let active = input.gt_scalar(0.0)?.to_dtype(DType::F32)?;
-                Some(dh.mul(&active)?)
-            } else {
-                None
-            };
-            // v ← μ·v + inputᵀ·grad; w ← w − lr·v, with no weight-gradient temporary (and, for
-            // f32 batches up to 64 on AVX-512 CPUs, in one pass over w and v)
-            layer
-                .w
-                .sgd_dense_update_(&layer.vw, input, &grad, lr, momentum)?;
-            layer.vb.mul_scalar_(momentum)?;
-            layer.vb.add_(&db)?;
-            layer.b.axpy_(-lr, &layer.vb)?;
-            if let Some(below) = below {
-                grad = below;
-            }
+            grad = mgr.scope(ArrayKind::BpWorkingMem, |_| {
+                let db = grad.sum(&[0], false)?;
+                // Through this layer's weights (before they change) and the ReLU below it:
+                // relu'(z) is 1 exactly where the layer's input h = relu(z) is positive.
+                let below = if i > 0 {
+                    let dh = grad.matmul_t(&layer.w, Transpose::Right)?; // grad · wᵀ, no copy
+                    let active = input.gt_scalar(0.0)?.to_dtype(DType::F32)?;
+                    Some(dh.mul(&active)?)
+                } else {
+                    None
+                };
+                // v ← μ·v + inputᵀ·grad; w ← w − lr·v, with no weight-gradient temporary (and,
+                // for f32 batches up to 64 on AVX-512 CPUs, in one pass over w and v)
+                layer
+                    .w
+                    .sgd_dense_update_(&layer.vw, input, &grad, lr, momentum)?;
+                layer.vb.mul_scalar_(momentum)?;
+                layer.vb.add_(&db)?;
+                layer.b.axpy_(-lr, &layer.vb)?;
+                match below {
+                    Some(below) => mgr.leverage_to(ArrayKind::ActivationGrad, &below),
+                    None => Ok(grad.clone()),
+                }
+            })?;
         }
         Ok(StepOut { loss, correct })
     }
 
     /// Correct predictions on `x` against `labels` (an i64 0-d array in the active scope).
     pub fn correct(&self, x: &NDArray, labels: &NDArray) -> Result<NDArray> {
-        let (logits, _) = self.forward(x)?;
-        logits.argmax(1)?.eq(labels)?.sum_all()
+        self.logits(x)?.argmax(1)?.eq(labels)?.sum_all()
     }
 
     /// Multiply-adds of one training step at `batch` (forward, and backward without the
@@ -140,6 +169,59 @@ impl Mlp {
             flops += one * if i == 0 { 2.0 } else { 3.0 };
         }
         flops
+    }
+}
+
+/// Dense layers with ReLU between them: `x · w + b` per layer.
+fn logits<'a>(
+    layers: impl ExactSizeIterator<Item = (&'a NDArray, &'a NDArray)>,
+    x: &NDArray,
+) -> Result<NDArray> {
+    let last = layers.len().saturating_sub(1);
+    let mut h = x.clone();
+    for (i, (w, b)) in layers.enumerate() {
+        let z = h.matmul(w)?.add(b)?;
+        h = if i < last { z.relu()? } else { z };
+    }
+    Ok(h)
+}
+
+/// A trained MLP for inference: its weights and biases only (no momentum buffers).
+pub struct Inference {
+    /// `(w, b)` per layer, input first.
+    pub layers: Vec<(NDArray, NDArray)>,
+}
+
+impl Inference {
+    /// The layers from parameters named as [`Mlp::parameters`] names them (`w1`, `b1`, `w2`,
+    /// …), in any order; `None` if one is missing.
+    pub fn from_parameters(params: &NDList) -> Option<Inference> {
+        let find = |name: String| {
+            params
+                .iter()
+                .find(|a| a.name().as_deref() == Some(name.as_str()))
+                .cloned()
+        };
+        let mut layers = Vec::new();
+        for i in 1.. {
+            match (find(format!("w{i}")), find(format!("b{i}"))) {
+                (Some(w), Some(b)) => layers.push((w, b)),
+                _ => break,
+            }
+        }
+        (!layers.is_empty() && layers.len() * 2 == params.len()).then_some(Inference { layers })
+    }
+
+    /// The logits of `x` (`[batch, inputs]`), every temporary in the active scope.
+    pub fn logits(&self, x: &NDArray) -> Result<NDArray> {
+        logits(self.layers.iter().map(|(w, b)| (w, b)), x)
+    }
+
+    /// Input width, output width.
+    pub fn io(&self) -> (usize, usize) {
+        let first = self.layers.first().map_or(0, |(w, _)| w.dims()[0]);
+        let last = self.layers.last().map_or(0, |(w, _)| w.dims()[1]);
+        (first, last)
     }
 }
 

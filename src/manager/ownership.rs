@@ -38,18 +38,20 @@ enum Step {
 
 impl State {
     /// Whether moving `key` to `target` must copy its bytes out of a workspace cycle: they live in
-    /// an open cycle's block and the target is not inside that cycle's scope. Arrays of an ended
-    /// cycle (kept by a circular workspace) stay in place until overwritten, and `ret` out of a
-    /// circular workspace is zero-copy.
+    /// an open cycle's block and the target is not inside that cycle's scope, or they are a
+    /// survivor of a circular workspace's ended cycle (which the buffer will overwrite when it
+    /// comes round: moved to another owner, it is copied out so that the move keeps it, as
+    /// ND4J's `detach`). `ret` out of an open circular cycle is zero-copy.
     fn copy_needed(&self, key: ArrayKey, target: Owner, kind: Move) -> bool {
-        let Place::Block { cycle, .. } = self.arrays[key].place else {
+        let Place::Block { cycle, block, .. } = self.arrays[key].place else {
             return false;
         };
         let Some(ws) = self.workspaces.get(cycle.ws) else {
             return false;
         };
         if ws.open != Some(cycle) {
-            return false;
+            return ws.shared.config.reset() == ResetPolicy::EndOfBuffer
+                && ws.block.as_ref().is_some_and(|b| b.id() == block);
         }
         match target {
             Owner::Detached => true,

@@ -137,6 +137,8 @@ pub(crate) struct WorkspaceShared {
     pub owner: Manager,
     /// The stats at destruction, kept for `Workspace::stats` afterwards.
     pub final_stats: Mutex<Option<WorkspaceStats>>,
+    /// The thread that created it, for [`destroy_all_workspaces_for_current_thread`].
+    pub creator: std::thread::ThreadId,
 }
 
 /// Where one allocation goes.
@@ -563,6 +565,45 @@ impl Workspace {
     }
 }
 
+/// Destroys every live workspace created on the calling thread, as ND4J's
+/// `destroyAllWorkspacesForCurrentThread` (say, after evaluation, when a thread's workspaces are
+/// no longer needed), and returns how many it destroyed. Each is destroyed as by
+/// [`Workspace::destroy`]: an open cycle ends, arrays still in its block are closed, the block is
+/// freed. Workspaces of other threads are left alone; one created here but used from another
+/// thread since is destroyed too (the creator decides). Freeing never depends on the thread:
+/// [`Workspace::destroy`] and closing the owner work from any thread.
+///
+/// ```
+/// use ndscope::{destroy_all_workspaces_for_current_thread, Manager, WorkspaceConfig};
+/// let m = Manager::new_base();
+/// let ws = m.workspace("eval", WorkspaceConfig::default())?;
+/// let other = std::thread::spawn({
+///     let m = m.clone();
+///     move || m.workspace("theirs", WorkspaceConfig::default()).map(|_| ())
+/// });
+/// other.join().unwrap()?;
+/// assert!(destroy_all_workspaces_for_current_thread() >= 1);
+/// assert!(ws.is_destroyed());
+/// assert!(!m.workspace("theirs", WorkspaceConfig::default())?.is_destroyed());
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[track_caller]
+pub fn destroy_all_workspaces_for_current_thread() -> usize {
+    let ctx = Ctx::new("destroy_all_workspaces_for_current_thread");
+    let me = std::thread::current().id();
+    let mut state = arena::lock();
+    let mine: Vec<WorkspaceKey> = state
+        .workspaces
+        .iter()
+        .filter(|(_, ws)| ws.shared.creator == me)
+        .map(|(key, _)| key)
+        .collect();
+    for &key in &mine {
+        state.destroy_workspace(&ctx, key);
+    }
+    mine.len()
+}
+
 /// Storage for a new array, and where it lives.
 pub(crate) struct Allocation {
     pub buffer: Storage,
@@ -638,6 +679,7 @@ impl State {
                 config,
                 owner: owner.clone(),
                 final_stats: Mutex::new(None),
+                creator: std::thread::current().id(),
             }),
             owner: owner.0.key,
             device,

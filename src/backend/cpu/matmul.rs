@@ -125,6 +125,11 @@ pub(crate) fn gemm_general<T: Num>(
         }
         return;
     }
+    if m <= super::gemv::MAX_M && !ta && !tb && accumulate.is_none() {
+        if let Some((a, b, out)) = as_f32(a, b, out).filter(|_| super::gemv::available()) {
+            return super::gemv::small_m(m, k, n, a, b, out);
+        }
+    }
     warm_once();
     let (read_dst, dst_scale, product_scale) = match accumulate {
         Some((s, q)) => (true, s, q),
@@ -183,6 +188,28 @@ pub(crate) fn gemm_general<T: Num>(
         pool::run(m.div_ceil(rows), &|t| {
             block(t * rows..((t + 1) * rows).min(m), 0..n, out)
         });
+    }
+}
+
+/// The operands as f32 slices when `T` is f32.
+#[allow(clippy::type_complexity)]
+fn as_f32<'a, T: Num>(
+    a: &'a [T],
+    b: &'a [T],
+    out: &'a mut [T],
+) -> Option<(&'a [f32], &'a [f32], &'a mut [f32])> {
+    if T::DTYPE != crate::DType::F32 {
+        return None;
+    }
+    // SAFETY: `T` is f32 (its dtype says so, and `Element` is sealed: only f32 has that dtype),
+    // so each slice is a slice of f32 with the same length and lifetime; `out` is reborrowed
+    // once, mutably, as the only use of the original.
+    unsafe {
+        Some((
+            std::slice::from_raw_parts(a.as_ptr().cast::<f32>(), a.len()),
+            std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), b.len()),
+            std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()),
+        ))
     }
 }
 

@@ -3,6 +3,7 @@
 
 pub(crate) mod buffer;
 pub(crate) mod elementwise;
+pub(crate) mod gemv;
 pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod num;

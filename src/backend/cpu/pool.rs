@@ -187,14 +187,30 @@ fn helper(pool: &'static Pool) {
     }
 }
 
+thread_local! {
+    /// Set on threads that run every kernel themselves ([`run_inline`]).
+    static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// From now on, kernels called on this thread run on it alone, without the pool. For threads
+/// that are themselves one of as many parallel workers as there are cores (the workers of a
+/// `ParallelInference`): a kernel that also asked the pool's helpers for help would put more
+/// busy threads than cores on the machine.
+pub(crate) fn run_inline() {
+    INLINE.with(|i| i.set(true));
+}
+
 /// Runs `f(0)`, …, `f(tasks − 1)`, each once, on the pool (the calling thread included), and
 /// returns when all have finished. Runs them in order on the calling thread when there is one
 /// task, one thread, or the pool is busy. A panic in a task is re-raised here after every task
 /// has finished.
 pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    if tasks <= 1 || INLINE.with(std::cell::Cell::get) {
+        (0..tasks).for_each(f);
+        return;
+    }
     let pool = pool();
-    if tasks <= 1
-        || pool.threads.load(Ordering::Relaxed) < 2
+    if pool.threads.load(Ordering::Relaxed) < 2
         || pool
             .busy
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)

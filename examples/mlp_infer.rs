@@ -1,0 +1,180 @@
+//! Times inference of an MLP 784→1024→1024→10 (f32, random weights) on the CPU, as
+//! `benches/peers/mlp_infer.py` times the same network in PyTorch, in turns with it:
+//!
+//! - latency at batch 1: the median time of one request through a `ParallelInference` (one
+//!   client, sequential mode) and through a `Predictor` called on this thread;
+//! - throughput at batch 64: samples per second through a `ParallelInference` with
+//!   `--workers` workers fed by `--clients` client threads, each sending 64-row requests.
+//!
+//! ```text
+//! cargo run --release --example mlp_infer -- --what latency --requests 2000
+//! cargo run --release --example mlp_infer -- --what throughput --batch 64 --requests 300
+//! ```
+//!
+//! It prints one line per figure, e.g. `latency batch 1: service p50 412.3 us; predictor p50
+//! 398.0 us` and `throughput batch 64: 9120 samples/s (service, 2 workers, 4 clients)`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ndscope::{
+    manual_seed, DType, HostArray, Manager, NDArray, ParallelInference, Predictor, Result,
+    ShutdownMode,
+};
+
+const SIZES: [usize; 4] = [784, 1024, 1024, 10];
+
+struct Args {
+    what: String,
+    batch: usize,
+    requests: usize,
+    clients: usize,
+    workers: usize,
+}
+
+fn main() -> ExitCode {
+    let mut args = Args {
+        what: "latency".into(),
+        batch: 1,
+        requests: 1000,
+        clients: 4,
+        workers: ndscope::num_threads(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next();
+        let number = value
+            .as_deref()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0);
+        match (flag.as_str(), number, value.as_deref()) {
+            ("--what", _, Some(w @ ("latency" | "throughput"))) => args.what = w.into(),
+            ("--batch", Some(n), _) => args.batch = n,
+            ("--requests", Some(n), _) => args.requests = n,
+            ("--clients", Some(n), _) => args.clients = n,
+            ("--workers", Some(n), _) => args.workers = n,
+            _ => {
+                eprintln!(
+                    "usage: mlp_infer [--what latency|throughput] [--batch N] [--requests N] \
+                     [--clients N] [--workers N]"
+                );
+                return ExitCode::from(2);
+            }
+        }
+    }
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mlp_infer: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Dense layers with ReLU between them.
+fn forward(layers: &[(NDArray, NDArray)], x: &NDArray) -> Result<NDArray> {
+    let mut h = x.clone();
+    for (i, (w, b)) in layers.iter().enumerate() {
+        let z = h.matmul(w)?.add(b)?;
+        h = if i + 1 < layers.len() { z.relu()? } else { z };
+    }
+    Ok(h)
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn run(args: &Args) -> Result<()> {
+    manual_seed(9);
+    let model = Manager::new_base().with_name("model");
+    let mut layers = Vec::new();
+    for pair in SIZES.windows(2) {
+        let w = model.randn([pair[0], pair[1]], DType::F32)?;
+        w.mul_scalar_((2.0 / pair[0] as f64).sqrt())?;
+        layers.push((w, model.zeros([pair[1]], DType::F32)?));
+    }
+    let layers = Arc::new(layers);
+    let input = HostArray::from_vec(
+        (0..args.batch * SIZES[0])
+            .map(|i| ((i % 13) as f32 - 6.0) * 0.1)
+            .collect(),
+        [args.batch, SIZES[0]],
+    )?;
+    let service = {
+        let layers = Arc::clone(&layers);
+        ParallelInference::builder(&model)
+            .workers(args.workers)
+            .build(move |_ctx, x| forward(&layers, x))?
+    };
+    match args.what.as_str() {
+        "latency" => {
+            let predictor = {
+                let layers = Arc::clone(&layers);
+                Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
+                    forward(&layers, &ctx.from_host(x)?)?.to_host()
+                })?
+            };
+            let (mut service_times, mut direct_times) = (Vec::new(), Vec::new());
+            for i in 0..args.requests + 20 {
+                let t = Instant::now();
+                std::hint::black_box(service.predict(input.clone())?);
+                let s = t.elapsed();
+                let t = Instant::now();
+                std::hint::black_box(predictor.predict(&input)?);
+                if i >= 20 {
+                    service_times.push(s);
+                    direct_times.push(t.elapsed());
+                }
+            }
+            println!(
+                "latency batch {}: service p50 {:.1} us; predictor p50 {:.1} us",
+                args.batch,
+                median(service_times).as_secs_f64() * 1e6,
+                median(direct_times).as_secs_f64() * 1e6
+            );
+        }
+        _ => {
+            // Warm every worker's workspace, then time `requests` batches from the clients.
+            for _ in 0..args.workers * 4 {
+                service.predict(input.clone())?;
+            }
+            let per_client = args.requests.div_ceil(args.clients);
+            let start = Instant::now();
+            std::thread::scope(|s| -> Result<()> {
+                let clients: Vec<_> = (0..args.clients)
+                    .map(|_| {
+                        let (service, input) = (&service, &input);
+                        s.spawn(move || -> Result<()> {
+                            for _ in 0..per_client {
+                                std::hint::black_box(service.predict(input.clone())?);
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                for c in clients {
+                    c.join().map_err(|_| ndscope::Error::Panicked {
+                        op: "mlp_infer",
+                        at: std::panic::Location::caller(),
+                        during: "a client thread".into(),
+                        message: "see its output above".into(),
+                    })??;
+                }
+                Ok(())
+            })?;
+            let samples = (per_client * args.clients * args.batch) as f64;
+            println!(
+                "throughput batch {}: {:.0} samples/s (service, {} workers, {} clients)",
+                args.batch,
+                samples / start.elapsed().as_secs_f64(),
+                args.workers,
+                args.clients
+            );
+        }
+    }
+    service.shutdown(ShutdownMode::Drain)?;
+    model.close()
+}
