@@ -300,16 +300,23 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     drop(prefetched);
 
-    // Held-out accuracy, one cycle per batch.
+    // Held-out accuracy, one cycle per batch of a workspace of its own: a forward pass over a
+    // batch needs other memory than a training step, and sharing the step's learned block
+    // would make every evaluation cycle spill.
+    let eval_ws = trainer.workspace("eval", WorkspaceConfig::default())?;
     let mut held_correct = 0i64;
     let mut start = args.samples;
     while start < total {
         let len = args.batch.min(total - start);
-        held_correct += in_step(&|_batch| {
+        let count = |_: &Manager| -> ndscope::Result<i64> {
             let (xb, yb) = batch_of(start, len)?;
-            Ok((0.0, net.correct(&xb, &yb)?.to_scalar::<i64>()?))
-        })?
-        .1;
+            net.correct(&xb, &yb)?.to_scalar::<i64>()
+        };
+        held_correct += if args.workspace {
+            eval_ws.cycle(count)?
+        } else {
+            trainer.scope(count)?
+        };
         start += len;
     }
     let held_accuracy = held_correct as f64 / HELD_OUT as f64;
@@ -328,6 +335,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             fmt_bytes(s.spilled_bytes),
             s.spilled_count,
             s.reallocations
+        );
+        let s = eval_ws.stats();
+        println!(
+            "workspace 'eval': {} cycles, block {}, {} spilled in {} allocations",
+            s.cycles,
+            fmt_bytes(s.capacity),
+            fmt_bytes(s.spilled_bytes),
+            s.spilled_count
         );
         for kind in [
             ArrayKind::Activations,
