@@ -324,6 +324,11 @@ impl ManagerReport {
                     let _ = write!(out, " '{name}'");
                 }
                 let _ = write!(out, " {} {} {}", a.dtype, a.shape, Bytes(a.bytes));
+                // An array's device is its own (a CPU manager may hold CUDA arrays): named when
+                // it is not the manager's.
+                if a.device != self.device {
+                    let _ = write!(out, " on {}", a.device);
+                }
                 if !tag.is_empty() {
                     let _ = write!(out, " {tag}");
                 }

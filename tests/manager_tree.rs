@@ -93,9 +93,13 @@ fn new_base_on_cpu_is_a_child_of_the_system_manager() -> Result<()> {
 
 #[test]
 fn new_base_on_an_absent_gpu_is_device_unavailable() {
-    assert_eq!(Device::cuda_count(), 0, "this build has no GPU backend");
-    match Manager::new_base_on(Device::Cuda(0)) {
-        Err(Error::DeviceUnavailable { device, .. }) => assert_eq!(device, Device::Cuda(0)),
+    if !cfg!(feature = "cuda") {
+        assert_eq!(Device::cuda_count(), 0, "this build has no GPU backend");
+    }
+    // The first ordinal past this machine's GPUs: cuda:0 where there are none.
+    let absent = Device::Cuda(Device::cuda_count());
+    match Manager::new_base_on(absent) {
+        Err(Error::DeviceUnavailable { device, .. }) => assert_eq!(device, absent),
         other => panic!("expected DeviceUnavailable, got {other:?}"),
     }
 }
@@ -104,7 +108,7 @@ fn new_base_on_an_absent_gpu_is_device_unavailable() {
 fn new_sub_manager_on_an_absent_gpu_is_device_unavailable() {
     let base = Manager::new_base();
     assert!(matches!(
-        base.new_sub_manager_on(Device::Cuda(0)),
+        base.new_sub_manager_on(Device::Cuda(Device::cuda_count())),
         Err(Error::DeviceUnavailable { .. })
     ));
     assert!(base.children().is_empty(), "nothing was created");

@@ -2,11 +2,11 @@
 //! dims, rank mismatch, scalars, empty arrays), every dtype, sizes on both sides of the
 //! parallel threshold, and the error paths.
 
-use ndscope::{DType, Error, Manager, NDArray};
+use ndscope::{DType, Device, Error, Manager, NDArray};
 use proptest::prelude::*;
 
 mod common;
-use common::{as_f64, size};
+use common::{as_f64, device_tests, size};
 
 /// Test data in -9..=9.
 fn values(n: usize, seed: u64) -> Vec<i64> {
@@ -98,8 +98,8 @@ const SHAPE_PAIRS: &[(&[usize], &[usize])] = &[
     (&[1200, 40], &[1200, 40]),
 ];
 
-fn compare_all(op: &str) {
-    let m = Manager::new_base();
+fn compare_all(dev: Device, op: &str) {
+    let m = Manager::new_base_on(dev).unwrap();
     for dtype in DType::ALL {
         for (i, &(ash, bsh)) in SHAPE_PAIRS.iter().enumerate() {
             let (av, bv) = (
@@ -129,24 +129,24 @@ fn compare_all(op: &str) {
     m.close().unwrap();
 }
 
-#[test]
-fn gt_broadcasts_and_gives_u8_zero_or_one() {
-    compare_all("gt");
+device_tests!(gt_broadcasts_and_gives_u8_zero_or_one);
+fn gt_broadcasts_and_gives_u8_zero_or_one(dev: Device) {
+    compare_all(dev, "gt");
 }
 
-#[test]
-fn lt_broadcasts_and_gives_u8_zero_or_one() {
-    compare_all("lt");
+device_tests!(lt_broadcasts_and_gives_u8_zero_or_one);
+fn lt_broadcasts_and_gives_u8_zero_or_one(dev: Device) {
+    compare_all(dev, "lt");
 }
 
-#[test]
-fn eq_broadcasts_and_gives_u8_zero_or_one() {
-    compare_all("eq");
+device_tests!(eq_broadcasts_and_gives_u8_zero_or_one);
+fn eq_broadcasts_and_gives_u8_zero_or_one(dev: Device) {
+    compare_all(dev, "eq");
 }
 
-#[test]
-fn comparisons_with_nan_are_false() {
-    let m = Manager::new_base();
+device_tests!(comparisons_with_nan_are_false);
+fn comparisons_with_nan_are_false(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[f32::NAN, 1.0, f32::NAN], [3]).unwrap();
     let b = m.from_slice(&[f32::NAN, f32::NAN, 0.0], [3]).unwrap();
     assert_eq!(a.gt(&b).unwrap().to_vec::<u8>().unwrap(), vec![0, 0, 0]);
@@ -158,9 +158,9 @@ fn comparisons_with_nan_are_false() {
     );
 }
 
-#[test]
-fn scalar_comparisons_match_reference_for_every_dtype() {
-    let m = Manager::new_base();
+device_tests!(scalar_comparisons_match_reference_for_every_dtype);
+fn scalar_comparisons_match_reference_for_every_dtype(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for dtype in DType::ALL {
         for n in [0, 1, 7, 33, 40_000] {
             let a = array(&m, dtype, &[n], &values(n, n as u64));
@@ -182,9 +182,9 @@ fn scalar_comparisons_match_reference_for_every_dtype() {
     }
 }
 
-#[test]
-fn integer_scalar_comparison_does_not_truncate_the_scalar() {
-    let m = Manager::new_base();
+device_tests!(integer_scalar_comparison_does_not_truncate_the_scalar);
+fn integer_scalar_comparison_does_not_truncate_the_scalar(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[2i32, 3], [2]).unwrap();
     assert_eq!(
         a.gt_scalar(2.5).unwrap().to_vec::<u8>().unwrap(),
@@ -200,9 +200,9 @@ fn integer_scalar_comparison_does_not_truncate_the_scalar() {
     );
 }
 
-#[test]
-fn float_scalar_comparison_uses_the_array_precision() {
-    let m = Manager::new_base();
+device_tests!(float_scalar_comparison_uses_the_array_precision);
+fn float_scalar_comparison_uses_the_array_precision(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[0.1f32, 0.2], [2]).unwrap();
     assert_eq!(
         a.eq_scalar(0.1).unwrap().to_vec::<u8>().unwrap(),
@@ -210,18 +210,18 @@ fn float_scalar_comparison_uses_the_array_precision() {
     );
 }
 
-#[test]
-fn comparison_of_different_dtypes_is_a_dtype_mismatch() {
-    let m = Manager::new_base();
+device_tests!(comparison_of_different_dtypes_is_a_dtype_mismatch);
+fn comparison_of_different_dtypes_is_a_dtype_mismatch(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([3], DType::F32).unwrap();
     let b = m.zeros([3], DType::F64).unwrap();
     assert!(matches!(a.gt(&b), Err(Error::DTypeMismatch { .. })));
     assert!(matches!(a.eq(&b), Err(Error::DTypeMismatch { .. })));
 }
 
-#[test]
-fn comparison_of_shapes_that_do_not_broadcast_is_a_shape_mismatch() {
-    let m = Manager::new_base();
+device_tests!(comparison_of_shapes_that_do_not_broadcast_is_a_shape_mismatch);
+fn comparison_of_shapes_that_do_not_broadcast_is_a_shape_mismatch(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([2, 3], DType::I32).unwrap();
     let b = m.zeros([4], DType::I32).unwrap();
     let err = a.lt(&b).unwrap_err();
@@ -233,9 +233,9 @@ fn comparison_of_shapes_that_do_not_broadcast_is_a_shape_mismatch() {
     );
 }
 
-#[test]
-fn comparison_of_a_closed_array_is_array_closed() {
-    let m = Manager::new_base();
+device_tests!(comparison_of_a_closed_array_is_array_closed);
+fn comparison_of_a_closed_array_is_array_closed(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([3], DType::F32).unwrap();
     let b = m.zeros([3], DType::F32).unwrap();
     b.close().unwrap();
@@ -243,9 +243,9 @@ fn comparison_of_a_closed_array_is_array_closed() {
     assert!(matches!(b.gt_scalar(1.0), Err(Error::ArrayClosed { .. })));
 }
 
-#[test]
-fn binary_arithmetic_broadcasts_like_numpy_for_every_dtype() {
-    let m = Manager::new_base();
+device_tests!(binary_arithmetic_broadcasts_like_numpy_for_every_dtype);
+fn binary_arithmetic_broadcasts_like_numpy_for_every_dtype(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     type Op = (
         &'static str,
         fn(&NDArray, &NDArray) -> ndscope::Result<NDArray>,
@@ -277,9 +277,9 @@ fn binary_arithmetic_broadcasts_like_numpy_for_every_dtype() {
     }
 }
 
-#[test]
-fn integer_division_by_zero_is_invalid_and_float_division_is_ieee() {
-    let m = Manager::new_base();
+device_tests!(integer_division_by_zero_is_invalid_and_float_division_is_ieee);
+fn integer_division_by_zero_is_invalid_and_float_division_is_ieee(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[4i32, 9], [2]).unwrap();
     let z = m.from_slice(&[2i32, 0], [2]).unwrap();
     assert!(matches!(a.div(&z), Err(Error::InvalidArgument { .. })));
@@ -299,9 +299,9 @@ fn integer_division_by_zero_is_invalid_and_float_division_is_ieee() {
     );
 }
 
-#[test]
-fn unary_ops_match_reference_on_both_sides_of_the_parallel_threshold() {
-    let m = Manager::new_base();
+device_tests!(unary_ops_match_reference_on_both_sides_of_the_parallel_threshold);
+fn unary_ops_match_reference_on_both_sides_of_the_parallel_threshold(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for n in [0usize, 1, 7, 33, 40_001] {
         let x: Vec<f64> = values(n, 7).iter().map(|&v| v as f64 * 0.25).collect();
         let a = m.from_slice(&x, [n]).unwrap();
@@ -356,16 +356,14 @@ fn broadcastable_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    #[test]
-    fn broadcasting_matches_the_reference_for_random_shapes(
+device_tests!(broadcasting_matches_the_reference_for_random_shapes);
+fn broadcasting_matches_the_reference_for_random_shapes(dev: Device) {
+    proptest!(ProptestConfig::with_cases(64), |(
         (ash, bsh) in broadcastable_pair(),
         seed in any::<u64>(),
         dtype in prop::sample::select(DType::ALL.to_vec()),
-    ) {
-        let m = Manager::new_base();
+    )| {
+        let m = Manager::new_base_on(dev).unwrap();
         let a = array(&m, dtype, &ash, &values(size(&ash), seed));
         let b = array(&m, dtype, &bsh, &values(size(&bsh), seed ^ 0xABCD));
         let (shape, want) = reference_zip(&as_f64(&a), &ash, &as_f64(&b), &bsh, f64::max);
@@ -375,12 +373,12 @@ proptest! {
         let (_, want) = reference_zip(&as_f64(&a), &ash, &as_f64(&b), &bsh, |x, y| f64::from(u8::from(x > y)));
         prop_assert_eq!(as_f64(&a.gt(&b).unwrap()), want);
         m.close().unwrap();
-    }
+    });
 }
 
-#[test]
-fn integer_scalar_ops_refuse_fractional_or_out_of_range_scalars() {
-    let m = Manager::new_base();
+device_tests!(integer_scalar_ops_refuse_fractional_or_out_of_range_scalars);
+fn integer_scalar_ops_refuse_fractional_or_out_of_range_scalars(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[2i32, 4, 6], [3]).unwrap();
     for (name, result) in [
         ("add_scalar", a.add_scalar(0.5)),

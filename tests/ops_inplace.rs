@@ -2,11 +2,11 @@
 //! plain reference loops: broadcasting of the source, the source being the target, sizes on
 //! both sides of the parallel threshold, and every error path leaving the target unchanged.
 
-use ndscope::{DType, Error, Manager, NDArray};
+use ndscope::{DType, Device, Error, Manager, NDArray};
 use proptest::prelude::*;
 
 mod common;
-use common::{as_f64, size};
+use common::{as_f64, device_tests, size};
 
 /// Test data in -10..=10.
 fn values(n: usize, seed: u64) -> Vec<i64> {
@@ -57,9 +57,9 @@ const PAIRS: &[(&[usize], &[usize])] = &[
     (&[40_000], &[40_000]),
 ];
 
-#[test]
-fn axpy_adds_alpha_times_a_broadcast_source() {
-    let m = Manager::new_base();
+device_tests!(axpy_adds_alpha_times_a_broadcast_source);
+fn axpy_adds_alpha_times_a_broadcast_source(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64, DType::I32, DType::I64] {
         for (i, &(tsh, ssh)) in PAIRS.iter().enumerate() {
             for alpha in [1.0, -2.0, 0.5] {
@@ -78,9 +78,9 @@ fn axpy_adds_alpha_times_a_broadcast_source() {
     }
 }
 
-#[test]
-fn axpy_with_the_target_as_source_scales_it() {
-    let m = Manager::new_base();
+device_tests!(axpy_with_the_target_as_source_scales_it);
+fn axpy_with_the_target_as_source_scales_it(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for n in [1, 7, 40_000] {
         let vals = values(n, 3);
         let a = array(&m, DType::F32, &[n], &vals);
@@ -93,9 +93,13 @@ fn axpy_with_the_target_as_source_scales_it() {
     assert_eq!(i.to_vec::<i64>().unwrap(), vec![0, 0]);
 }
 
-#[test]
-fn integer_axpy_with_a_fractional_or_unrepresentable_alpha_is_invalid_and_changes_nothing() {
-    let m = Manager::new_base();
+device_tests!(
+    integer_axpy_with_a_fractional_or_unrepresentable_alpha_is_invalid_and_changes_nothing
+);
+fn integer_axpy_with_a_fractional_or_unrepresentable_alpha_is_invalid_and_changes_nothing(
+    dev: Device,
+) {
+    let m = Manager::new_base_on(dev).unwrap();
     let t = m.from_slice(&[1i32, 2, 3], [3]).unwrap();
     let s = m.from_slice(&[1i32, 1, 1], [3]).unwrap();
     assert!(matches!(
@@ -121,9 +125,9 @@ fn integer_axpy_with_a_fractional_or_unrepresentable_alpha_is_invalid_and_change
     assert_eq!(b.to_vec::<u8>().unwrap(), vec![4, 5]);
 }
 
-#[test]
-fn binary_inplace_ops_broadcast_the_source() {
-    let m = Manager::new_base();
+device_tests!(binary_inplace_ops_broadcast_the_source);
+fn binary_inplace_ops_broadcast_the_source(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     type Op = (
         &'static str,
         fn(&NDArray, &NDArray) -> ndscope::Result<()>,
@@ -154,9 +158,9 @@ fn binary_inplace_ops_broadcast_the_source() {
     assert_eq!(a.to_vec::<f64>().unwrap(), vec![0.0, 0.0]);
 }
 
-#[test]
-fn mul_scalar_inplace_scales_every_element() {
-    let m = Manager::new_base();
+device_tests!(mul_scalar_inplace_scales_every_element);
+fn mul_scalar_inplace_scales_every_element(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for n in [0, 1, 33, 40_000] {
         let vals = values(n, 5);
         let a = array(&m, DType::F64, &[n], &vals);
@@ -166,9 +170,9 @@ fn mul_scalar_inplace_scales_every_element() {
     }
 }
 
-#[test]
-fn assign_copies_a_broadcast_source() {
-    let m = Manager::new_base();
+device_tests!(assign_copies_a_broadcast_source);
+fn assign_copies_a_broadcast_source(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for dtype in DType::ALL {
         for (i, &(tsh, ssh)) in PAIRS.iter().enumerate() {
             let t = array(&m, dtype, tsh, &values(size(tsh), i as u64));
@@ -183,9 +187,9 @@ fn assign_copies_a_broadcast_source() {
     assert_eq!(a.to_vec::<i32>().unwrap(), vec![1, 2]);
 }
 
-#[test]
-fn fill_sets_every_element() {
-    let m = Manager::new_base();
+device_tests!(fill_sets_every_element);
+fn fill_sets_every_element(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for dtype in DType::ALL {
         for n in [0, 1, 7, 40_000] {
             let a = array(&m, dtype, &[n], &values(n, 1));
@@ -198,9 +202,9 @@ fn fill_sets_every_element() {
     assert_eq!(i.to_vec::<i32>().unwrap(), vec![-2, -2]);
 }
 
-#[test]
-fn failed_inplace_op_changes_nothing() {
-    let m = Manager::new_base();
+device_tests!(failed_inplace_op_changes_nothing);
+fn failed_inplace_op_changes_nothing(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let t = m
         .from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3])
         .unwrap();
@@ -244,9 +248,9 @@ fn failed_inplace_op_changes_nothing() {
     assert_eq!(ints.to_vec::<i32>().unwrap(), vec![4, 8]);
 }
 
-#[test]
-fn inplace_ops_on_a_closed_target_are_array_closed() {
-    let m = Manager::new_base();
+device_tests!(inplace_ops_on_a_closed_target_are_array_closed);
+fn inplace_ops_on_a_closed_target_are_array_closed(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let t = m.zeros([3], DType::F32).unwrap();
     let s = m.ones([3], DType::F32).unwrap();
     t.close().unwrap();
@@ -258,10 +262,10 @@ fn inplace_ops_on_a_closed_target_are_array_closed() {
     assert_eq!(s.to_vec::<f32>().unwrap(), vec![1.0; 3]);
 }
 
-#[test]
-fn inplace_ops_allocate_nothing_so_they_work_in_a_capped_manager() {
+device_tests!(inplace_ops_allocate_nothing_so_they_work_in_a_capped_manager);
+fn inplace_ops_allocate_nothing_so_they_work_in_a_capped_manager(dev: Device) {
     // A capped manager refuses every new array, so an op that allocated would fail here.
-    let m = Manager::new_base();
+    let m = Manager::new_base_on(dev).unwrap();
     let w = m.from_slice(&[1.0f32, 2.0, 3.0], [3]).unwrap();
     let g = m.from_slice(&[1.0f32, 1.0, 1.0], [3]).unwrap();
     m.cap();
@@ -276,9 +280,9 @@ fn inplace_ops_allocate_nothing_so_they_work_in_a_capped_manager() {
     assert_eq!(w.to_vec::<f32>().unwrap(), vec![0.25; 3]);
 }
 
-#[test]
-fn sgd_step_with_axpy_matches_the_formula() {
-    let m = Manager::new_base();
+device_tests!(sgd_step_with_axpy_matches_the_formula);
+fn sgd_step_with_axpy_matches_the_formula(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let n = 50_000;
     let w0: Vec<f32> = (0..n).map(|i| (i % 17) as f32 * 0.125).collect();
     let g0: Vec<f32> = (0..n).map(|i| (i % 5) as f32 - 2.0).collect();
@@ -302,16 +306,14 @@ fn target_and_source() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    #[test]
-    fn inplace_broadcasting_matches_the_reference_for_random_shapes(
+device_tests!(inplace_broadcasting_matches_the_reference_for_random_shapes);
+fn inplace_broadcasting_matches_the_reference_for_random_shapes(dev: Device) {
+    proptest!(ProptestConfig::with_cases(64), |(
         (tsh, ssh) in target_and_source(),
         seed in any::<u64>(),
         dtype in prop::sample::select(vec![DType::F32, DType::F64, DType::I32, DType::I64]),
-    ) {
-        let m = Manager::new_base();
+    )| {
+        let m = Manager::new_base_on(dev).unwrap();
         let t = array(&m, dtype, &tsh, &values(size(&tsh), seed));
         let s = array(&m, dtype, &ssh, &values(size(&ssh), !seed));
         let want = reference_update(&as_f64(&t), &tsh, &as_f64(&s), &ssh, |x, y| x - 3.0 * y);
@@ -321,5 +323,5 @@ proptest! {
         t.assign_(&s).unwrap();
         prop_assert_eq!(as_f64(&t), want);
         m.close().unwrap();
-    }
+    });
 }

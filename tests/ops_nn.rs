@@ -1,10 +1,10 @@
 //! Matrix products (2-D and batched 3-D), softmax / log-softmax, one-hot and pick against plain
 //! reference loops, with odd and large sizes, empty arrays and every error path.
 
-use ndscope::{DType, Error, Manager, NDArray, Transpose};
+use ndscope::{DType, Device, Error, Manager, NDArray, Transpose};
 
 mod common;
-use common::{as_f64, size};
+use common::{as_f64, device_tests, size};
 
 /// Test data in -8..=8.
 fn values(n: usize, seed: u64) -> Vec<i64> {
@@ -27,9 +27,9 @@ fn reference_matmul(m: usize, k: usize, n: usize, a: &[f64], b: &[f64]) -> Vec<f
     out
 }
 
-#[test]
-fn matmul_of_matrices_matches_the_reference() {
-    let mg = Manager::new_base();
+device_tests!(matmul_of_matrices_matches_the_reference);
+fn matmul_of_matrices_matches_the_reference(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64, DType::I32, DType::I64] {
         for &(m, k, n) in &[
             (1, 1, 1),
@@ -54,9 +54,9 @@ fn matmul_of_matrices_matches_the_reference() {
     }
 }
 
-#[test]
-fn batched_matmul_multiplies_each_batch_entry() {
-    let mg = Manager::new_base();
+device_tests!(batched_matmul_multiplies_each_batch_entry);
+fn batched_matmul_multiplies_each_batch_entry(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64, DType::I64] {
         for &(b, m, k, n) in &[
             (1, 1, 1, 1),
@@ -87,9 +87,9 @@ fn batched_matmul_multiplies_each_batch_entry() {
     }
 }
 
-#[test]
-fn batched_matmul_with_a_shared_right_operand() {
-    let mg = Manager::new_base();
+device_tests!(batched_matmul_with_a_shared_right_operand);
+fn batched_matmul_with_a_shared_right_operand(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     for &(b, m, k, n) in &[(1, 1, 1, 1), (5, 3, 7, 2), (9, 33, 17, 40), (0, 2, 3, 4)] {
         let x = array(&mg, DType::F32, &[b, m, k], &values(b * m * k, 5));
         let w = array(&mg, DType::F32, &[k, n], &values(k * n, 6));
@@ -103,9 +103,9 @@ fn batched_matmul_with_a_shared_right_operand() {
     }
 }
 
-#[test]
-fn batched_matmul_with_a_shared_left_operand() {
-    let mg = Manager::new_base();
+device_tests!(batched_matmul_with_a_shared_left_operand);
+fn batched_matmul_with_a_shared_left_operand(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let (b, m, k, n) = (4, 3, 5, 6);
     let x = array(&mg, DType::F64, &[m, k], &values(m * k, 7));
     let y = array(&mg, DType::F64, &[b, k, n], &values(b * k * n, 8));
@@ -118,9 +118,9 @@ fn batched_matmul_with_a_shared_left_operand() {
     assert_eq!(as_f64(&z), want);
 }
 
-#[test]
-fn matmul_shape_errors_are_shape_mismatches() {
-    let mg = Manager::new_base();
+device_tests!(matmul_shape_errors_are_shape_mismatches);
+fn matmul_shape_errors_are_shape_mismatches(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let z = |shape: &[usize]| mg.zeros(shape, DType::F32).unwrap();
     let cases: &[(&[usize], &[usize])] = &[
         (&[2, 3], &[4, 5]),
@@ -180,9 +180,9 @@ fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
     }
 }
 
-#[test]
-fn softmax_and_log_softmax_match_the_reference_along_every_axis() {
-    let mg = Manager::new_base();
+device_tests!(softmax_and_log_softmax_match_the_reference_along_every_axis);
+fn softmax_and_log_softmax_match_the_reference_along_every_axis(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let shapes: &[&[usize]] = &[
         &[1],
         &[7],
@@ -223,9 +223,9 @@ fn softmax_and_log_softmax_match_the_reference_along_every_axis() {
     }
 }
 
-#[test]
-fn softmax_does_not_overflow_on_large_inputs() {
-    let mg = Manager::new_base();
+device_tests!(softmax_does_not_overflow_on_large_inputs);
+fn softmax_does_not_overflow_on_large_inputs(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let a = mg
         .from_slice(&[1000.0f32, 1001.0, -1000.0, 89.0, 90.0, 91.0], [2, 3])
         .unwrap();
@@ -242,18 +242,18 @@ fn softmax_does_not_overflow_on_large_inputs() {
     assert!(cols.iter().all(|v| v.is_finite()));
 }
 
-#[test]
-fn softmax_of_empty_arrays_is_empty() {
-    let mg = Manager::new_base();
+device_tests!(softmax_of_empty_arrays_is_empty);
+fn softmax_of_empty_arrays_is_empty(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let a = mg.zeros([0, 4], DType::F32).unwrap();
     assert_eq!(a.softmax(-1).unwrap().dims(), &[0, 4]);
     let b = mg.zeros([3, 0], DType::F64).unwrap();
     assert_eq!(b.log_softmax(1).unwrap().dims(), &[3, 0]);
 }
 
-#[test]
-fn softmax_needs_floats_and_a_valid_axis() {
-    let mg = Manager::new_base();
+device_tests!(softmax_needs_floats_and_a_valid_axis);
+fn softmax_needs_floats_and_a_valid_axis(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let ints = mg.zeros([2, 3], DType::I32).unwrap();
     assert!(matches!(ints.softmax(1), Err(Error::DTypeMismatch { .. })));
     assert!(matches!(
@@ -268,9 +268,9 @@ fn softmax_needs_floats_and_a_valid_axis() {
     ));
 }
 
-#[test]
-fn one_hot_matches_the_reference_for_every_index_dtype() {
-    let mg = Manager::new_base();
+device_tests!(one_hot_matches_the_reference_for_every_index_dtype);
+fn one_hot_matches_the_reference_for_every_index_dtype(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     for from in [DType::I32, DType::I64, DType::U8] {
         for to in DType::ALL {
             for dims in [&[][..], &[1], &[7], &[3, 5], &[0], &[2, 0, 3], &[5000]] {
@@ -297,9 +297,9 @@ fn one_hot_matches_the_reference_for_every_index_dtype() {
     assert_eq!(empty_depth.dims(), &[0, 0]);
 }
 
-#[test]
-fn one_hot_index_out_of_range_or_negative_is_invalid() {
-    let mg = Manager::new_base();
+device_tests!(one_hot_index_out_of_range_or_negative_is_invalid);
+fn one_hot_index_out_of_range_or_negative_is_invalid(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let a = mg.from_slice(&[0i64, 3, 1], [3]).unwrap();
     let err = a.one_hot(3, DType::F32).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
@@ -336,9 +336,9 @@ fn reference_pick(x: &[f64], dims: &[usize], ax: usize, idx: &[i64]) -> Vec<f64>
         .collect()
 }
 
-#[test]
-fn pick_gathers_one_element_per_row_along_any_axis() {
-    let mg = Manager::new_base();
+device_tests!(pick_gathers_one_element_per_row_along_any_axis);
+fn pick_gathers_one_element_per_row_along_any_axis(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let shapes: &[&[usize]] = &[
         &[1],
         &[7],
@@ -386,9 +386,9 @@ fn pick_gathers_one_element_per_row_along_any_axis() {
     }
 }
 
-#[test]
-fn pick_takes_each_rows_label() {
-    let mg = Manager::new_base();
+device_tests!(pick_takes_each_rows_label);
+fn pick_takes_each_rows_label(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let probs = mg
         .from_slice(&[0.1f32, 0.7, 0.2, 0.3, 0.3, 0.4], [2, 3])
         .unwrap();
@@ -403,9 +403,9 @@ fn pick_takes_each_rows_label() {
     );
 }
 
-#[test]
-fn pick_errors_name_the_problem() {
-    let mg = Manager::new_base();
+device_tests!(pick_errors_name_the_problem);
+fn pick_errors_name_the_problem(dev: Device) {
+    let mg = Manager::new_base_on(dev).unwrap();
     let x = mg.zeros([2, 3], DType::F32).unwrap();
     let out_of_range = mg.from_slice(&[0i64, 3], [2]).unwrap();
     let err = x.pick(&out_of_range, 1).unwrap_err();
@@ -439,10 +439,10 @@ fn pick_errors_name_the_problem() {
     assert!(matches!(x.pick(&ok, 1), Err(Error::ArrayClosed { .. })));
 }
 
-#[test]
-fn nn_results_land_with_the_first_inputs_owner() {
-    let model = Manager::new_base();
-    let batch = Manager::new_base();
+device_tests!(nn_results_land_with_the_first_inputs_owner);
+fn nn_results_land_with_the_first_inputs_owner(dev: Device) {
+    let model = Manager::new_base_on(dev).unwrap();
+    let batch = Manager::new_base_on(dev).unwrap();
     let x = batch.zeros([4, 3], DType::F32).unwrap();
     let w = model.zeros([3, 2], DType::F32).unwrap();
     let y = x.matmul(&w).unwrap();
@@ -453,12 +453,12 @@ fn nn_results_land_with_the_first_inputs_owner() {
     assert!(matches!(w.softmax(1), Err(Error::Capped { .. })));
 }
 
-#[test]
-fn op_results_in_a_reused_workspace_never_show_stale_bytes() {
+device_tests!(op_results_in_a_reused_workspace_never_show_stale_bytes);
+fn op_results_in_a_reused_workspace_never_show_stale_bytes(dev: Device) {
     use ndscope::{concat, LearningPolicy, WorkspaceConfig};
     // A fixed block: the second cycle's results land exactly where the first cycle left
     // garbage (same sizes, same order), so any element an op forgot to write would show it.
-    let trainer = Manager::new_base();
+    let trainer = Manager::new_base_on(dev).unwrap();
     let conf = WorkspaceConfig::builder()
         .learning(LearningPolicy::None)
         .initial_size(1 << 20)
@@ -552,9 +552,9 @@ fn transposed(x: &[f64], rows: usize, cols: usize) -> Vec<f64> {
         .collect()
 }
 
-#[test]
-fn matmul_t_reads_transposed_operands_without_copies_and_matches_the_reference() {
-    let m = Manager::new_base();
+device_tests!(matmul_t_reads_transposed_operands_without_copies_and_matches_the_reference);
+fn matmul_t_reads_transposed_operands_without_copies_and_matches_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     // Short results (m ≤ n/8) and tall ones take different routes inside: cover both.
     for &(rows, k, n) in &[
         (3, 5, 7),
@@ -597,14 +597,14 @@ fn matmul_t_reads_transposed_operands_without_copies_and_matches_the_reference()
     m.close().unwrap();
 }
 
-#[test]
-fn matmul_t_temporaries_are_placed_like_the_result_and_closed() {
+device_tests!(matmul_t_temporaries_are_placed_like_the_result_and_closed);
+fn matmul_t_temporaries_are_placed_like_the_result_and_closed(dev: Device) {
     // A capped model owns w; the batch owns g. Without an active scope the result goes to g's
     // owner, and so must every temporary the product makes internally (never the model).
-    let model = Manager::new_base();
+    let model = Manager::new_base_on(dev).unwrap();
     let w = model.ones([1024, 64], DType::F32).unwrap(); // read as wᵀ: [64, 1024]
     model.cap();
-    let batch = Manager::new_base();
+    let batch = Manager::new_base_on(dev).unwrap();
     for rows in [4, 512] {
         let g = batch.ones([rows, 64], DType::F32).unwrap();
         let y = g.matmul_t(&w, Transpose::Right).unwrap();
@@ -625,9 +625,9 @@ fn matmul_t_temporaries_are_placed_like_the_result_and_closed() {
     batch.close().unwrap();
 }
 
-#[test]
-fn matmul_t_errors_name_the_transposed_shapes() {
-    let m = Manager::new_base();
+device_tests!(matmul_t_errors_name_the_transposed_shapes);
+fn matmul_t_errors_name_the_transposed_shapes(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.ones([2, 3], DType::F32).unwrap();
     let b = m.ones([2, 3], DType::F32).unwrap();
     assert!(a.matmul_t(&b, Transpose::Right).is_ok(), "[2,3]·[3,2]");
@@ -651,9 +651,9 @@ fn matmul_t_errors_name_the_transposed_shapes() {
     m.close().unwrap();
 }
 
-#[test]
-fn addmm_accumulates_the_product_in_place() {
-    let m = Manager::new_base();
+device_tests!(addmm_accumulates_the_product_in_place);
+fn addmm_accumulates_the_product_in_place(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for &(rows, k, n) in &[(7, 3, 5), (64, 16, 96), (1, 1, 1)] {
         for dtype in [DType::F32, DType::F64, DType::I32] {
             let (av, bv, cv) = (values(k * rows, 3), values(k * n, 4), values(rows * n, 5));
@@ -676,9 +676,9 @@ fn addmm_accumulates_the_product_in_place() {
     m.close().unwrap();
 }
 
-#[test]
-fn failed_addmm_changes_nothing_and_allocates_nothing() {
-    let m = Manager::new_base();
+device_tests!(failed_addmm_changes_nothing_and_allocates_nothing);
+fn failed_addmm_changes_nothing_and_allocates_nothing(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let x = m.ones([4, 3], DType::F32).unwrap();
     let g = m.ones([4, 5], DType::F32).unwrap();
     let v = m.full([3, 5], 7.0, DType::F32).unwrap();
@@ -715,9 +715,9 @@ fn failed_addmm_changes_nothing_and_allocates_nothing() {
     m.close().unwrap();
 }
 
-#[test]
-fn integer_addmm_refuses_fractional_scales() {
-    let m = Manager::new_base();
+device_tests!(integer_addmm_refuses_fractional_scales);
+fn integer_addmm_refuses_fractional_scales(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.ones([2, 2], DType::I64).unwrap();
     let c = m.ones([2, 2], DType::I64).unwrap();
     let err = c.addmm_(&a, &a, Transpose::None, 0.5, 1.0).unwrap_err();
@@ -748,9 +748,9 @@ fn reference_sgd(
     (v, w)
 }
 
-#[test]
-fn sgd_dense_update_is_addmm_then_axpy_in_one_pass() {
-    let m = Manager::new_base();
+device_tests!(sgd_dense_update_is_addmm_then_axpy_in_one_pass);
+fn sgd_dense_update_is_addmm_then_axpy_in_one_pass(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     // Batches inside the fused kernel's range (f32) and past it, ragged and vector-sized widths.
     for &(fan_in, batch, fan_out) in &[
         (7, 3, 5),
@@ -792,9 +792,9 @@ fn sgd_dense_update_is_addmm_then_axpy_in_one_pass() {
     m.close().unwrap();
 }
 
-#[test]
-fn failed_sgd_dense_update_changes_nothing() {
-    let m = Manager::new_base();
+device_tests!(failed_sgd_dense_update_changes_nothing);
+fn failed_sgd_dense_update_changes_nothing(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let x = m.ones([4, 3], DType::F32).unwrap();
     let g = m.ones([4, 5], DType::F32).unwrap();
     let v = m.full([3, 5], 7.0, DType::F32).unwrap();

@@ -2,11 +2,11 @@
 //! loops: every axis combination, negative axes, `keep_dims`, empty axes lists and empty arrays,
 //! the contiguous fast paths and the parallel paths, dtypes, NaN, and the error paths.
 
-use ndscope::{DType, Error, Manager, NDArray};
+use ndscope::{DType, Device, Error, Manager, NDArray};
 use proptest::prelude::*;
 
 mod common;
-use common::{as_f64, size};
+use common::{as_f64, device_tests, size};
 
 /// Test data in -16..=16.
 fn values(n: usize, seed: u64) -> Vec<i64> {
@@ -161,9 +161,9 @@ fn check_max_argmax(a: &NDArray, axis: isize, keep_dims: bool) {
     );
 }
 
-#[test]
-fn sum_and_mean_over_every_axis_combination_match_the_reference() {
-    let m = Manager::new_base();
+device_tests!(sum_and_mean_over_every_axis_combination_match_the_reference);
+fn sum_and_mean_over_every_axis_combination_match_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let shapes: &[&[usize]] = &[&[], &[1], &[7], &[3, 5], &[1, 7], &[2, 3, 4], &[3, 1, 4, 2]];
     for dtype in DType::ALL {
         for (i, &shape) in shapes.iter().enumerate() {
@@ -182,9 +182,9 @@ fn sum_and_mean_over_every_axis_combination_match_the_reference() {
     }
 }
 
-#[test]
-fn sum_over_negative_axis_keeps_dims() {
-    let m = Manager::new_base();
+device_tests!(sum_over_negative_axis_keeps_dims);
+fn sum_over_negative_axis_keeps_dims(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m
         .from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3])
         .unwrap();
@@ -196,9 +196,9 @@ fn sum_over_negative_axis_keeps_dims() {
     assert_eq!(s.to_vec::<f32>().unwrap(), vec![5.0, 7.0, 9.0]);
 }
 
-#[test]
-fn empty_axes_list_reduces_every_axis() {
-    let m = Manager::new_base();
+device_tests!(empty_axes_list_reduces_every_axis);
+fn empty_axes_list_reduces_every_axis(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[1i32, 2, 3, 4, 5, 6], [2, 3]).unwrap();
     let s = a.sum(&[], false).unwrap();
     assert_eq!(s.dims(), &[] as &[usize]);
@@ -210,9 +210,9 @@ fn empty_axes_list_reduces_every_axis() {
     assert_eq!(mean.to_vec::<f64>().unwrap(), vec![3.5]);
 }
 
-#[test]
-fn sum_over_an_empty_axis_is_zero_and_mean_is_nan() {
-    let m = Manager::new_base();
+device_tests!(sum_over_an_empty_axis_is_zero_and_mean_is_nan);
+fn sum_over_an_empty_axis_is_zero_and_mean_is_nan(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([3, 0], DType::F32).unwrap();
     assert_eq!(
         a.sum(&[1], false).unwrap().to_vec::<f32>().unwrap(),
@@ -238,9 +238,9 @@ fn sum_over_an_empty_axis_is_zero_and_mean_is_nan() {
     );
 }
 
-#[test]
-fn integer_sums_are_exact_i64() {
-    let m = Manager::new_base();
+device_tests!(integer_sums_are_exact_i64);
+fn integer_sums_are_exact_i64(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let big = (1i64 << 53) + 1;
     let a = m.from_slice(&[big, 0, 2], [1, 3]).unwrap();
     assert_eq!(
@@ -255,11 +255,11 @@ fn integer_sums_are_exact_i64() {
     );
 }
 
-#[test]
-fn large_reductions_use_every_path_and_match_the_reference() {
+device_tests!(large_reductions_use_every_path_and_match_the_reference);
+fn large_reductions_use_every_path_and_match_the_reference(dev: Device) {
     // Sizes cross the parallel threshold (32768 elements) in each layout: many rows, one long
     // row, wide columns, tall columns, the middle axis, and two separate reduced axes.
-    let m = Manager::new_base();
+    let m = Manager::new_base_on(dev).unwrap();
     let cases: &[(&[usize], &[isize])] = &[
         (&[64, 1031], &[-1]),
         (&[1, 100_003], &[1]),
@@ -283,9 +283,9 @@ fn large_reductions_use_every_path_and_match_the_reference() {
     }
 }
 
-#[test]
-fn max_and_argmax_along_every_axis_match_the_reference() {
-    let m = Manager::new_base();
+device_tests!(max_and_argmax_along_every_axis_match_the_reference);
+fn max_and_argmax_along_every_axis_match_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let shapes: &[&[usize]] = &[&[1], &[7], &[3, 5], &[5, 1], &[2, 3, 4], &[3, 1, 4, 2]];
     for dtype in DType::ALL {
         for (i, &shape) in shapes.iter().enumerate() {
@@ -298,9 +298,9 @@ fn max_and_argmax_along_every_axis_match_the_reference() {
     }
 }
 
-#[test]
-fn max_propagates_nan_and_argmax_points_at_the_first_nan() {
-    let m = Manager::new_base();
+device_tests!(max_propagates_nan_and_argmax_points_at_the_first_nan);
+fn max_propagates_nan_and_argmax_points_at_the_first_nan(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m
         .from_slice(
             &[1.0f64, f64::NAN, 3.0, f64::NAN, 0.5, 9.0, -1.0, 2.0],
@@ -331,9 +331,9 @@ fn max_propagates_nan_and_argmax_points_at_the_first_nan() {
     assert!(long.max(-1, false).unwrap().to_vec::<f32>().unwrap()[0].is_nan());
 }
 
-#[test]
-fn argmax_returns_the_first_of_equal_maxima() {
-    let m = Manager::new_base();
+device_tests!(argmax_returns_the_first_of_equal_maxima);
+fn argmax_returns_the_first_of_equal_maxima(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[3i32, 7, 7, 1, 7], [5]).unwrap();
     assert_eq!(a.argmax(0).unwrap().to_vec::<i64>().unwrap(), vec![1]);
     let mut long = vec![1u8; 100_000];
@@ -346,9 +346,9 @@ fn argmax_returns_the_first_of_equal_maxima() {
     );
 }
 
-#[test]
-fn max_over_an_empty_axis_is_invalid() {
-    let m = Manager::new_base();
+device_tests!(max_over_an_empty_axis_is_invalid);
+fn max_over_an_empty_axis_is_invalid(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([0, 3], DType::F32).unwrap();
     assert!(matches!(
         a.max(0, false),
@@ -361,9 +361,9 @@ fn max_over_an_empty_axis_is_invalid() {
     assert_eq!(b.argmax(0).unwrap().dims(), &[0]);
 }
 
-#[test]
-fn duplicate_or_out_of_range_axes_are_invalid() {
-    let m = Manager::new_base();
+device_tests!(duplicate_or_out_of_range_axes_are_invalid);
+fn duplicate_or_out_of_range_axes_are_invalid(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([2, 3], DType::F64).unwrap();
     for axes in [&[0, 0][..], &[1, -1], &[2], &[-3]] {
         let err = a.sum(axes, false).unwrap_err();
@@ -390,18 +390,18 @@ fn duplicate_or_out_of_range_axes_are_invalid() {
     assert_eq!(s.sum(&[], false).unwrap().to_scalar::<f32>().unwrap(), 1.0);
 }
 
-#[test]
-fn reducing_a_closed_array_is_array_closed() {
-    let m = Manager::new_base();
+device_tests!(reducing_a_closed_array_is_array_closed);
+fn reducing_a_closed_array_is_array_closed(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([2, 3], DType::F32).unwrap();
     a.close().unwrap();
     assert!(matches!(a.sum(&[0], false), Err(Error::ArrayClosed { .. })));
     assert!(matches!(a.argmax(0), Err(Error::ArrayClosed { .. })));
 }
 
-#[test]
-fn sum_all_and_mean_all_agree_with_sum_over_all_axes() {
-    let m = Manager::new_base();
+device_tests!(sum_all_and_mean_all_agree_with_sum_over_all_axes);
+fn sum_all_and_mean_all_agree_with_sum_over_all_axes(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for n in [0usize, 1, 7, 33, 70_001] {
         let a = array(&m, DType::F32, &[n], &values(n, n as u64));
         let s1 = a.sum_all().unwrap().to_scalar::<f32>().unwrap();
@@ -437,16 +437,14 @@ fn shape_and_axes() -> impl Strategy<Value = (Vec<usize>, Vec<isize>, bool)> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    #[test]
-    fn reductions_match_the_reference_for_random_shapes_and_axes(
+device_tests!(reductions_match_the_reference_for_random_shapes_and_axes);
+fn reductions_match_the_reference_for_random_shapes_and_axes(dev: Device) {
+    proptest!(ProptestConfig::with_cases(64), |(
         (dims, axes, keep) in shape_and_axes(),
         seed in any::<u64>(),
         dtype in prop::sample::select(DType::ALL.to_vec()),
-    ) {
-        let m = Manager::new_base();
+    )| {
+        let m = Manager::new_base_on(dev).unwrap();
         let a = array(&m, dtype, &dims, &values(size(&dims), seed));
         check_sum_mean(&a, &axes, keep);
         if let Some(&axis) = axes.first() {
@@ -459,5 +457,5 @@ proptest! {
             }
         }
         m.close().unwrap();
-    }
+    });
 }

@@ -2,8 +2,11 @@
 //! `unsqueeze`, `concat`, `stack`) against plain reference loops, with odd and large sizes,
 //! empty arrays, every dtype, and the error paths. Results are values: copies of the input.
 
-use ndscope::{concat, stack, DType, Error, Manager, NDArray};
+use ndscope::{concat, stack, DType, Device, Error, Manager, NDArray};
 use proptest::prelude::*;
+
+mod common;
+use common::device_tests;
 
 fn size(shape: &[usize]) -> usize {
     shape.iter().product()
@@ -46,9 +49,9 @@ fn reference_permute(x: &[i64], dims: &[usize], perm: &[usize]) -> Vec<i64> {
     })
 }
 
-#[test]
-fn reshape_keeps_the_elements_in_row_major_order() {
-    let m = Manager::new_base();
+device_tests!(reshape_keeps_the_elements_in_row_major_order);
+fn reshape_keeps_the_elements_in_row_major_order(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = iota(&m, &[2, 3, 4]);
     let shapes: [&[usize]; 4] = [&[24], &[4, 6], &[1, 24, 1], &[2, 2, 2, 3]];
     for shape in shapes {
@@ -62,9 +65,9 @@ fn reshape_keeps_the_elements_in_row_major_order() {
     assert_eq!(empty.reshape([3, 0, 7]).unwrap().dims(), &[3, 0, 7]);
 }
 
-#[test]
-fn reshape_to_a_different_size_is_a_shape_mismatch() {
-    let m = Manager::new_base();
+device_tests!(reshape_to_a_different_size_is_a_shape_mismatch);
+fn reshape_to_a_different_size_is_a_shape_mismatch(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = iota(&m, &[2, 3]);
     let err = a.reshape([4]).unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { .. }));
@@ -78,9 +81,9 @@ fn reshape_to_a_different_size_is_a_shape_mismatch() {
     ));
 }
 
-#[test]
-fn transpose_matches_the_reference_for_odd_and_large_sizes() {
-    let m = Manager::new_base();
+device_tests!(transpose_matches_the_reference_for_odd_and_large_sizes);
+fn transpose_matches_the_reference_for_odd_and_large_sizes(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     for &(r, c) in &[
         (1, 1),
         (1, 7),
@@ -114,9 +117,9 @@ fn transpose_matches_the_reference_for_odd_and_large_sizes() {
     }
 }
 
-#[test]
-fn transpose_of_a_non_matrix_is_a_shape_mismatch() {
-    let m = Manager::new_base();
+device_tests!(transpose_of_a_non_matrix_is_a_shape_mismatch);
+fn transpose_of_a_non_matrix_is_a_shape_mismatch(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let shapes: [&[usize]; 3] = [&[], &[3], &[2, 3, 4]];
     for shape in shapes {
         let a = m.zeros(shape, DType::F32).unwrap();
@@ -127,9 +130,9 @@ fn transpose_of_a_non_matrix_is_a_shape_mismatch() {
     }
 }
 
-#[test]
-fn permute_matches_the_reference() {
-    let m = Manager::new_base();
+device_tests!(permute_matches_the_reference);
+fn permute_matches_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let cases: &[(&[usize], &[usize])] = &[
         (&[], &[]),
         (&[5], &[0]),
@@ -160,9 +163,9 @@ fn permute_matches_the_reference() {
     }
 }
 
-#[test]
-fn permute_needs_each_axis_exactly_once() {
-    let m = Manager::new_base();
+device_tests!(permute_needs_each_axis_exactly_once);
+fn permute_needs_each_axis_exactly_once(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([2, 3, 4], DType::F64).unwrap();
     for perm in [&[0, 1][..], &[0, 1, 1], &[0, 1, 3], &[0, 1, 2, 3]] {
         assert!(
@@ -172,9 +175,9 @@ fn permute_needs_each_axis_exactly_once() {
     }
 }
 
-#[test]
-fn broadcast_to_matches_the_reference() {
-    let m = Manager::new_base();
+device_tests!(broadcast_to_matches_the_reference);
+fn broadcast_to_matches_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let cases: &[(&[usize], &[usize])] = &[
         (&[], &[]),
         (&[], &[3, 2]),
@@ -202,9 +205,9 @@ fn broadcast_to_matches_the_reference() {
     }
 }
 
-#[test]
-fn broadcast_to_an_incompatible_shape_is_a_shape_mismatch() {
-    let m = Manager::new_base();
+device_tests!(broadcast_to_an_incompatible_shape_is_a_shape_mismatch);
+fn broadcast_to_an_incompatible_shape_is_a_shape_mismatch(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([2, 3], DType::F32).unwrap();
     let targets: [&[usize]; 4] = [&[3], &[3, 3], &[2, 1], &[4, 2, 2]];
     for to in targets {
@@ -215,9 +218,9 @@ fn broadcast_to_an_incompatible_shape_is_a_shape_mismatch() {
     }
 }
 
-#[test]
-fn narrow_matches_the_reference() {
-    let m = Manager::new_base();
+device_tests!(narrow_matches_the_reference);
+fn narrow_matches_the_reference(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let cases: &[(&[usize], isize, usize, usize)] = &[
         (&[7], 0, 2, 3),
         (&[7], -1, 0, 7),
@@ -252,9 +255,9 @@ fn narrow_matches_the_reference() {
     }
 }
 
-#[test]
-fn narrow_past_the_end_or_of_a_bad_axis_is_invalid() {
-    let m = Manager::new_base();
+device_tests!(narrow_past_the_end_or_of_a_bad_axis_is_invalid);
+fn narrow_past_the_end_or_of_a_bad_axis_is_invalid(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([4, 5], DType::I32).unwrap();
     assert!(matches!(
         a.narrow(1, 3, 3),
@@ -278,9 +281,9 @@ fn narrow_past_the_end_or_of_a_bad_axis_is_invalid() {
     ));
 }
 
-#[test]
-fn squeeze_removes_size_one_axes() {
-    let m = Manager::new_base();
+device_tests!(squeeze_removes_size_one_axes);
+fn squeeze_removes_size_one_axes(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = iota(&m, &[1, 3, 1, 2]);
     let all = a.squeeze(&[]).unwrap();
     assert_eq!(all.dims(), &[3, 2]);
@@ -300,9 +303,9 @@ fn squeeze_removes_size_one_axes() {
     );
 }
 
-#[test]
-fn squeezing_an_axis_whose_size_is_not_one_is_invalid() {
-    let m = Manager::new_base();
+device_tests!(squeezing_an_axis_whose_size_is_not_one_is_invalid);
+fn squeezing_an_axis_whose_size_is_not_one_is_invalid(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.zeros([1, 3], DType::F32).unwrap();
     assert!(matches!(
         a.squeeze(&[1]),
@@ -318,9 +321,9 @@ fn squeezing_an_axis_whose_size_is_not_one_is_invalid() {
     ));
 }
 
-#[test]
-fn unsqueeze_inserts_a_size_one_axis_anywhere() {
-    let m = Manager::new_base();
+device_tests!(unsqueeze_inserts_a_size_one_axis_anywhere);
+fn unsqueeze_inserts_a_size_one_axis_anywhere(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = iota(&m, &[2, 3]);
     let cases: &[(isize, &[usize])] = &[
         (0, &[1, 2, 3]),
@@ -345,9 +348,9 @@ fn unsqueeze_inserts_a_size_one_axis_anywhere() {
     assert_eq!(s.unsqueeze(-1).unwrap().dims(), &[1]);
 }
 
-#[test]
-fn concat_matches_the_reference_along_every_axis() {
-    let m = Manager::new_base();
+device_tests!(concat_matches_the_reference_along_every_axis);
+fn concat_matches_the_reference_along_every_axis(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let base = [3usize, 4, 5];
     for axis in 0..3usize {
         let sizes = [2usize, 0, 1, 5];
@@ -387,9 +390,9 @@ fn concat_matches_the_reference_along_every_axis() {
     }
 }
 
-#[test]
-fn concat_of_one_array_with_itself_and_large_inputs() {
-    let m = Manager::new_base();
+device_tests!(concat_of_one_array_with_itself_and_large_inputs);
+fn concat_of_one_array_with_itself_and_large_inputs(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[1.0f32, 2.0], [2]).unwrap();
     assert_eq!(
         concat(&[a.clone(), a.clone(), a], 0)
@@ -412,9 +415,9 @@ fn concat_of_one_array_with_itself_and_large_inputs() {
     assert_eq!(c.to_vec::<i64>().unwrap(), want);
 }
 
-#[test]
-fn concat_errors_name_the_problem() {
-    let m = Manager::new_base();
+device_tests!(concat_errors_name_the_problem);
+fn concat_errors_name_the_problem(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     assert!(matches!(concat(&[], 0), Err(Error::InvalidArgument { .. })));
     let a = m.zeros([2, 3], DType::F32).unwrap();
     let b = m.zeros([2, 4], DType::F32).unwrap();
@@ -449,9 +452,9 @@ fn concat_errors_name_the_problem() {
     ));
 }
 
-#[test]
-fn stack_matches_the_reference_along_every_axis() {
-    let m = Manager::new_base();
+device_tests!(stack_matches_the_reference_along_every_axis);
+fn stack_matches_the_reference_along_every_axis(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let dims = [2usize, 3];
     let arrays: Vec<NDArray> = (0..4)
         .map(|k| {
@@ -485,9 +488,9 @@ fn stack_matches_the_reference_along_every_axis() {
     assert_eq!(stack(&empties, 1).unwrap().dims(), &[0, 2, 2]);
 }
 
-#[test]
-fn stack_errors_name_the_problem() {
-    let m = Manager::new_base();
+device_tests!(stack_errors_name_the_problem);
+fn stack_errors_name_the_problem(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     assert!(matches!(stack(&[], 0), Err(Error::InvalidArgument { .. })));
     let a = m.zeros([2, 3], DType::I64).unwrap();
     let b = m.zeros([3, 2], DType::I64).unwrap();
@@ -510,9 +513,9 @@ fn stack_errors_name_the_problem() {
     ));
 }
 
-#[test]
-fn shape_op_results_are_values_independent_of_the_input() {
-    let m = Manager::new_base();
+device_tests!(shape_op_results_are_values_independent_of_the_input);
+fn shape_op_results_are_values_independent_of_the_input(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
     let a = m.from_slice(&[1.0f32, 2.0, 3.0, 4.0], [2, 2]).unwrap();
     let results = [
         a.reshape([4]).unwrap(),
@@ -536,20 +539,18 @@ fn shape_op_results_are_values_independent_of_the_input() {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    #[test]
-    fn permute_matches_the_reference_for_random_shapes(
+device_tests!(permute_matches_the_reference_for_random_shapes);
+fn permute_matches_the_reference_for_random_shapes(dev: Device) {
+    proptest!(ProptestConfig::with_cases(64), |(
         (dims, perm) in prop::collection::vec(0usize..5, 0..=5).prop_flat_map(|dims| {
             let n = dims.len();
             (Just(dims), Just((0..n).collect::<Vec<usize>>()).prop_shuffle())
         }),
-    ) {
-        let m = Manager::new_base();
+    )| {
+        let m = Manager::new_base_on(dev).unwrap();
         let a = iota(&m, &dims);
         let x: Vec<i64> = (0..size(&dims) as i64).collect();
         prop_assert_eq!(a.permute(&perm).unwrap().to_vec::<i64>().unwrap(), reference_permute(&x, &dims, &perm));
         m.close().unwrap();
-    }
+    });
 }

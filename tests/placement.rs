@@ -126,7 +126,7 @@ fn to_device_keeps_the_owner_rule() -> Result<()> {
     assert_eq!(owner(&b), m);
     assert_eq!(b.device(), ndscope::Device::Cpu);
     assert!(matches!(
-        a.to_device(ndscope::Device::Cuda(0)),
+        a.to_device(ndscope::Device::Cuda(ndscope::Device::cuda_count())),
         Err(Error::DeviceUnavailable { .. })
     ));
     assert_eq!(m.report().arrays.len(), 2);

@@ -1,14 +1,22 @@
 //! The scenarios of ND4J's own workspace tests (`BasicWorkspaceTests`, `CyclicWorkspaceTests`,
 //! `SpecialWorkspaceTests`), with their figures re-derived for ndscope's 64-byte alignment:
 //! 100 f64 = 800 B → 832 B; 100 f32 = 400 B → 448 B; 5 f64 = 40 B → 64 B.
+//!
+//! Each scenario runs with a CPU owner and with a CUDA owner (`device_tests!`): a CUDA
+//! workspace is one device allocation carved the same way, so every figure is the same. Where
+//! the devices differ by design (memory-mapped blocks, mirroring) the tests say so.
 
 use ndscope::{
-    AllocationPolicy, DType, Error, LearningPolicy, Manager, ResetPolicy, SpillPolicy, Workspace,
-    WorkspaceConfig,
+    AllocationPolicy, DType, Device, Error, LearningPolicy, Manager, ResetPolicy, SpillPolicy,
+    Workspace, WorkspaceConfig,
 };
 
-fn trainer() -> Manager {
-    Manager::new_base().with_name("trainer")
+mod common;
+use common::device_tests;
+
+/// The workspaces' owner, on `dev`.
+fn trainer(dev: Device) -> Manager {
+    Manager::new_base_on(dev).unwrap().with_name("trainer")
 }
 
 fn strict() -> ndscope::WorkspaceConfigBuilder {
@@ -19,9 +27,9 @@ fn ws(owner: &Manager, conf: WorkspaceConfig) -> Workspace {
     owner.workspace("ws", conf).unwrap()
 }
 
-#[test]
-fn first_loop_strict_learns_the_first_cycle() {
-    let t = trainer();
+device_tests!(first_loop_strict_learns_the_first_cycle);
+fn first_loop_strict_learns_the_first_cycle(dev: Device) {
+    let t = trainer(dev);
     let ws = ws(
         &t,
         strict()
@@ -57,9 +65,9 @@ fn first_loop_strict_learns_the_first_cycle() {
     t.close().unwrap();
 }
 
-#[test]
-fn first_loop_overallocation_with_limit_one_doubles_the_block() {
-    let t = trainer();
+device_tests!(first_loop_overallocation_with_limit_one_doubles_the_block);
+fn first_loop_overallocation_with_limit_one_doubles_the_block(dev: Device) {
+    let t = trainer(dev);
     let conf = WorkspaceConfig::builder()
         .allocation(AllocationPolicy::Overallocate)
         .overallocation_limit(1.0)
@@ -72,9 +80,9 @@ fn first_loop_overallocation_with_limit_one_doubles_the_block() {
     t.close().unwrap();
 }
 
-#[test]
-fn default_config_overallocates_thirty_percent() {
-    let t = trainer();
+device_tests!(default_config_overallocates_thirty_percent);
+fn default_config_overallocates_thirty_percent(dev: Device) {
+    let t = trainer(dev);
     let conf = WorkspaceConfig::default();
     assert_eq!(conf.allocation(), AllocationPolicy::Overallocate);
     assert_eq!(conf.overallocation_limit(), 0.3);
@@ -89,9 +97,9 @@ fn default_config_overallocates_thirty_percent() {
     t.close().unwrap();
 }
 
-#[test]
-fn initial_size_is_allocated_at_creation_with_overallocation() {
-    let t = trainer();
+device_tests!(initial_size_is_allocated_at_creation_with_overallocation);
+fn initial_size_is_allocated_at_creation_with_overallocation(dev: Device) {
+    let t = trainer(dev);
     let conf = WorkspaceConfig::builder()
         .initial_size(1024)
         .overallocation_limit(1.0)
@@ -105,9 +113,9 @@ fn initial_size_is_allocated_at_creation_with_overallocation() {
     t.close().unwrap();
 }
 
-#[test]
-fn min_size_raises_the_learned_block() {
-    let t = trainer();
+device_tests!(min_size_raises_the_learned_block);
+fn min_size_raises_the_learned_block(dev: Device) {
+    let t = trainer(dev);
     let conf = WorkspaceConfig::builder()
         .min_size(10 << 20)
         .overallocation_limit(1.0)
@@ -120,9 +128,9 @@ fn min_size_raises_the_learned_block() {
     t.close().unwrap();
 }
 
-#[test]
-fn max_size_caps_the_learned_block_and_the_rest_spills() {
-    let t = trainer();
+device_tests!(max_size_caps_the_learned_block_and_the_rest_spills);
+fn max_size_caps_the_learned_block_and_the_rest_spills(dev: Device) {
+    let t = trainer(dev);
     let ws = ws(&t, strict().max_size(1000).build().unwrap());
     ws.cycle(|c| c.zeros([500], DType::F32).map(|_| ()))
         .unwrap();
@@ -139,9 +147,9 @@ fn max_size_caps_the_learned_block_and_the_rest_spills() {
     t.close().unwrap();
 }
 
-#[test]
-fn fail_spill_leaves_the_offset_unchanged() {
-    let t = trainer();
+device_tests!(fail_spill_leaves_the_offset_unchanged);
+fn fail_spill_leaves_the_offset_unchanged(dev: Device) {
+    let t = trainer(dev);
     let conf = strict()
         .initial_size(1 << 20)
         .max_size(1 << 20)
@@ -173,9 +181,9 @@ fn fail_spill_leaves_the_offset_unchanged() {
     t.close().unwrap();
 }
 
-#[test]
-fn fail_spill_still_learns_from_a_spilled_first_cycle() {
-    let t = trainer();
+device_tests!(fail_spill_still_learns_from_a_spilled_first_cycle);
+fn fail_spill_still_learns_from_a_spilled_first_cycle(dev: Device) {
+    let t = trainer(dev);
     let ws = ws(&t, strict().spill(SpillPolicy::Fail).build().unwrap());
     ws.cycle(|c| c.zeros([100], DType::F32).map(|_| ()))
         .unwrap();
@@ -187,8 +195,8 @@ fn fail_spill_still_learns_from_a_spilled_first_cycle() {
     t.close().unwrap();
 }
 
-fn spill_scenario(spill: SpillPolicy) -> (Workspace, Manager) {
-    let t = trainer();
+fn spill_scenario(dev: Device, spill: SpillPolicy) -> (Workspace, Manager) {
+    let t = trainer(dev);
     let ws = ws(&t, strict().spill(spill).build().unwrap());
     ws.cycle(|c| c.zeros([100], DType::F32).map(|_| ()))
         .unwrap();
@@ -202,9 +210,9 @@ fn spill_scenario(spill: SpillPolicy) -> (Workspace, Manager) {
     (ws, t)
 }
 
-#[test]
-fn external_spill_never_grows_the_block() {
-    let (ws, t) = spill_scenario(SpillPolicy::External);
+device_tests!(external_spill_never_grows_the_block);
+fn external_spill_never_grows_the_block(dev: Device) {
+    let (ws, t) = spill_scenario(dev, SpillPolicy::External);
     let s = ws.stats();
     assert_eq!(s.capacity, 448);
     assert_eq!(s.reallocations, 0);
@@ -213,9 +221,9 @@ fn external_spill_never_grows_the_block() {
     t.close().unwrap();
 }
 
-#[test]
-fn reallocate_grows_the_block_to_the_largest_cycle() {
-    let (ws, t) = spill_scenario(SpillPolicy::Reallocate);
+device_tests!(reallocate_grows_the_block_to_the_largest_cycle);
+fn reallocate_grows_the_block_to_the_largest_cycle(dev: Device) {
+    let (ws, t) = spill_scenario(dev, SpillPolicy::Reallocate);
     let s = ws.stats();
     assert_eq!(s.capacity, 4032);
     assert_eq!(s.reallocations, 1);
@@ -229,9 +237,9 @@ fn reallocate_grows_the_block_to_the_largest_cycle() {
     t.close().unwrap();
 }
 
-#[test]
-fn over_time_learns_after_the_given_cycles_from_the_largest() {
-    let t = trainer();
+device_tests!(over_time_learns_after_the_given_cycles_from_the_largest);
+fn over_time_learns_after_the_given_cycles_from_the_largest(dev: Device) {
+    let t = trainer(dev);
     let conf = strict()
         .learning(LearningPolicy::OverTime)
         .cycles_before_initialization(3)
@@ -262,9 +270,9 @@ fn over_time_with_zero_cycles_is_rejected() {
     assert!(err.to_string().contains("never learn"), "{err}");
 }
 
-#[test]
-fn initialize_sizes_the_block_from_the_largest_cycle() {
-    let t = trainer();
+device_tests!(initialize_sizes_the_block_from_the_largest_cycle);
+fn initialize_sizes_the_block_from_the_largest_cycle(dev: Device) {
+    let t = trainer(dev);
     let conf = WorkspaceConfig::builder()
         .learning(LearningPolicy::OverTime)
         .cycles_before_initialization(1000)
@@ -283,9 +291,9 @@ fn initialize_sizes_the_block_from_the_largest_cycle() {
     t.close().unwrap();
 }
 
-#[test]
-fn initialize_with_nothing_to_learn_from_is_an_error() {
-    let t = trainer();
+device_tests!(initialize_with_nothing_to_learn_from_is_an_error);
+fn initialize_with_nothing_to_learn_from_is_an_error(dev: Device) {
+    let t = trainer(dev);
     let ws = ws(&t, WorkspaceConfig::default());
     assert!(matches!(
         ws.initialize(),
@@ -295,10 +303,10 @@ fn initialize_with_nothing_to_learn_from_is_an_error() {
     t.close().unwrap();
 }
 
-#[test]
-fn every_allocation_rounds_up_to_the_alignment() {
+device_tests!(every_allocation_rounds_up_to_the_alignment);
+fn every_allocation_rounds_up_to_the_alignment(dev: Device) {
     assert_eq!(ndscope::workspace::ALIGNMENT, 64);
-    let t = trainer();
+    let t = trainer(dev);
     let ws = ws(&t, strict().initial_size(4096).build().unwrap());
     ws.cycle(|c| {
         c.zeros([1], DType::F32)?;
@@ -315,9 +323,9 @@ fn every_allocation_rounds_up_to_the_alignment() {
     t.close().unwrap();
 }
 
-#[test]
-fn same_name_and_config_is_the_same_workspace_another_config_is_refused() {
-    let t = trainer();
+device_tests!(same_name_and_config_is_the_same_workspace_another_config_is_refused);
+fn same_name_and_config_is_the_same_workspace_another_config_is_refused(dev: Device) {
+    let t = trainer(dev);
     let a = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let b = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let c = a.open().unwrap();
@@ -336,9 +344,9 @@ fn same_name_and_config_is_the_same_workspace_another_config_is_refused() {
     t.close().unwrap();
 }
 
-#[test]
-fn a_second_open_cycle_is_workspace_busy() {
-    let t = trainer();
+device_tests!(a_second_open_cycle_is_workspace_busy);
+fn a_second_open_cycle_is_workspace_busy(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let first = ws.open().unwrap();
     let err = ws.open().unwrap_err();
@@ -349,9 +357,9 @@ fn a_second_open_cycle_is_workspace_busy() {
     t.close().unwrap();
 }
 
-#[test]
-fn cycles_are_named_and_counted() {
-    let t = trainer();
+device_tests!(cycles_are_named_and_counted);
+fn cycles_are_named_and_counted(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     for i in 1..=3u64 {
         let c = ws.open().unwrap();
@@ -366,9 +374,9 @@ fn cycles_are_named_and_counted() {
     t.close().unwrap();
 }
 
-#[test]
-fn arrays_of_a_cycle_are_closed_when_it_ends() {
-    let t = trainer();
+device_tests!(arrays_of_a_cycle_are_closed_when_it_ends);
+fn arrays_of_a_cycle_are_closed_when_it_ends(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let kept = {
         let c = ws.open().unwrap();
@@ -388,9 +396,9 @@ fn arrays_of_a_cycle_are_closed_when_it_ends() {
     t.close().unwrap();
 }
 
-#[test]
-fn sub_managers_of_a_cycle_allocate_from_its_block() {
-    let t = trainer();
+device_tests!(sub_managers_of_a_cycle_allocate_from_its_block);
+fn sub_managers_of_a_cycle_allocate_from_its_block(dev: Device) {
+    let t = trainer(dev);
     let ws = t
         .workspace("batch", strict().initial_size(4096).build().unwrap())
         .unwrap();
@@ -406,10 +414,10 @@ fn sub_managers_of_a_cycle_allocate_from_its_block() {
     t.close().unwrap();
 }
 
-#[test]
-fn cycle_makes_the_scope_active_and_factories_outside_are_untouched() {
-    let t = trainer();
-    let model = Manager::new_base();
+device_tests!(cycle_makes_the_scope_active_and_factories_outside_are_untouched);
+fn cycle_makes_the_scope_active_and_factories_outside_are_untouched(dev: Device) {
+    let t = trainer(dev);
+    let model = Manager::new_base_on(dev).unwrap();
     let w = model.ones([4], DType::F32).unwrap();
     model.cap();
     let ws = t
@@ -429,9 +437,9 @@ fn cycle_makes_the_scope_active_and_factories_outside_are_untouched() {
     model.close().unwrap();
 }
 
-#[test]
-fn nested_workspaces_keep_their_own_offsets() {
-    let t = trainer();
+device_tests!(nested_workspaces_keep_their_own_offsets);
+fn nested_workspaces_keep_their_own_offsets(dev: Device) {
+    let t = trainer(dev);
     let conf = strict().initial_size(1 << 16).build().unwrap();
     let outer = t.workspace("outer", conf.clone()).unwrap();
     let a = outer.open().unwrap();
@@ -457,9 +465,9 @@ fn nested_workspaces_keep_their_own_offsets() {
     t.close().unwrap();
 }
 
-#[test]
-fn leverage_copies_into_the_outer_workspace_and_keeps_the_handle() {
-    let t = trainer();
+device_tests!(leverage_copies_into_the_outer_workspace_and_keeps_the_handle);
+fn leverage_copies_into_the_outer_workspace_and_keeps_the_handle(dev: Device) {
+    let t = trainer(dev);
     let conf = strict().initial_size(1 << 16).build().unwrap();
     let outer = t.workspace("EXT", conf.clone()).unwrap();
     let a = outer.open().unwrap();
@@ -485,9 +493,9 @@ fn leverage_copies_into_the_outer_workspace_and_keeps_the_handle() {
     t.close().unwrap();
 }
 
-#[test]
-fn ret_out_of_a_cycle_copies_the_data_out() {
-    let t = trainer();
+device_tests!(ret_out_of_a_cycle_copies_the_data_out);
+fn ret_out_of_a_cycle_copies_the_data_out(dev: Device) {
+    let t = trainer(dev);
     let ws = t
         .workspace("batch", strict().initial_size(4096).build().unwrap())
         .unwrap();
@@ -506,9 +514,9 @@ fn ret_out_of_a_cycle_copies_the_data_out() {
     t.close().unwrap();
 }
 
-#[test]
-fn detach_copies_out_and_the_caller_closes() {
-    let t = trainer();
+device_tests!(detach_copies_out_and_the_caller_closes);
+fn detach_copies_out_and_the_caller_closes(dev: Device) {
+    let t = trainer(dev);
     let ws = t
         .workspace("ITER", strict().initial_size(4096).build().unwrap())
         .unwrap();
@@ -528,9 +536,9 @@ fn detach_copies_out_and_the_caller_closes() {
     t.close().unwrap();
 }
 
-#[test]
-fn temp_attach_out_of_a_cycle_copies_and_returns_after_it() {
-    let t = trainer();
+device_tests!(temp_attach_out_of_a_cycle_copies_and_returns_after_it);
+fn temp_attach_out_of_a_cycle_copies_and_returns_after_it(dev: Device) {
+    let t = trainer(dev);
     let ws = t
         .workspace("batch", strict().initial_size(4096).build().unwrap())
         .unwrap();
@@ -546,8 +554,8 @@ fn temp_attach_out_of_a_cycle_copies_and_returns_after_it() {
     t.close().unwrap();
 }
 
-fn circular(capacity: usize) -> (Manager, Workspace) {
-    let t = trainer();
+fn circular(dev: Device, capacity: usize) -> (Manager, Workspace) {
+    let t = trainer(dev);
     let conf = strict()
         .initial_size(capacity)
         .learning(LearningPolicy::None)
@@ -558,9 +566,9 @@ fn circular(capacity: usize) -> (Manager, Workspace) {
     (t, ws)
 }
 
-#[test]
-fn circular_ret_is_zero_copy_until_the_buffer_wraps_over_it() {
-    let (t, ws) = circular(1024);
+device_tests!(circular_ret_is_zero_copy_until_the_buffer_wraps_over_it);
+fn circular_ret_is_zero_copy_until_the_buffer_wraps_over_it(dev: Device) {
+    let (t, ws) = circular(dev, 1024);
     let x = ws
         .cycle(|c| c.ret(&c.full([64], 1.0, DType::F32)?.with_name("prefetched")))
         .unwrap();
@@ -590,9 +598,9 @@ fn circular_ret_is_zero_copy_until_the_buffer_wraps_over_it() {
     t.close().unwrap();
 }
 
-#[test]
-fn circular_workspace_never_overwrites_the_open_cycle() {
-    let (t, ws) = circular(1024);
+device_tests!(circular_workspace_never_overwrites_the_open_cycle);
+fn circular_workspace_never_overwrites_the_open_cycle(dev: Device) {
+    let (t, ws) = circular(dev, 1024);
     ws.cycle(|c| {
         let arrays: Vec<_> = (0..6)
             .map(|i| c.full([64], i as f64, DType::F32))
@@ -608,10 +616,10 @@ fn circular_workspace_never_overwrites_the_open_cycle() {
     t.close().unwrap();
 }
 
-#[test]
-fn circular_attach_copies_like_block_left() {
-    let (t, ws) = circular(1024);
-    let other = Manager::new_base();
+device_tests!(circular_attach_copies_like_block_left);
+fn circular_attach_copies_like_block_left(dev: Device) {
+    let (t, ws) = circular(dev, 1024);
+    let other = Manager::new_base_on(dev).unwrap();
     let x = ws
         .cycle(|c| {
             let x = c.full([64], 5.0, DType::F32)?;
@@ -629,9 +637,9 @@ fn circular_attach_copies_like_block_left() {
     t.close().unwrap();
 }
 
-#[test]
-fn destroy_ends_the_cycle_and_later_calls_say_so() {
-    let t = trainer();
+device_tests!(destroy_ends_the_cycle_and_later_calls_say_so);
+fn destroy_ends_the_cycle_and_later_calls_say_so(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let c = ws.open().unwrap();
     let x = c.ones([4], DType::F32).unwrap();
@@ -653,9 +661,9 @@ fn destroy_ends_the_cycle_and_later_calls_say_so() {
     t.close().unwrap();
 }
 
-#[test]
-fn open_after_the_owner_closed_is_manager_closed() {
-    let t = trainer();
+device_tests!(open_after_the_owner_closed_is_manager_closed);
+fn open_after_the_owner_closed_is_manager_closed(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     t.close().unwrap();
     assert!(ws.is_destroyed());
@@ -666,9 +674,9 @@ fn open_after_the_owner_closed_is_manager_closed() {
     ));
 }
 
-#[test]
-fn closing_the_owner_ends_an_open_cycle() {
-    let t = trainer();
+device_tests!(closing_the_owner_ends_an_open_cycle);
+fn closing_the_owner_ends_an_open_cycle(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     let c = ws.open().unwrap();
     let x = c.ones([4], DType::F32).unwrap();
@@ -725,9 +733,9 @@ fn contradictory_configs_are_rejected() {
         .unwrap();
 }
 
-#[test]
-fn reports_and_dumps_show_each_workspace() {
-    let t = trainer();
+device_tests!(reports_and_dumps_show_each_workspace);
+fn reports_and_dumps_show_each_workspace(dev: Device) {
+    let t = trainer(dev);
     let ws = t.workspace("batch", WorkspaceConfig::default()).unwrap();
     ws.cycle(|c| c.zeros([1000], DType::F32).map(|_| ()))
         .unwrap();
@@ -747,5 +755,80 @@ fn reports_and_dumps_show_each_workspace() {
     assert!(dump.contains("batch#2"), "{dump}");
     assert!(dump.contains("[workspace]"), "{dump}");
     drop(c);
+    t.close().unwrap();
+}
+
+device_tests!(mmap_location_is_cpu_only);
+/// `LocationPolicy::Mmap` maps a host file: a CPU owner gets it, a CUDA owner `Unsupported`,
+/// with nothing created.
+fn mmap_location_is_cpu_only(dev: Device) {
+    use ndscope::LocationPolicy;
+    let t = trainer(dev);
+    let conf = strict()
+        .location(LocationPolicy::Mmap)
+        .learning(LearningPolicy::None)
+        .initial_size(4096)
+        .build()
+        .unwrap();
+    match dev {
+        Device::Cpu => {
+            let ws = t.workspace("mapped", conf).unwrap();
+            assert_eq!(ws.stats().capacity, 4096);
+            ws.cycle(|c| {
+                let a = c.full([16], 2.0, DType::F32)?;
+                assert_eq!(a.device(), Device::Cpu);
+                assert_eq!(a.sum_all()?.to_scalar::<f32>()?, 32.0);
+                Ok(())
+            })
+            .unwrap();
+        }
+        Device::Cuda(_) => {
+            let err = t.workspace("mapped", conf).unwrap_err();
+            assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+            let text = err.to_string();
+            assert!(
+                text.contains("Mmap") && text.contains(&dev.to_string()),
+                "{text}"
+            );
+            assert!(t.report().workspaces.is_empty(), "nothing was created");
+            // The same name is still free for a workspace the device can hold.
+            t.workspace("mapped", strict().build().unwrap()).unwrap();
+        }
+    }
+    t.close().unwrap();
+}
+
+device_tests!(mirroring_decides_where_workspace_arrays_live);
+/// `MirroringPolicy::Full` puts a CUDA owner's block on its device; `HostOnly` in (page-locked)
+/// host memory, so its arrays are on the CPU. A CPU owner's arrays are on the CPU either way.
+/// The figures are the same in both cases.
+fn mirroring_decides_where_workspace_arrays_live(dev: Device) {
+    use ndscope::MirroringPolicy;
+    let t = trainer(dev);
+    for (mirroring, want) in [
+        (MirroringPolicy::Full, dev),
+        (MirroringPolicy::HostOnly, Device::Cpu),
+    ] {
+        let conf = strict().mirroring(mirroring).build().unwrap();
+        let ws = t.workspace(&format!("{mirroring:?}"), conf).unwrap();
+        for _ in 0..2 {
+            ws.cycle(|c| {
+                let a = c.full([100], 1.5, DType::F64)?;
+                assert_eq!(a.device(), want, "{mirroring:?}");
+                let b = a.mul_scalar(2.0)?;
+                assert_eq!(b.device(), want, "{mirroring:?}");
+                assert_eq!(b.sum_all()?.to_scalar::<f64>()?, 300.0);
+                Ok(())
+            })
+            .unwrap();
+        }
+        let s = ws.stats();
+        assert_eq!(s.capacity, 2 * 832 + 64, "{mirroring:?}: a, b and the sum");
+        assert_eq!(
+            s.spilled_count, 3,
+            "{mirroring:?}: only the first cycle spilled"
+        );
+        assert_eq!(s.cycles, 2);
+    }
     t.close().unwrap();
 }

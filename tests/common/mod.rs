@@ -1,8 +1,66 @@
-//! Helpers shared by the op tests: deterministic test data and reading arrays back as f64.
+//! Helpers shared by the integration tests: `device_tests!`, which runs a test on the CPU and
+//! on a CUDA device, deterministic test data, and reading arrays back as f64.
 
 #![allow(dead_code)] // each test binary uses a different subset
 
-use ndscope::{DType, Manager, NDArray};
+use ndscope::{DType, Device, Error, Manager, NDArray};
+
+/// Registers tests that take the device they run on: for each `name` listed, a module `name`
+/// with two tests, `name::cpu`, which calls `name(Device::Cpu)`, and `name::cuda`, which calls
+/// `name(Device::Cuda(0))` when that device is usable and otherwise prints why it skipped (see
+/// [`cuda_device`]). Put it above the function, like an attribute; the function stays plain Rust
+/// (a module and a function may share a name), takes `dev: Device` and makes its managers with
+/// `Manager::new_base_on(dev)`.
+///
+/// ```ignore
+/// device_tests!(add_broadcasts);
+/// fn add_broadcasts(dev: Device) {
+///     let m = Manager::new_base_on(dev).unwrap();
+///     // ...
+/// }
+/// ```
+#[allow(unused_macros)]
+macro_rules! device_tests {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$name(::ndscope::Device::Cpu);
+            }
+
+            #[test]
+            fn cuda() {
+                if let Some(dev) = $crate::common::cuda_device() {
+                    super::$name(dev);
+                }
+            }
+        }
+    )+};
+}
+#[allow(unused_imports)]
+pub(crate) use device_tests;
+
+/// `Some(Device::Cuda(0))` when a manager can be made on it. Otherwise `None`, after printing
+/// `skipped on cuda: ` and the `DeviceUnavailable` error of `Manager::new_base_on`, which says
+/// why (no `cuda` feature, no driver, no GPU, a missing library). With `NDSCOPE_REQUIRE_GPU=1`
+/// (set by the GPU suite, `scripts/gpu-run.sh`) a missing GPU fails the test instead.
+pub fn cuda_device() -> Option<Device> {
+    let dev = Device::Cuda(0);
+    match Manager::new_base_on(dev) {
+        Ok(probe) => {
+            probe.close().unwrap();
+            Some(dev)
+        }
+        Err(err @ Error::DeviceUnavailable { .. }) => {
+            if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {err}");
+            }
+            println!("skipped on cuda: {err}");
+            None
+        }
+        Err(err) => panic!("Manager::new_base_on({dev}) failed unexpectedly: {err}"),
+    }
+}
 
 /// The number of elements of a shape.
 pub fn size(shape: &[usize]) -> usize {

@@ -25,6 +25,25 @@ pub(crate) trait Num: Element {
     fn pow_f64(self, exponent: f64) -> Self;
 }
 
+/// `x^e` for integer arrays: a whole exponent in `0..=64` by repeated squaring in f64 (exact
+/// while the result fits 2⁵³, and the same bits as CUDA's `pow_whole` in `kernels.cu`, which
+/// does the same multiplications), any other exponent by `powf`.
+#[inline(always)]
+pub(crate) fn powi_exact(x: f64, e: f64) -> f64 {
+    if !(0.0..=64.0).contains(&e) || e.fract() != 0.0 {
+        return x.powf(e);
+    }
+    let (mut base, mut k, mut acc) = (x, e as u32, 1.0f64);
+    while k > 0 {
+        if k & 1 == 1 {
+            acc *= base;
+        }
+        base *= base;
+        k >>= 1;
+    }
+    acc
+}
+
 /// Arithmetic only floats have.
 pub(crate) trait Float: Num {
     fn exp(self) -> Self;
@@ -93,7 +112,7 @@ macro_rules! int_num {
             }
             #[inline(always)]
             fn pow_f64(self, exponent: f64) -> Self {
-                (self as f64).powf(exponent) as $t
+                powi_exact(self as f64, exponent) as $t
             }
         }
     };

@@ -400,9 +400,20 @@ FOR_ALL(COMPARE_ALL)
     }
 __device__ __forceinline__ f32 pow_elem(f32 x, f64 e) { return powf(x, (f32)e); }
 __device__ __forceinline__ f64 pow_elem(f64 x, f64 e) { return pow(x, e); }
-__device__ __forceinline__ i32 pow_elem(i32 x, f64 e) { return from_f64<i32>(pow((f64)x, e)); }
-__device__ __forceinline__ i64 pow_elem(i64 x, f64 e) { return from_f64<i64>(pow((f64)x, e)); }
-__device__ __forceinline__ u8 pow_elem(u8 x, f64 e) { return from_f64<u8>(pow((f64)x, e)); }
+// x^e for integers: a whole exponent in 0..=64 by repeated squaring (the CPU's `powi_exact`,
+// multiplication for multiplication, so both devices give the same bits), else pow.
+__device__ __forceinline__ f64 pow_whole(f64 x, f64 e) {
+    if (!(e >= 0.0 && e <= 64.0) || e != floor(e)) return pow(x, e);
+    f64 base = x, acc = 1.0;
+    for (u32 k = (u32)e; k > 0; k >>= 1) {
+        if (k & 1) acc = acc * base;
+        base = base * base;
+    }
+    return acc;
+}
+__device__ __forceinline__ i32 pow_elem(i32 x, f64 e) { return from_f64<i32>(pow_whole((f64)x, e)); }
+__device__ __forceinline__ i64 pow_elem(i64 x, f64 e) { return from_f64<i64>(pow_whole((f64)x, e)); }
+__device__ __forceinline__ u8 pow_elem(u8 x, f64 e) { return from_f64<u8>(pow_whole((f64)x, e)); }
 FOR_ALL(UNARY_ALL)
 
 __device__ __forceinline__ f32 sigmoid_elem(f32 x) {

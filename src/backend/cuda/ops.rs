@@ -1430,8 +1430,9 @@ pub(crate) fn sgd_dense(
     if len == 0 {
         return Ok(());
     }
-    // v ← momentum·v + xᵀ·g (with momentum 0, beta 0: cuBLAS does not read the old v), then
-    // w ← w − lr·v: two launches, in stream order.
+    // v ← momentum·v + xᵀ·g, then w ← w − lr·v: two launches, in stream order. Without
+    // momentum the old v is not read (a plain product: cuBLAS with beta 0, or zeros for an
+    // empty batch), as on the CPU: a NaN left in v does not survive.
     product(
         ctx,
         gpu,
@@ -1440,7 +1441,7 @@ pub(crate) fn sgd_dense(
         (x.ptr(), true),
         (g.ptr(), false),
         (v.ptr(), len),
-        Some((momentum, 1.0)),
+        (momentum != 0.0).then_some((momentum, 1.0)),
         (1, (0, 0, 0)),
     )?;
     axpy_raw(
