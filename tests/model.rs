@@ -95,13 +95,13 @@ fn setup_ops(setup: &[(usize, bool)]) -> Vec<Op> {
 
 /// 10 000 cases of up to 80 ops (after a setup of one or two workspaces): about 17 s with
 /// `cargo test --release --test model` on two cores. A debug build is about 15 times slower, so
-/// plain `cargo test` runs 1 000; Miri runs 4. `PROPTEST_CASES=n` overrides the count.
+/// plain `cargo test` runs 1 000; Miri runs 3 of up to 24 ops. `PROPTEST_CASES=n` overrides the count.
 fn config() -> ProptestConfig {
     let from_env = ProptestConfig::default();
     let cases = if std::env::var_os("PROPTEST_CASES").is_some() {
         from_env.cases
     } else if cfg!(miri) {
-        4
+        3
     } else if cfg!(debug_assertions) {
         1_000
     } else {
@@ -122,13 +122,17 @@ fn config() -> ProptestConfig {
     }
 }
 
+/// Ops per case after the setup (fewer under Miri, which interprets every step about a thousand
+/// times slower).
+const MAX_OPS: usize = if cfg!(miri) { 24 } else { 80 };
+
 proptest! {
     #![proptest_config(config())]
 
     #[test]
     fn library_matches_the_reference_model(
         setup in prop::collection::vec((0usize..model::WORKSPACE_CONFIGS, any::<bool>()), 1..=2),
-        ops in prop::collection::vec(op(), 0..=80),
+        ops in prop::collection::vec(op(), 0..=MAX_OPS),
     ) {
         // Every case starts with nothing allocated: the previous one closed all it made.
         prop_assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) before the case");

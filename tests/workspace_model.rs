@@ -357,9 +357,12 @@ impl Harness {
     }
 }
 
+/// Ops per case (fewer under Miri, which interprets every step about a thousand times slower).
+const MAX_OPS: usize = if cfg!(miri) { 20 } else { 80 };
+
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: if cfg!(miri) { 4 } else { 1000 },
+        cases: if cfg!(miri) { 5 } else { 1000 },
         // Miri runs without file access.
         failure_persistence: if cfg!(miri) {
             None
@@ -370,7 +373,7 @@ proptest! {
     })]
 
     #[test]
-    fn workspace_cycles_match_the_model(conf in conf_strategy(), ops in prop::collection::vec(op_strategy(), 1..80)) {
+    fn workspace_cycles_match_the_model(conf in conf_strategy(), ops in prop::collection::vec(op_strategy(), 1..MAX_OPS)) {
         let Some(config) = build(&conf) else {
             return Ok(());
         };
