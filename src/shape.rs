@@ -69,8 +69,12 @@ impl Shape {
         self.checked_size().unwrap_or(usize::MAX)
     }
 
-    /// The number of elements, or `None` if it overflows `usize`.
+    /// The number of elements, or `None` if it overflows `usize`. A shape with a zero dimension
+    /// holds 0 elements, whatever its other dimensions and their order.
     pub fn checked_size(&self) -> Option<usize> {
+        if self.dims().contains(&0) {
+            return Some(0);
+        }
         self.dims()
             .iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
@@ -219,5 +223,8 @@ mod tests {
         let s = Shape::new(&[usize::MAX, 2]);
         assert_eq!(s.checked_size(), None);
         assert_eq!(Shape::new(&[3, 0, 4]).size(), 0);
+        // Empty whatever the order: no overflow before the zero is reached.
+        assert_eq!(Shape::new(&[2, usize::MAX, 0]).checked_size(), Some(0));
+        assert_eq!(Shape::new(&[0, usize::MAX, 2]).checked_size(), Some(0));
     }
 }

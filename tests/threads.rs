@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use ndscope::{DType, Error, Manager, NDArray, Result};
 
 const THREADS: usize = 4;
-const STEPS: usize = 50;
+/// Under Miri (which interprets every thread on one core) the races are run smaller and fewer
+/// times.
+const STEPS: usize = if cfg!(miri) { 5 } else { 50 };
 
 fn assert_send_sync<T: Send + Sync>() {}
 
@@ -117,7 +119,15 @@ fn reports_and_dumps_while_other_threads_work() -> Result<()> {
         }
         let deadline = Instant::now() + Duration::from_millis(200);
         let mut reports = 0;
-        while Instant::now() < deadline {
+        // Miri's clock is virtual: count reports there instead.
+        let more = |reports: usize| {
+            if cfg!(miri) {
+                reports < 3
+            } else {
+                Instant::now() < deadline
+            }
+        };
+        while more(reports) {
             let report = parent.report();
             assert!(report.total_arrays() <= 2 * 3);
             let dump = parent.debug_dump(1);
@@ -170,8 +180,10 @@ fn spin(micros: u64) {
     }
 }
 
-const RACES: usize = 300;
-const N: usize = 160;
+const RACES: usize = if cfg!(miri) { 4 } else { 300 };
+const N: usize = if cfg!(miri) { 8 } else { 160 };
+/// Elements of the arrays of the elementwise races.
+const LEN: usize = if cfg!(miri) { 64 } else { 1 << 18 };
 
 #[test]
 fn closing_an_array_while_another_thread_computes_on_it() -> Result<()> {
@@ -206,8 +218,8 @@ fn closing_an_array_during_an_elementwise_op() -> Result<()> {
     let mut outcomes = Outcomes::default();
     for i in 0..RACES {
         let m = Manager::new_base();
-        let a = m.full([1 << 18], 2.0, DType::F32)?;
-        let b = m.full([1 << 18], 3.0, DType::F32)?;
+        let a = m.full([LEN], 2.0, DType::F32)?;
+        let b = m.full([LEN], 3.0, DType::F32)?;
         let barrier = Barrier::new(2);
         let result = thread::scope(|t| {
             t.spawn(|| {
@@ -257,8 +269,8 @@ fn closing_a_manager_while_another_thread_computes_on_its_arrays() -> Result<()>
 fn in_place_ops_racing_a_close_are_refused_or_complete() -> Result<()> {
     for i in 0..RACES {
         let m = Manager::new_base();
-        let a = m.full([1 << 18], 1.0, DType::F32)?;
-        let g = m.full([1 << 18], 1.0, DType::F32)?;
+        let a = m.full([LEN], 1.0, DType::F32)?;
+        let g = m.full([LEN], 1.0, DType::F32)?;
         let barrier = Barrier::new(2);
         let result = thread::scope(|t| {
             t.spawn(|| {
@@ -289,7 +301,8 @@ fn moving_arrays_between_managers_while_computing_keeps_data_intact() -> Result<
     let base = Manager::new_base();
     let m1 = base.new_sub_manager()?;
     let m2 = base.new_sub_manager()?;
-    let a = m1.full([256, 64], 1.5, DType::F32)?;
+    let rows = if cfg!(miri) { 16 } else { 256 };
+    let a = m1.full([rows, 64], 1.5, DType::F32)?;
     let b = m1.full([64, 32], 2.0, DType::F32)?;
     thread::scope(|t| {
         let mover = t.spawn(|| -> Result<()> {
@@ -304,13 +317,13 @@ fn moving_arrays_between_managers_while_computing_keeps_data_intact() -> Result<
             }
             Ok(())
         });
-        for _ in 0..100 {
+        for _ in 0..if cfg!(miri) { 3 } else { 100 } {
             let y = base.scope(|s| {
                 let y = a.matmul(&b)?;
                 assert_eq!(y.manager()?, *s);
                 s.ret(&y.sum_all()?)
             })?;
-            assert_eq!(y.to_scalar::<f32>()?, 256.0 * 32.0 * 64.0 * 3.0);
+            assert_eq!(y.to_scalar::<f32>()?, rows as f32 * 32.0 * 64.0 * 3.0);
             y.close()?;
         }
         mover.join().unwrap()

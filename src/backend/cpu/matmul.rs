@@ -328,4 +328,21 @@ mod tests {
             assert_eq!(oi, expect);
         }
     }
+
+    /// The kernels read through raw pointers and strides: operands that do not fit the
+    /// dimensions are refused in release builds too (every front-end checks shapes first, so
+    /// only a wrong call inside the crate could pass them).
+    #[test]
+    #[should_panic(expected = "matmul: operand lengths")]
+    fn matmul_checks_operand_lengths_in_release_builds() {
+        let (a, b, mut out) = (vec![1.0f32; 7], vec![1.0f32; 6], vec![0.0f32; 4]);
+        matmul(2, 3, 2, &a, &b, &mut out);
+    }
+
+    #[test]
+    #[should_panic(expected = "gemm_general: operand lengths")]
+    fn gemm_checks_operand_lengths_in_release_builds() {
+        let (a, b, mut out) = (vec![1.0f64; 6], vec![1.0f64; 6], vec![0.0f64; 5]);
+        gemm_general(2, 3, 2, &a, true, &b, false, &mut out, None);
+    }
 }

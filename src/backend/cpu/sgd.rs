@@ -402,4 +402,37 @@ mod tests {
             }
         }
     }
+
+    /// Operand lengths that do not fit the dimensions are refused in release builds too (the
+    /// fused kernel writes through raw pointers).
+    #[test]
+    #[should_panic(expected = "sgd_dense: operand lengths")]
+    fn operand_lengths_are_checked_in_release_builds() {
+        let (m, k, n) = (2, 3, 4);
+        let (x, g) = (vec![1.0f32; k * m], vec![1.0f32; k * n]);
+        let (mut v, mut w) = (vec![0.0f32; m * n + 1], vec![0.0f32; m * n]);
+        sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.1, 0.9);
+    }
+
+    /// Outputs whose last row ends in vectors with no column of the matrix (n = 16 + 1 with four
+    /// 16-lane vectors per chunk): the fused kernel skips them without forming their addresses,
+    /// which would lie past the end of `v` and `w` (exact-size buffers here). Miri checks the
+    /// address arithmetic where AVX-512 can run under it; everywhere the values are checked.
+    #[test]
+    fn fully_masked_vectors_of_the_last_row_are_skipped() {
+        for &(m, k, n) in &[(1, 1, 1), (5, 2, 17), (4, 3, 16), (7, 1, 33)] {
+            let x: Vec<f32> = (0..k * m).map(|i| i as f32 * 0.5).collect();
+            let g: Vec<f32> = (0..k * n).map(|i| 1.0 - i as f32 * 0.25).collect();
+            let mut v = vec![1.0f32; m * n];
+            let mut w = vec![2.0f32; m * n];
+            sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.5, 0.5);
+            for i in 0..m {
+                for j in 0..n {
+                    let dot: f32 = (0..k).map(|p| x[p * m + i] * g[p * n + j]).sum();
+                    assert_eq!(v[i * n + j], 0.5 + dot, "v ({m},{k},{n}) at {i},{j}");
+                    assert_eq!(w[i * n + j], 2.0 - 0.5 * (0.5 + dot), "w at {i},{j}");
+                }
+            }
+        }
+    }
 }
