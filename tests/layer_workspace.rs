@@ -178,7 +178,12 @@ fn one_workspace_name_with_two_configurations_is_refused() {
 }
 
 /// One training step of the example MLP with `layers`, from the same seed.
+/// The random generator is one per process: tests that seed it and draw from it take turns, or
+/// one test's draws would land between another's seed and its own draws.
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn step_with(layout: impl Fn(&Manager) -> LayerWorkspaceMgr) -> (Vec<f32>, Vec<f32>, Manager) {
+    let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
     manual_seed(3);
     let model = Manager::new_base();
     let net = mlp::Mlp::new(&model, &[12, 16, 8, 3]).unwrap();
@@ -224,6 +229,7 @@ fn the_mlp_step_computes_the_same_under_workspaces_and_without() {
 
 #[test]
 fn the_training_layout_stops_spilling_once_every_layer_was_seen() {
+    let _turn = SEEDED.lock().unwrap_or_else(|e| e.into_inner());
     manual_seed(4);
     let model = Manager::new_base();
     let net = mlp::Mlp::new(&model, &[20, 64, 8, 3]).unwrap();

@@ -856,18 +856,30 @@ impl Model {
     }
 
     /// Whether moving array `a` to `target` copies its bytes: they are in the block of a cycle
-    /// that is still open and `target` is not inside that cycle's scope (a `ret` out of a
-    /// circular workspace is zero-copy).
+    /// that is still open and `target` is not inside that cycle's scope (a `ret` out of an open
+    /// circular cycle is zero-copy), or they are a survivor of an ended cycle in a circular
+    /// workspace's current block, which the buffer will overwrite when it comes round (moved
+    /// again, it is copied out so that the move keeps it).
     fn copy_needed(&self, a: usize, target: Holder, kind: Move) -> bool {
-        let Place::Block { ws, generation, .. } = self.arrays[a].place else {
+        let Place::Block {
+            ws,
+            block,
+            generation,
+            ..
+        } = self.arrays[a].place
+        else {
             return false;
         };
         let w = &self.workspaces[ws];
+        if !w.alive {
+            return false;
+        }
+        let survivor = || w.block.circular() && w.block.current().is_some_and(|(n, _)| n == block);
         let Some((scope, open)) = w.cycle else {
-            return false;
+            return survivor();
         };
-        if !w.alive || open != generation {
-            return false;
+        if open != generation {
+            return survivor();
         }
         match target {
             Holder::Detached => true,
