@@ -55,8 +55,9 @@ pub struct DeviceUsage {
 }
 
 /// The accumulated counters come in pairs: a total that only grows, and its value at the last
-/// [`reset_memory_stats`]. Live arrays are `opened - closed`, so creating and freeing an array
-/// costs one atomic add for its count and one for its bytes, as before the counters existed.
+/// [`reset_memory_stats`]. Live arrays are `opened - closed`. The four array counters are written
+/// only under the arena lock, with plain loads and stores: creating and freeing an array costs
+/// no locked instruction for them.
 pub(crate) struct Counters {
     in_use: AtomicUsize,
     peak: AtomicUsize,
@@ -245,17 +246,26 @@ pub(crate) fn driver_allocated(device: Device) {
     }
 }
 
+/// Adds `n` to a counter that only the holder of the arena lock writes: a plain load and store
+/// (no locked read-modify-write), since the lock already orders the writers. Readers load it
+/// without the lock and see some recent value, as with any relaxed counter.
+fn bump_locked(counter: &AtomicU64, n: u64) {
+    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+/// Counts an array created on `device`. Called by `State::insert_array`, under the arena lock.
 pub(crate) fn array_opened(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        c.opened.fetch_add(1, Ordering::Relaxed);
-        c.opened_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        bump_locked(&c.opened, 1);
+        bump_locked(&c.opened_bytes, bytes as u64);
     }
 }
 
+/// Counts an array freed on `device`. Called by `State::remove_array`, under the arena lock.
 pub(crate) fn array_closed(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        c.closed.fetch_add(1, Ordering::Relaxed);
-        c.closed_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        bump_locked(&c.closed, 1);
+        bump_locked(&c.closed_bytes, bytes as u64);
     }
 }
 
