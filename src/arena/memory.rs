@@ -250,7 +250,10 @@ pub(crate) fn driver_allocated(device: Device) {
 /// (no locked read-modify-write), since the lock already orders the writers. Readers load it
 /// without the lock and see some recent value, as with any relaxed counter.
 fn bump_locked(counter: &AtomicU64, n: u64) {
-    counter.store(counter.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+    counter.store(
+        counter.load(Ordering::Relaxed).wrapping_add(n),
+        Ordering::Relaxed,
+    );
 }
 
 /// Counts an array created on `device`. Called by `State::insert_array`, under the arena lock.
