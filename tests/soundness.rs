@@ -66,11 +66,23 @@ fn a_second_mmap_workspace_on_a_mapped_path_is_refused_and_the_first_keeps_its_d
 
     // Another owner, a smaller size (which would truncate the file under the first mapping), or
     // the same size: all refused, naming the path, with nothing created.
+    // The same file spelled another way is the same file.
+    let other_spelling = WorkspaceConfig::builder()
+        .location(LocationPolicy::Mmap)
+        .learning(LearningPolicy::None)
+        .initial_size(4096)
+        .mmap_path(dir.join(".").join("block.bin"))
+        .build()
+        .unwrap();
     let second_owner = Manager::new_base().with_name("second-owner");
-    for size in [4096, 1 << 16] {
-        let err = second_owner.workspace("second", conf(size)).unwrap_err();
+    for c in [conf(4096), conf(1 << 16), other_spelling] {
+        let err = second_owner.workspace("second", c).unwrap_err();
         assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
-        assert!(err.to_string().contains("block.bin"), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("block.bin") && text.contains("'first'"),
+            "{text}"
+        );
     }
     assert!(
         second_owner.report().workspaces.is_empty(),
@@ -79,6 +91,16 @@ fn a_second_mmap_workspace_on_a_mapped_path_is_refused_and_the_first_keeps_its_d
     // The first workspace's memory is its own: its array still holds its values.
     assert_eq!(kept.to_vec::<f32>().unwrap(), vec![7.0; 1 << 12]);
     drop(cycle);
+    // And its whole block is still mapped: a cycle may use all of it (past the 4 KiB a
+    // truncating second mapping would have left, where a write was a SIGBUS).
+    let got = first
+        .cycle(|c| {
+            c.full([(1 << 16) / 4], 1.0, DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()
+        })
+        .unwrap();
+    assert_eq!(got, 16384.0);
 
     // Once the first workspace is gone, the path may be mapped again.
     first_owner.close().unwrap();
