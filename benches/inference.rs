@@ -83,6 +83,27 @@ fn forward(layers: &[(NDArray, NDArray)], x: &NDArray) -> ndscope::Result<NDArra
     Ok(h)
 }
 
+/// A `Predictor` and a `ParallelInference` (default settings) over the same layers.
+fn served(
+    model: &Manager,
+    layers: &Arc<Vec<(NDArray, NDArray)>>,
+) -> (Predictor<HostArray, HostArray>, ParallelInference) {
+    let predictor = {
+        let layers = Arc::clone(layers);
+        Predictor::new(model, move |ctx: &Manager, x: &HostArray| {
+            forward(&layers, &ctx.from_host(x)?)?.to_host()
+        })
+        .unwrap()
+    };
+    let service = {
+        let layers = Arc::clone(layers);
+        ParallelInference::builder(model)
+            .build(move |_ctx, x| forward(&layers, x))
+            .unwrap()
+    };
+    (predictor, service)
+}
+
 fn input(batch: usize) -> HostArray {
     HostArray::from_vec(
         (0..batch * SIZES[0])
@@ -101,19 +122,7 @@ fn mlp_batch_1(c: &mut Criterion) {
         .iter()
         .map(|(w, b)| (w.to_vec().unwrap(), b.to_vec().unwrap()))
         .collect();
-    let predictor = {
-        let layers = Arc::clone(&layers);
-        Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
-            forward(&layers, &ctx.from_host(x)?)?.to_host()
-        })
-        .unwrap()
-    };
-    let service = {
-        let layers = Arc::clone(&layers);
-        ParallelInference::builder(&model)
-            .build(move |_ctx, x| forward(&layers, x))
-            .unwrap()
-    };
+    let (predictor, service) = served(&model, &layers);
     let x = input(1);
     let xs = x.as_slice::<f32>().unwrap().to_vec();
     let mut g = c.benchmark_group(group);
@@ -176,19 +185,7 @@ fn mlp_batch_64(c: &mut Criterion) {
     let group = "mlp_inference_batch_64";
     let model = Manager::new_base().with_name("model");
     let layers = Arc::new(mlp(&model));
-    let predictor = {
-        let layers = Arc::clone(&layers);
-        Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
-            forward(&layers, &ctx.from_host(x)?)?.to_host()
-        })
-        .unwrap()
-    };
-    let service = {
-        let layers = Arc::clone(&layers);
-        ParallelInference::builder(&model)
-            .build(move |_ctx, x| forward(&layers, x))
-            .unwrap()
-    };
+    let (predictor, service) = served(&model, &layers);
     let x = input(64);
     let mut g = c.benchmark_group(group);
     g.sample_size(20);
