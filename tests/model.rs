@@ -13,7 +13,7 @@
 #[path = "model/mod.rs"]
 mod model;
 
-use model::{cpu_usage, Harness, ListAction, Op};
+use model::{ListAction, Op};
 use proptest::prelude::*;
 
 /// Indices are taken modulo the live counts (at most a few dozen), so this range reaches them all.
@@ -134,12 +134,6 @@ proptest! {
         setup in prop::collection::vec((0usize..model::WORKSPACE_CONFIGS, any::<bool>()), 1..=2),
         ops in prop::collection::vec(op(), 0..=MAX_OPS),
     ) {
-        // Every case starts with nothing allocated: the previous one closed all it made.
-        prop_assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) before the case");
-        let mut harness = Harness::new();
-        harness.apply_all(&setup_ops(&setup));
-        harness.apply_all(&ops);
-        harness.finish();
-        prop_assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) after closing everything");
+        model::run_from_nothing(&[&setup_ops(&setup), &ops]);
     }
 }

@@ -12,7 +12,7 @@ use libfuzzer_sys::fuzz_target;
 #[path = "../../tests/model/mod.rs"]
 mod model;
 
-use model::{cpu_usage, Harness, ListAction, Op};
+use model::{ListAction, Op};
 
 /// Longer inputs are cut here: every step checks the whole state, so long sequences mostly cost
 /// time without reaching states that shorter ones cannot.
@@ -87,11 +87,4 @@ fn decode(data: &[u8]) -> Vec<Op> {
     ops
 }
 
-fuzz_target!(|data: &[u8]| {
-    // Each input closes everything it made, so the next one starts from nothing.
-    assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) before the input");
-    let mut harness = Harness::new();
-    harness.apply_all(&decode(data));
-    harness.finish();
-    assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) after the input");
-});
+fuzz_target!(|data: &[u8]| model::run_from_nothing(&[&decode(data)]));

@@ -1236,6 +1236,24 @@ pub fn cpu_usage() -> (usize, usize) {
     (usage.in_use, usage.arrays)
 }
 
+/// Runs `ops` (in turn, each slice after the last) on a fresh [`Harness`], closes everything and
+/// checks that the process is back where it started, with nothing in use: each input of the
+/// model test and of both fuzz targets. The previous input closed all it made, so each starts
+/// from nothing too.
+pub fn run_from_nothing(ops: &[&[Op]]) {
+    assert_eq!(cpu_usage(), (0, 0), "(in_use, arrays) before the input");
+    let mut harness = Harness::new();
+    for ops in ops {
+        harness.apply_all(ops);
+    }
+    harness.finish();
+    assert_eq!(
+        cpu_usage(),
+        (0, 0),
+        "(in_use, arrays) after closing everything"
+    );
+}
+
 impl Default for Harness {
     fn default() -> Self {
         Harness::new()
