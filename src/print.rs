@@ -25,6 +25,7 @@ use std::fmt::{self, Write as _};
 
 use parking_lot::RwLock;
 
+use crate::backend::layout::contiguous_strides;
 use crate::{DType, Device, Error, NDArray};
 
 /// How arrays print (NumPy's `printoptions`, candle's `PrinterOptions`).
@@ -50,17 +51,20 @@ impl Default for PrintOptions {
     /// Precision 4, threshold 1000, 3 edge items, 75 characters a line, notation chosen by the
     /// values.
     fn default() -> Self {
-        PrintOptions {
-            precision: 4,
-            threshold: 1000,
-            edge_items: 3,
-            line_width: 75,
-            sci_mode: None,
-        }
+        PrintOptions::DEFAULT
     }
 }
 
 impl PrintOptions {
+    /// The defaults, as a constant for the process-wide options' initial value.
+    const DEFAULT: PrintOptions = PrintOptions {
+        precision: 4,
+        threshold: 1000,
+        edge_items: 3,
+        line_width: 75,
+        sci_mode: None,
+    };
+
     /// Short output: precision 2, threshold 21, 2 edge items (candle's `short`).
     pub fn short() -> Self {
         PrintOptions {
@@ -80,13 +84,7 @@ impl PrintOptions {
     }
 }
 
-static OPTIONS: RwLock<PrintOptions> = RwLock::new(PrintOptions {
-    precision: 4,
-    threshold: 1000,
-    edge_items: 3,
-    line_width: 75,
-    sci_mode: None,
-});
+static OPTIONS: RwLock<PrintOptions> = RwLock::new(PrintOptions::DEFAULT);
 
 /// Sets how arrays print, for the whole process.
 ///
@@ -140,18 +138,10 @@ fn shown(dims: &[usize], summarize: bool, edge: usize) -> Vec<usize> {
             go(rest, &strides[1..], base + i * strides[0], s, e, out);
         }
     }
-    let strides = strides(dims);
+    let strides = contiguous_strides(dims);
     let mut out = Vec::new();
     go(dims, &strides, 0, summarize, edge, &mut out);
     out
-}
-
-fn strides(dims: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
-    }
-    strides
 }
 
 /// The indices shown along an axis of length `n`; `None` stands for the `...`.
@@ -400,7 +390,7 @@ fn render(a: &NDArray, precision: Option<usize>) -> String {
         line_width,
         prefix: "array(".len(),
     };
-    layout.block(&mut out, &dims, &strides(&dims), 0, 0);
+    layout.block(&mut out, &dims, &contiguous_strides(&dims), 0, 0);
     suffix(&mut out);
     out
 }

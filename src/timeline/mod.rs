@@ -462,6 +462,22 @@ fn thread_index() -> u32 {
         .unwrap_or(u32::MAX - 1)
 }
 
+/// Starts recording into `slot` (the recorder's, locked and empty) from the starting state `base`.
+fn install(slot: &mut Option<Recorder>, options: &RecordOptions, base: Replay, thread: u32) {
+    *slot = Some(Recorder {
+        started: Instant::now(),
+        started_wall: SystemTime::now(),
+        max_entries: options.max_entries,
+        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
+        // touched as events arrive.
+        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
+        dropped: 0,
+        base,
+        thread,
+    });
+    ON.store(true, Ordering::Relaxed);
+}
+
 /// Records one event, timed under the recorder's lock so the buffer stays in time order.
 fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     let thread = thread_index();
@@ -480,7 +496,8 @@ fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     });
 }
 
-fn manager_id(state: &State, owner: Owner) -> u64 {
+/// The id of the manager `owner` names, or `NO_MANAGER` (detached, or no longer in the arena).
+pub(super) fn manager_id(state: &State, owner: Owner) -> u64 {
     match owner {
         Owner::Manager(key) => state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
         Owner::Detached => NO_MANAGER,
@@ -732,18 +749,12 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
              NDSCOPE_RECORD); call stop_recording first",
         ));
     }
-    *guard = Some(Recorder {
-        started: Instant::now(),
-        started_wall: SystemTime::now(),
-        max_entries: options.max_entries,
-        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
-        // touched as events arrive.
-        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
-        dropped: 0,
-        base: Replay::baseline(&state, thread),
+    install(
+        &mut guard,
+        &options,
+        Replay::baseline(&state, thread),
         thread,
-    });
-    ON.store(true, Ordering::Relaxed);
+    );
     drop(guard);
     drop(state);
     tracing::debug!(target: "ndscope::timeline", max_entries = options.max_entries, "memory recording started");
@@ -799,18 +810,12 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
     if guard.is_some() {
         return;
     }
-    *guard = Some(Recorder {
-        started: Instant::now(),
-        started_wall: SystemTime::now(),
-        max_entries: options.max_entries,
-        // Reserved whole (up to 4M events), so filling it never copies; the pages are only
-        // touched as events arrive.
-        events: VecDeque::with_capacity(options.max_entries.min(1 << 22)),
-        dropped: 0,
-        base: Replay::with_system(system, thread),
+    install(
+        &mut guard,
+        &options,
+        Replay::with_system(system, thread),
         thread,
-    });
-    ON.store(true, Ordering::Relaxed);
+    );
     drop(guard);
     *EXIT_PATH.lock() = Some(PathBuf::from(path));
     if !crate::backend::cpu::process::at_exit(write_at_exit) {

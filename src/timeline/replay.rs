@@ -12,7 +12,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{Data, MemoryEvent, Slot, NO_MANAGER};
-use crate::arena::{memory, ArrayInner, ManagerShared, Owner, State};
+use crate::arena::{memory, ArrayInner, ManagerShared, State};
 use crate::backend::Storage;
 use crate::error::Site;
 use crate::Device;
@@ -174,10 +174,7 @@ impl Replay {
                 .data
                 .try_read()
                 .and_then(|data| data.as_ref().map(Storage::address));
-            let owner = match entry.owner {
-                Owner::Manager(key) => state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
-                Owner::Detached => NO_MANAGER,
-            };
+            let owner = super::manager_id(state, entry.owner);
             let slot = Slot::of(entry.place);
             if let (Some(slot), Some(address)) = (slot, address) {
                 // A block replaced by a larger one lives on while arrays are in it.

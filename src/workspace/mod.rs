@@ -756,12 +756,16 @@ impl State {
 
     /// Ends the cycle of workspace `ws` whose scope has just closed.
     pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
-        let scope = self
-            .workspaces
-            .get(ws)
-            .and_then(|w| w.open)
-            .and_then(|tag| self.managers.get(tag.scope))
-            .map_or(crate::timeline::NO_MANAGER, |m| m.shared.id);
+        // The scope's id is only recorded: looked up only while recording.
+        let scope = if crate::timeline::on() {
+            self.workspaces
+                .get(ws)
+                .and_then(|w| w.open)
+                .and_then(|tag| self.managers.get(tag.scope))
+                .map_or(crate::timeline::NO_MANAGER, |m| m.shared.id)
+        } else {
+            crate::timeline::NO_MANAGER
+        };
         if let Some(ws) = self.workspaces.get_mut(ws) {
             ws.end_cycle(ctx, scope);
         }
@@ -875,10 +879,13 @@ impl State {
             }
             slot @ (Slot::Spill | Slot::Bypass) => {
                 let allocation = heap(ctx)?;
-                let scope = self.managers.get(cycle.scope).map(|m| m.shared.id);
                 if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                     ws.commit(slot, aligned);
                     if slot == Slot::Spill {
+                        // The scope's id is only recorded: looked up only while recording.
+                        let scope = crate::timeline::on()
+                            .then(|| self.managers.get(cycle.scope).map(|m| m.shared.id))
+                            .flatten();
                         events::spilled(ws, scope, aligned, ctx.at);
                     }
                 }
