@@ -106,7 +106,7 @@ pub struct ShutdownReport {
 #[derive(Debug)]
 pub struct Pending {
     answer: mpsc::Receiver<Result<HostArray>>,
-    service: String,
+    service: Arc<str>,
 }
 
 impl Pending {
@@ -178,6 +178,8 @@ struct Queue {
 
 struct Shared {
     name: String,
+    /// `parallel inference 'name'`, made once: every request's `Pending` shares it.
+    description: Arc<str>,
     mode: InferenceMode,
     queue_limit: usize,
     queue: Mutex<Queue>,
@@ -195,7 +197,7 @@ struct Shared {
 
 impl Shared {
     fn describe(&self) -> String {
-        format!("parallel inference '{}'", self.name)
+        self.description.to_string()
     }
 
     fn refusal(&self, ctx: &Ctx, reason: &str) -> Error {
@@ -442,6 +444,7 @@ impl ParallelInferenceBuilder {
         manager.cap();
         let shared = Arc::new(Shared {
             name: self.name.clone(),
+            description: format!("parallel inference '{}'", self.name).into(),
             mode: self.mode,
             queue_limit: self.queue_limit,
             queue: Mutex::new(Queue {
@@ -688,7 +691,7 @@ impl ParallelInference {
         self.shared.changed.notify_all();
         Ok(Pending {
             answer: rx,
-            service: self.shared.describe(),
+            service: Arc::clone(&self.shared.description),
         })
     }
 
