@@ -560,12 +560,8 @@ fn worker(
         crate::backend::cpu::pool::run_inline();
     }
     while let Some(batch) = shared.next_batch() {
-        let panicked = serve(&shared, &predictor, batch, &factory, index);
-        if let Some(fresh) = panicked {
-            match fresh {
-                Some(p) => predictor = p,
-                None => break,
-            }
+        if !serve(&shared, &mut predictor, batch, &factory, index) {
+            break;
         }
     }
     let _ = predictor.close();
@@ -583,35 +579,35 @@ fn worker(
     shared.changed.notify_all();
 }
 
-/// Runs one batch and answers its requests. After a panic, returns the replacement predictor
-/// (`Some(None)` if none could be made).
+/// Runs one batch and answers its requests. A predictor whose step panicked is closed (freeing
+/// all it held) and replaced by a fresh one; returns `false` if none could be made (the closed
+/// one answers the rest of the batch with `ManagerClosed`, and the worker stops).
 fn serve(
     shared: &Shared,
-    predictor: &Predictor<HostArray, HostArray>,
+    predictor: &mut Predictor<HostArray, HostArray>,
     batch: Vec<Request>,
     factory: &WorkerFactory,
     index: usize,
-) -> Option<Option<Predictor<HostArray, HostArray>>> {
+) -> bool {
     let count = batch.len() as u64;
     shared.batches.fetch_add(1, Ordering::Relaxed);
     shared.largest_batch.fetch_max(count, Ordering::Relaxed);
-    let mut replacement: Option<Predictor<HostArray, HostArray>> = None;
-    let mut panicked = false;
-    let mut run = |input: &HostArray, replacement: &mut Option<Predictor<HostArray, HostArray>>| {
-        let current = replacement.as_ref().unwrap_or(predictor);
-        let answer = current.predict(input);
+    let mut failed = false;
+    let mut run = |input: &HostArray| {
+        let answer = predictor.predict(input);
         if matches!(answer, Err(Error::Panicked { .. })) {
             shared.panics.fetch_add(1, Ordering::Relaxed);
-            panicked = true;
-            // Free everything the panicking predictor held, and serve on with a fresh one.
-            let _ = current.close();
-            *replacement = factory.make(index).ok();
+            let _ = predictor.close();
+            match factory.make(index) {
+                Ok(fresh) => *predictor = fresh,
+                Err(_) => failed = true,
+            }
         }
         answer
     };
     if batch.len() == 1 {
         for request in batch {
-            let answer = run(&request.input, &mut replacement);
+            let answer = run(&request.input);
             shared.answer(request, answer);
         }
     } else {
@@ -619,7 +615,7 @@ fn serve(
             batch.into_iter().map(|r| (r.input, r.answer)).unzip();
         let rows: Vec<usize> = inputs.iter().map(|x| x.dims()[0]).collect();
         let joined = HostArray::concat_rows(&inputs)
-            .and_then(|x| run(&x, &mut replacement))
+            .and_then(|x| run(&x))
             .and_then(|y| y.split_rows(&rows));
         match joined {
             Ok(parts) => {
@@ -630,13 +626,13 @@ fn serve(
             Err(_) => {
                 // One by one, so each request gets its own answer (or error).
                 for (input, answer) in inputs.into_iter().zip(answers) {
-                    let result = run(&input, &mut replacement);
+                    let result = run(&input);
                     shared.answer(Request { input, answer }, result);
                 }
             }
         }
     }
-    panicked.then_some(replacement)
+    !failed
 }
 
 impl ParallelInference {
