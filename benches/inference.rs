@@ -4,10 +4,12 @@
 //!
 //! - predictor call on a 1-element model: the same work (a workspace cycle, `from_host`, one
 //!   `add`, `to_host`) written out by hand without the predictor;
-//! - batch 1 forward pass of 784→1024→1024→10: the same three products through the `gemm`
-//!   crate directly (what ndscope ran before its small-batch kernel), single-threaded;
+//! - batch 1 forward pass of 784→1024→1024→10 as `Dense` layers (packed weights): the same
+//!   network as `matmul` + `add` + `relu`, and the same three products through the `gemm` crate
+//!   directly (what ndscope ran before its small-batch kernel), single-threaded;
 //! - batch 64: one predictor called on this thread (the pool splitting each product), against
-//!   a parallel inference with one worker per core fed by four client threads;
+//!   a parallel inference with one worker per core fed by four client threads, with `Dense`
+//!   layers and with `matmul` + `add` + `relu`;
 //! - prefetch: a loop whose data takes T and whose step takes T: the step alone (T), the two
 //!   one after the other (2T), and with the data prefetched.
 
@@ -15,6 +17,8 @@
 #![allow(missing_docs)]
 
 mod common;
+#[path = "../examples/mlp/mod.rs"]
+mod mlp;
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -22,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use common::{bench, human, median_ns, ratio, record, save};
 use criterion::{criterion_group, criterion_main, Criterion};
+use mlp::Inference;
 use ndscope::{
     manual_seed, DType, HostArray, Manager, NDArray, ParallelInference, Predictor, Prefetcher,
     ShutdownMode, WorkspaceConfig,
@@ -61,44 +66,46 @@ fn predictor_overhead(c: &mut Criterion) {
     by_hand.close().unwrap();
 }
 
-/// The MLP's parameters in `model`, He-initialised from a fixed seed.
-fn mlp(model: &Manager) -> Vec<(NDArray, NDArray)> {
+/// The MLP in `model`, He-initialised from a fixed seed, its layers packed.
+fn mlp(model: &Manager) -> Arc<Inference> {
     manual_seed(9);
-    SIZES
-        .windows(2)
-        .map(|p| {
-            let w = model.randn([p[0], p[1]], DType::F32).unwrap();
-            w.mul_scalar_((2.0 / p[0] as f64).sqrt()).unwrap();
-            (w, model.zeros([p[1]], DType::F32).unwrap())
-        })
-        .collect()
+    let mut params = Vec::new();
+    for (i, p) in SIZES.windows(2).enumerate() {
+        let w = model.randn([p[0], p[1]], DType::F32).unwrap();
+        w.mul_scalar_((2.0 / p[0] as f64).sqrt()).unwrap();
+        params.push(w.with_name(&format!("w{}", i + 1)));
+        let b = model.zeros([p[1]], DType::F32).unwrap();
+        params.push(b.with_name(&format!("b{}", i + 1)));
+    }
+    Arc::new(Inference::from_parameters(&params.into()).unwrap().unwrap())
 }
 
-fn forward(layers: &[(NDArray, NDArray)], x: &NDArray) -> ndscope::Result<NDArray> {
-    let mut h = x.clone();
-    for (i, (w, b)) in layers.iter().enumerate() {
-        let z = h.matmul(w)?.add(b)?;
-        h = if i + 1 < layers.len() { z.relu()? } else { z };
+/// The network's forward pass: `Dense` layers, or `matmul` + `add` + `relu`.
+fn forward(net: &Inference, dense: bool, x: &NDArray) -> ndscope::Result<NDArray> {
+    if dense {
+        net.logits(x)
+    } else {
+        net.logits_unpacked(x)
     }
-    Ok(h)
 }
 
 /// A `Predictor` and a `ParallelInference` (default settings) over the same layers.
 fn served(
     model: &Manager,
-    layers: &Arc<Vec<(NDArray, NDArray)>>,
+    net: &Arc<Inference>,
+    dense: bool,
 ) -> (Predictor<HostArray, HostArray>, ParallelInference) {
     let predictor = {
-        let layers = Arc::clone(layers);
+        let net = Arc::clone(net);
         Predictor::new(model, move |ctx: &Manager, x: &HostArray| {
-            forward(&layers, &ctx.from_host(x)?)?.to_host()
+            forward(&net, dense, &ctx.from_host(x)?)?.to_host()
         })
         .unwrap()
     };
     let service = {
-        let layers = Arc::clone(layers);
+        let net = Arc::clone(net);
         ParallelInference::builder(model)
-            .build(move |_ctx, x| forward(&layers, x))
+            .build(move |_ctx, x| forward(&net, dense, x))
             .unwrap()
     };
     (predictor, service)
@@ -117,12 +124,14 @@ fn input(batch: usize) -> HostArray {
 fn mlp_batch_1(c: &mut Criterion) {
     let group = "mlp_inference_batch_1";
     let model = Manager::new_base().with_name("model");
-    let layers = Arc::new(mlp(&model));
-    let plain: Vec<(Vec<f32>, Vec<f32>)> = layers
+    let net = mlp(&model);
+    let plain: Vec<(Vec<f32>, Vec<f32>)> = net
+        .layers
         .iter()
         .map(|(w, b)| (w.to_vec().unwrap(), b.to_vec().unwrap()))
         .collect();
-    let (predictor, service) = served(&model, &layers);
+    let (predictor, service) = served(&model, &net, true);
+    let (unpacked, unpacked_service) = served(&model, &net, false);
     let x = input(1);
     let xs = x.as_slice::<f32>().unwrap().to_vec();
     let mut g = c.benchmark_group(group);
@@ -133,6 +142,14 @@ fn mlp_batch_1(c: &mut Criterion) {
     bench(&mut g, group, "ndscope ParallelInference::predict", || {
         black_box(service.predict(x.clone()).unwrap());
     });
+    bench(
+        &mut g,
+        group,
+        "baseline: Predictor with matmul + add + relu",
+        || {
+            black_box(unpacked.predict(&x).unwrap());
+        },
+    );
     bench(
         &mut g,
         group,
@@ -177,15 +194,45 @@ fn mlp_batch_1(c: &mut Criterion) {
     );
     g.finish();
     service.shutdown(ShutdownMode::Drain).unwrap();
-    drop(predictor);
+    unpacked_service.shutdown(ShutdownMode::Drain).unwrap();
+    drop((predictor, unpacked, net));
     model.close().unwrap();
+}
+
+/// Time per batch with four clients keeping every worker of `service` busy.
+fn four_clients(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    key: &str,
+    service: &ParallelInference,
+    x: &HostArray,
+) {
+    let name = key.split_once('/').map_or(key, |(_, name)| name);
+    g.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let per = iters.div_ceil(4);
+            let start = Instant::now();
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(move || {
+                        for _ in 0..per {
+                            black_box(service.predict(x.clone()).unwrap());
+                        }
+                    });
+                }
+            });
+            let elapsed = start.elapsed();
+            record(key, elapsed, per * 4);
+            elapsed.mul_f64(iters as f64 / (per * 4) as f64)
+        })
+    });
 }
 
 fn mlp_batch_64(c: &mut Criterion) {
     let group = "mlp_inference_batch_64";
     let model = Manager::new_base().with_name("model");
-    let layers = Arc::new(mlp(&model));
-    let (predictor, service) = served(&model, &layers);
+    let net = mlp(&model);
+    let (predictor, service) = served(&model, &net, true);
+    let (unpacked, unpacked_service) = served(&model, &net, false);
     let x = input(64);
     let mut g = c.benchmark_group(group);
     g.sample_size(20);
@@ -197,30 +244,22 @@ fn mlp_batch_64(c: &mut Criterion) {
             black_box(predictor.predict(&x).unwrap());
         },
     );
-    // Time per batch with four clients keeping every worker busy.
-    let key = format!("{group}/ndscope ParallelInference, 4 clients");
-    g.bench_function("ndscope ParallelInference, 4 clients", |b| {
-        b.iter_custom(|iters| {
-            let per = iters.div_ceil(4);
-            let start = Instant::now();
-            std::thread::scope(|s| {
-                for _ in 0..4 {
-                    let (service, x) = (&service, &x);
-                    s.spawn(move || {
-                        for _ in 0..per {
-                            black_box(service.predict(x.clone()).unwrap());
-                        }
-                    });
-                }
-            });
-            let elapsed = start.elapsed();
-            record(&key, elapsed, per * 4);
-            elapsed.mul_f64(iters as f64 / (per * 4) as f64)
-        })
-    });
+    four_clients(
+        &mut g,
+        &format!("{group}/ndscope ParallelInference, 4 clients"),
+        &service,
+        &x,
+    );
+    four_clients(
+        &mut g,
+        &format!("{group}/baseline: ParallelInference with matmul + add + relu, 4 clients"),
+        &unpacked_service,
+        &x,
+    );
     g.finish();
     service.shutdown(ShutdownMode::Drain).unwrap();
-    drop(predictor);
+    unpacked_service.shutdown(ShutdownMode::Drain).unwrap();
+    drop((predictor, unpacked, net));
     model.close().unwrap();
 }
 
@@ -302,6 +341,11 @@ fn summary(_c: &mut Criterion) {
         "mlp_inference_batch_1/baseline: gemm crate directly, one thread",
     );
     ratio(
+        "batch 1: Predictor with Dense layers / with matmul + add + relu",
+        "mlp_inference_batch_1/ndscope Predictor::predict",
+        "mlp_inference_batch_1/baseline: Predictor with matmul + add + relu",
+    );
+    ratio(
         "batch 1: ParallelInference / Predictor",
         "mlp_inference_batch_1/ndscope ParallelInference::predict",
         "mlp_inference_batch_1/ndscope Predictor::predict",
@@ -312,6 +356,13 @@ fn summary(_c: &mut Criterion) {
         "mlp_inference_batch_64/baseline: one Predictor on this thread",
     ) {
         println!("    throughput gain from the workers: {:.2}×", 1.0 / r);
+    }
+    if let Some(r) = ratio(
+        "batch 64, time per batch: ParallelInference with Dense layers / with matmul + add + relu",
+        "mlp_inference_batch_64/ndscope ParallelInference, 4 clients",
+        "mlp_inference_batch_64/baseline: ParallelInference with matmul + add + relu, 4 clients",
+    ) {
+        println!("    throughput gain from packed layers: {:.2}×", 1.0 / r);
     }
     ratio(
         "prefetch: per step / T (target ≤ 1.2)",

@@ -11,6 +11,9 @@
 //! cargo run --release --example mlp_infer -- --what throughput --batch 64 --requests 300
 //! ```
 //!
+//! The layers are [`Dense`] layers (weights packed once, bias and ReLU applied as the output is
+//! written); `--layers matmul` runs the same network as `matmul`, `add` and `relu` instead.
+//!
 //! It prints one line per figure, e.g. `latency batch 1: service p50 412.3 us; predictor p50
 //! 398.0 us` and `throughput batch 64: 9120 samples/s (service, 2 workers, 4 clients)`.
 
@@ -23,6 +26,10 @@ use ndscope::{
     ShutdownMode,
 };
 
+#[path = "mlp/mod.rs"]
+mod mlp;
+use mlp::Inference;
+
 const SIZES: [usize; 4] = [784, 1024, 1024, 10];
 
 struct Args {
@@ -31,6 +38,8 @@ struct Args {
     requests: usize,
     clients: usize,
     workers: usize,
+    /// `Dense` layers (true) or `matmul` + `add` + `relu`.
+    dense: bool,
 }
 
 fn main() -> ExitCode {
@@ -40,6 +49,7 @@ fn main() -> ExitCode {
         requests: 1000,
         clients: 4,
         workers: ndscope::num_threads(),
+        dense: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -54,10 +64,11 @@ fn main() -> ExitCode {
             ("--requests", Some(n), _) => args.requests = n,
             ("--clients", Some(n), _) => args.clients = n,
             ("--workers", Some(n), _) => args.workers = n,
+            ("--layers", _, Some(l @ ("dense" | "matmul"))) => args.dense = l == "dense",
             _ => {
                 eprintln!(
                     "usage: mlp_infer [--what latency|throughput] [--batch N] [--requests N] \
-                     [--clients N] [--workers N]"
+                     [--clients N] [--workers N] [--layers dense|matmul]"
                 );
                 return ExitCode::from(2);
             }
@@ -72,16 +83,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Dense layers with ReLU between them.
-fn forward(layers: &[(NDArray, NDArray)], x: &NDArray) -> Result<NDArray> {
-    let mut h = x.clone();
-    for (i, (w, b)) in layers.iter().enumerate() {
-        let z = h.matmul(w)?.add(b)?;
-        h = if i + 1 < layers.len() { z.relu()? } else { z };
-    }
-    Ok(h)
-}
-
 fn median(mut times: Vec<Duration>) -> Duration {
     times.sort();
     times[times.len() / 2]
@@ -90,13 +91,31 @@ fn median(mut times: Vec<Duration>) -> Duration {
 fn run(args: &Args) -> Result<()> {
     manual_seed(9);
     let model = Manager::new_base().with_name("model");
-    let mut layers = Vec::new();
-    for pair in SIZES.windows(2) {
+    let mut params = Vec::new();
+    for (i, pair) in SIZES.windows(2).enumerate() {
         let w = model.randn([pair[0], pair[1]], DType::F32)?;
         w.mul_scalar_((2.0 / pair[0] as f64).sqrt())?;
-        layers.push((w, model.zeros([pair[1]], DType::F32)?));
+        params.push(w.with_name(&format!("w{}", i + 1)));
+        params.push(
+            model
+                .zeros([pair[1]], DType::F32)?
+                .with_name(&format!("b{}", i + 1)),
+        );
     }
-    let layers = Arc::new(layers);
+    let net =
+        Inference::from_parameters(&params.into())?.ok_or(ndscope::Error::InvalidArgument {
+            op: "mlp_infer",
+            at: std::panic::Location::caller(),
+            reason: "the parameters do not form an MLP".into(),
+        })?;
+    let dense = args.dense;
+    let forward = Arc::new(move |x: &NDArray| {
+        if dense {
+            net.logits(x)
+        } else {
+            net.logits_unpacked(x)
+        }
+    });
     let input = HostArray::from_vec(
         (0..args.batch * SIZES[0])
             .map(|i| ((i % 13) as f32 - 6.0) * 0.1)
@@ -104,17 +123,17 @@ fn run(args: &Args) -> Result<()> {
         [args.batch, SIZES[0]],
     )?;
     let service = {
-        let layers = Arc::clone(&layers);
+        let forward = Arc::clone(&forward);
         ParallelInference::builder(&model)
             .workers(args.workers)
-            .build(move |_ctx, x| forward(&layers, x))?
+            .build(move |_ctx, x| forward(x))?
     };
     match args.what.as_str() {
         "latency" => {
             let predictor = {
-                let layers = Arc::clone(&layers);
+                let forward = Arc::clone(&forward);
                 Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
-                    forward(&layers, &ctx.from_host(x)?)?.to_host()
+                    forward(&ctx.from_host(x)?)?.to_host()
                 })?
             };
             let (mut service_times, mut direct_times) = (Vec::new(), Vec::new());
@@ -176,5 +195,6 @@ fn run(args: &Args) -> Result<()> {
         }
     }
     service.shutdown(ShutdownMode::Drain)?;
+    drop(forward);
     model.close()
 }

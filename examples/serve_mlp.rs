@@ -185,7 +185,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let model = Manager::new_base().with_name("model");
     let params = model.load_safetensors(&path)?;
     let net = std::sync::Arc::new(
-        Inference::from_parameters(&params)
+        Inference::from_parameters(&params)?
             .ok_or("the file does not hold an MLP's parameters (w1, b1, w2, b2, …)")?,
     );
     let (inputs, outputs) = net.io();

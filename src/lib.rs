@@ -36,7 +36,9 @@ pub use layer_workspace::{
     ArrayKind, KindScope, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, Placement,
 };
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
-pub use ndarray::{concat, manual_seed, stack, ArrayId, NDArray, NDList, Transpose};
+pub use ndarray::{
+    concat, manual_seed, stack, Activation, ArrayId, Dense, NDArray, NDList, Transpose,
+};
 pub use prefetch::{PrefetchStats, Prefetcher};
 pub use print::{print_options, set_print_options, PrintOptions};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};

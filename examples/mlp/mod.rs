@@ -186,16 +186,21 @@ fn logits<'a>(
     Ok(h)
 }
 
-/// A trained MLP for inference: its weights and biases only (no momentum buffers).
+/// A trained MLP for inference: its weights and biases only (no momentum buffers), run as
+/// [`ndscope::Dense`] layers (weights packed once, bias and ReLU applied as each layer's output
+/// is written).
 pub struct Inference {
     /// `(w, b)` per layer, input first.
     pub layers: Vec<(NDArray, NDArray)>,
+    /// The same layers, packed; made in the weights' manager.
+    pub dense: Vec<ndscope::Dense>,
 }
 
 impl Inference {
     /// The layers from parameters named as [`Mlp::parameters`] names them (`w1`, `b1`, `w2`,
-    /// …), in any order; `None` if one is missing.
-    pub fn from_parameters(params: &NDList) -> Option<Inference> {
+    /// …), in any order; `Ok(None)` if one is missing. Packs them into their manager (which
+    /// must not be capped yet).
+    pub fn from_parameters(params: &NDList) -> Result<Option<Inference>> {
         let find = |name: String| {
             params
                 .iter()
@@ -209,11 +214,37 @@ impl Inference {
                 _ => break,
             }
         }
-        (!layers.is_empty() && layers.len() * 2 == params.len()).then_some(Inference { layers })
+        if layers.is_empty() || layers.len() * 2 != params.len() {
+            return Ok(None);
+        }
+        let last = layers.len() - 1;
+        let dense = layers
+            .iter()
+            .enumerate()
+            .map(|(i, (w, b))| {
+                let act = if i < last {
+                    ndscope::Activation::Relu
+                } else {
+                    ndscope::Activation::Identity
+                };
+                ndscope::Dense::new(w, Some(b), act)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(Inference { layers, dense }))
     }
 
-    /// The logits of `x` (`[batch, inputs]`), every temporary in the active scope.
+    /// The logits of `x` (`[batch, inputs]`): one array per layer, in the active scope.
     pub fn logits(&self, x: &NDArray) -> Result<NDArray> {
+        let mut h = x.clone();
+        for layer in &self.dense {
+            h = layer.forward(&h)?;
+        }
+        Ok(h)
+    }
+
+    /// [`logits`](Inference::logits) run as `matmul`, `add` and `relu` on the unpacked
+    /// weights (the comparison for the packed layers).
+    pub fn logits_unpacked(&self, x: &NDArray) -> Result<NDArray> {
         logits(self.layers.iter().map(|(w, b)| (w, b)), x)
     }
 

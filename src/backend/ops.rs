@@ -442,6 +442,50 @@ pub(crate) fn gemm(
         cuda => cuda::gemm(ctx, dtype, (m, k, n), (a, ta), (b, tb), out, accumulate))
 }
 
+/// Columns per panel of a packed right operand ([`pack_rhs`]).
+pub(crate) const PACK_COLUMNS: usize = cpu::PACK_COLUMNS;
+
+/// Packs the f32 `[k, n]` operand `b` into `out` (`⌈n/PACK_COLUMNS⌉·k·PACK_COLUMNS` f32) for
+/// [`packed_matmul`]. CPU only: a `Dense` layer packs f32 weights on the CPU alone.
+pub(crate) fn pack_rhs(
+    ctx: &Ctx,
+    (k, n): (usize, usize),
+    b: &Storage,
+    out: &mut Storage,
+) -> Result<()> {
+    match (b, out) {
+        (Storage::Host(b), Storage::Host(out)) => {
+            cpu::pack_rhs((k, n), b, out);
+            Ok(())
+        }
+        _ => Err(ctx.unsupported("packed operands live in CPU memory only")),
+    }
+}
+
+/// `out = a · b (+ bias) (then ReLU)` for f32 `a` `[m, k]` and `b` packed by [`pack_rhs`].
+pub(crate) fn packed_matmul(
+    ctx: &Ctx,
+    (m, k, n): (usize, usize, usize),
+    a: &Storage,
+    packed: &Storage,
+    bias: Option<&Storage>,
+    relu: bool,
+    out: &mut Storage,
+) -> Result<()> {
+    let bias = match bias {
+        None => None,
+        Some(Storage::Host(b)) => Some(b),
+        Some(_) => return Err(mixed(ctx)),
+    };
+    match (a, packed, out) {
+        (Storage::Host(a), Storage::Host(packed), Storage::Host(out)) => {
+            cpu::packed_matmul((m, k, n), a, packed, bias, relu, out);
+            Ok(())
+        }
+        _ => Err(mixed(ctx)),
+    }
+}
+
 /// One SGD-with-momentum step of a dense layer: `v ← momentum·v + xᵀ·g; w ← w − lr·v`, with
 /// `x` `[k, m]`, `g` `[k, n]`, `v` and `w` `[m, n]` (floats).
 #[allow(clippy::too_many_arguments)]

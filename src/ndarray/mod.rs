@@ -2,6 +2,7 @@
 //! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs` and
 //! `nn_ops.rs`; factories (on `Manager`) in `factory.rs`.
 
+mod dense;
 pub(crate) mod exec;
 mod factory;
 mod list;
@@ -14,6 +15,7 @@ use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+pub use dense::{Activation, Dense};
 pub use factory::manual_seed;
 pub use list::NDList;
 pub use nn_ops::Transpose;

@@ -6,7 +6,7 @@
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
-use super::{matmul, nn, random, reduce, sgd, shape};
+use super::{matmul, nn, packed, random, reduce, sgd, shape};
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::{dispatch, dispatch_float};
 use crate::{DType, Element, Error, Result};
@@ -433,6 +433,32 @@ pub(crate) fn gemm(
         m, k, n, a.as_slice::<T>(), ta, b.as_slice::<T>(), tb, out.as_mut_slice::<T>(),
         accumulate.map(|(beta, alpha)| (T::from_f64(beta), T::from_f64(alpha)))
     ));
+}
+
+pub(crate) const PACK_COLUMNS: usize = packed::NR;
+
+pub(crate) fn pack_rhs((k, n): (usize, usize), b: &HostBuffer, out: &mut HostBuffer) {
+    packed::pack(k, n, b.as_slice::<f32>(), out.as_mut_slice::<f32>());
+}
+
+pub(crate) fn packed_matmul(
+    (m, k, n): (usize, usize, usize),
+    a: &HostBuffer,
+    b: &HostBuffer,
+    bias: Option<&HostBuffer>,
+    relu: bool,
+    out: &mut HostBuffer,
+) {
+    packed::packed_matmul(
+        m,
+        k,
+        n,
+        a.as_slice::<f32>(),
+        b.as_slice::<f32>(),
+        bias.map(HostBuffer::as_slice::<f32>),
+        relu,
+        out.as_mut_slice::<f32>(),
+    );
 }
 
 pub(crate) fn sgd_dense(
