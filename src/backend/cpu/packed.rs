@@ -77,6 +77,23 @@ pub(crate) fn packed_matmul(
     relu: bool,
     out: &mut [f32],
 ) {
+    product(m, k, n, a, packed, bias, relu, out, true);
+}
+
+/// [`packed_matmul`] with the AVX2 kernel when `avx2` is asked for and the CPU has AVX2 and FMA,
+/// else the portable one.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    packed: &[f32],
+    bias: Option<&[f32]>,
+    relu: bool,
+    out: &mut [f32],
+    avx2: bool,
+) {
     // Checked in release builds too: the kernels read through raw pointers.
     assert!(
         a.len() == m * k
@@ -112,7 +129,7 @@ pub(crate) fn packed_matmul(
         bias: bias.map(<[f32]>::as_ptr),
         relu,
         out: SendPtr(out.as_mut_ptr()),
-        avx2: super::gemv::available(),
+        avx2: avx2 && super::gemv::available(),
     };
     let tasks = panels.div_ceil(PANELS_PER_TASK);
     let task = |t: usize| {
@@ -445,24 +462,9 @@ mod tests {
                     "m {m} k {k} n {n} bias {} relu {relu}",
                     bias.is_some()
                 );
-                if k == 0 {
-                    continue; // `packed_matmul` writes the bias alone; no kernel runs
-                }
                 // The portable kernel gives the same sums.
                 out.iter_mut().for_each(|o| *o = f32::NAN);
-                let job = Job {
-                    m,
-                    k,
-                    n,
-                    a: a.as_ptr(),
-                    packed: packed.as_ptr(),
-                    bias: bias.map(<[f32]>::as_ptr),
-                    relu,
-                    out: SendPtr(out.as_mut_ptr()),
-                    avx2: false,
-                };
-                // SAFETY: the operands fit the job's dimensions, and this thread is the only one.
-                unsafe { job.panels(0..n.div_ceil(NR)) };
+                product(m, k, n, &a, &packed, bias, relu, &mut out, false);
                 assert_eq!(out, want, "portable, m {m} k {k} n {n}");
             }
         }
