@@ -140,7 +140,7 @@ impl Dense {
         let ctx = Ctx::new("Dense::forward");
         check_same(&ctx, x, &self.w)?;
         let (k, n) = (self.k, self.n);
-        let Some((&last, lead)) = x.dims().split_last().filter(|(&last, _)| last == k) else {
+        let Some((_, lead)) = x.dims().split_last().filter(|(&last, _)| last == k) else {
             return Err(ctx.shape(format!(
                 "the input must be [..., {k}] for weights {}, got {} {}",
                 self.w.shape(),
@@ -148,7 +148,6 @@ impl Dense {
                 x.shape()
             )));
         };
-        debug_assert_eq!(last, k);
         let m = lead.iter().product::<usize>();
         let mut dims = lead.to_vec();
         dims.push(n);
@@ -157,9 +156,10 @@ impl Dense {
         let Some(packed) = &self.packed else {
             return self.unpacked(x, m, shape);
         };
-        let mut inputs = vec![x, packed];
-        inputs.extend(&self.bias);
-        exec::op(&ctx, &inputs, shape, DType::F32, |buffers, out| {
+        // The inputs on the stack (no list allocated per call): the bias last, when there is one.
+        let all = [x, packed, self.bias.as_ref().unwrap_or(x)];
+        let inputs = &all[..2 + usize::from(self.bias.is_some())];
+        exec::op(&ctx, inputs, shape, DType::F32, |buffers, out| {
             backend::packed_matmul(
                 &ctx,
                 (m, k, n),
