@@ -719,8 +719,9 @@ pub(crate) fn out_of_memory(
 // Starting and stopping
 // ----------------------------------------------------------------------------------------------
 
-/// Starts recording memory events (see the [module docs](self)). What is live now (arrays,
-/// managers, workspace blocks) is taken as the starting state, so the exports show it.
+/// Starts recording memory events (see [Seeing memory over time](crate#seeing-memory-over-time)).
+/// What is live now (arrays, managers, workspace blocks) is taken as the starting state, so the
+/// exports show it.
 ///
 /// Errors: `InvalidArgument` if `max_entries` is 0, or if a recording is already running
 /// (started by an earlier call or by `NDSCOPE_RECORD`); nothing changes then.
