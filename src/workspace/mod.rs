@@ -73,10 +73,14 @@ static DEBUG: LazyLock<AtomicU8> = LazyLock::new(|| {
             "spill_everything" => 1,
             "bypass" => 2,
             "" | "off" | "none" => 0,
-            other => {
-                tracing::warn!(
-                    "ndscope: ignoring NDSCOPE_WORKSPACE_DEBUG={other:?}: expected spill_everything or bypass"
+            _ => {
+                // Said on stderr too: without a log subscriber a typo would go unnoticed.
+                let message = format!(
+                    "ignoring NDSCOPE_WORKSPACE_DEBUG={v:?}: expected spill_everything, bypass or \
+                     off; the debug mode stays off"
                 );
+                eprintln!("ndscope: {message}");
+                tracing::warn!("ndscope: {message}");
                 0
             }
         },
