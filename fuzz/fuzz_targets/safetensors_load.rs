@@ -1,6 +1,7 @@
 //! Fuzzes the safetensors loader: the input becomes a file on disk, which
 //! `Manager::load_safetensors` and `restore_safetensors` read with a host memory limit set. Neither may panic, hang or allocate past the limit; a refused load leaves no array
-//! behind; an accepted one gives arrays whose bytes the file held, and the memory counters
+//! behind; an accepted one gives arrays whose bytes the file held (and restores, or is refused
+//! for lack of memory, changing nothing), and the memory counters
 //! return to where they were once they are closed.
 //!
 //! The first byte picks how the input becomes a file (modulo 3): 0, the input as it is; 1, a
@@ -134,11 +135,14 @@ fuzz_target!(|data: &[u8]| {
             let held: usize = list.iter().map(|a| a.nbytes()).sum();
             assert!(held <= len, "{held} bytes of arrays from a {len}-byte file");
             assert!(memory_usage(Device::Cpu).in_use <= LIMIT);
-            // Restoring the same file into what it gave must succeed and change nothing.
-            let copies: Vec<Vec<u8>> = list.iter().map(|a| raw(a)).collect();
-            list.restore_safetensors(path)
-                .unwrap_or_else(|e| panic!("a loaded file does not restore: {e}"));
-            let again: Vec<Vec<u8>> = list.iter().map(|a| raw(a)).collect();
+            // Restoring the same file into what it gave succeeds and changes nothing, or is
+            // refused for lack of memory (it stages a copy first) and changes nothing either.
+            let copies: Vec<Vec<u8>> = list.iter().map(raw).collect();
+            match list.restore_safetensors(path) {
+                Ok(()) | Err(ndscope::Error::OutOfMemory { .. }) => {}
+                Err(e) => panic!("a loaded file does not restore: {e}"),
+            }
+            let again: Vec<Vec<u8>> = list.iter().map(raw).collect();
             assert_eq!(copies, again);
         }
         Err(_) => assert_eq!(m.report().total_arrays(), 0, "a refused load left arrays"),
