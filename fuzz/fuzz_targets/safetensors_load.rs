@@ -1,8 +1,9 @@
 //! Fuzzes the safetensors loader: the input becomes a file on disk, which
-//! `Manager::load_safetensors` and `restore_safetensors` read with a host memory limit set. Neither may panic, hang or allocate past the limit; a refused load leaves no array
-//! behind; an accepted one gives arrays whose bytes the file held (and restores, or is refused
-//! for lack of memory, changing nothing), and the memory counters
-//! return to where they were once they are closed.
+//! `Manager::load_safetensors` and `restore_safetensors` read with a host memory limit set.
+//! Neither may panic, hang or allocate past the limit; a refused load leaves no array behind; an
+//! accepted one gives arrays whose bytes the file held (and restores, or is refused for lack of
+//! memory, changing nothing), and the memory counters return to where they were once they are
+//! closed.
 //!
 //! The first byte picks how the input becomes a file (modulo 3): 0, the input as it is; 1, a
 //! header of the bytes up to the first 0 byte after it, with the right length prefix, then the
