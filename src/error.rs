@@ -307,6 +307,20 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// The text of a caught panic's payload, and the payload dropped where its own `Drop` cannot
+/// unwind into the caller: a payload whose `Drop` panics (a second panic, after the
+/// `catch_unwind` that caught the first) is caught again, and that second payload is leaked
+/// rather than dropped. Every `catch_unwind` of ndscope ends its payload here.
+pub(crate) fn take_panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let message = panic_message(&*payload);
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload)));
+    if let Err(again) = dropped {
+        // Its `Drop` might panic as well: never run it.
+        std::mem::forget(again);
+    }
+    message
+}
+
 /// Formats a byte count as `512 B`, `1.50 KiB`, `4.00 MiB`, `7.99 GiB`.
 pub fn fmt_bytes(bytes: usize) -> String {
     Bytes(bytes).to_string()

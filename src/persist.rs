@@ -10,51 +10,51 @@
 //! | [`Manager::restore_safetensors`], [`NDList::restore_safetensors`] | overwrites existing arrays in place (DJL's `loadParameters`) |
 //!
 //! Every call checks everything before it changes anything:
-//! - A file that is not valid safetensors (truncated, a corrupt header, byte ranges that do
-//!   not cover the data) is `Error::Io` with kind `InvalidData`, naming the file. A tensor of a
-//!   dtype ndscope has no equivalent for (`BF16`, `F16`, …) is `Unsupported`.
+//! - Loading reads the header first: its size bounded (100 MB, and the file's length), its JSON
+//!   checked by the `safetensors` crate, every byte range inside the file, which must be a
+//!   regular file of exactly the length the header states (a FIFO, a device such as
+//!   `/dev/zero` or a directory is refused at once, never read). A file that is not valid
+//!   safetensors (truncated, a corrupt header, byte ranges that do not cover the data, a `BOOL`
+//!   tensor holding a byte other than 0 or 1) is `Error::Io` with kind `InvalidData`, naming
+//!   the file (and the tensor and the offset). A tensor of a dtype ndscope has no equivalent
+//!   for (`BF16`, `F16`, …) is `Unsupported`.
+//! - The tensors are charged to the device's memory limit before any is read
+//!   (`OutOfMemory`, nothing read), then each is read from the file straight into its array's
+//!   values: the file is never held in memory whole. A file whose length or modification time
+//!   changed while it was read is an error (`InvalidData`), never arrays of mixed data.
 //! - `load_safetensors` creates all arrays or none: if one cannot be created (the manager is
 //!   capped or closed, the memory limit), those created before it are closed again.
 //! - `restore_safetensors` needs the file's names to be exactly the arrays' names, with the same
 //!   shapes and dtypes (`InvalidArgument` naming the missing and the extra tensors,
 //!   `ShapeMismatch`, `DTypeMismatch`); on any refusal no array has changed.
-//! - Saving writes a temporary file beside `path` and renames it over `path`, so a crash or a
-//!   full disk never leaves a truncated model where a good one was.
+//! - Saving refuses names the format cannot hold (`__metadata__`, its reserved key, and the
+//!   empty name). It writes a temporary file beside `path` (`.<name>.ndscope-tmp-<pid>-<n>`,
+//!   with the target's permissions, or `0666` less the umask for a new file), syncs it to
+//!   disk, renames it over `path` and syncs the directory: a crash, a power cut or a full disk
+//!   leaves the old file or the whole new one, never a truncated model. Temporaries left by a
+//!   killed save (their process is gone) are removed by the next save to the same path.
 
-use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
-use std::io;
-use std::path::Path;
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::SystemTime;
 
-use safetensors::tensor::{SafeTensorError, SafeTensors, View};
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype as FileDType;
 
 use crate::arena;
 use crate::error::Ctx;
-use crate::{DType, Element, Error, Manager, NDArray, NDList, Result, Shape};
+use crate::{DType, Device, Element, Error, Manager, NDArray, NDList, Result, Shape};
 
-/// One array's bytes, ready for the writer.
-struct Tensor {
-    dtype: FileDType,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
+/// The largest header read, as the `safetensors` crate's own bound (100 MB): a larger one is
+/// refused before it is read.
+const MAX_HEADER: u64 = 100_000_000;
 
-impl View for &Tensor {
-    fn dtype(&self) -> FileDType {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
+/// The bytes read at a time while converting a tensor's little-endian data to its values.
+const CHUNK: usize = 1 << 16;
 
 fn file_dtype(dtype: DType) -> FileDType {
     match dtype {
@@ -159,6 +159,26 @@ fn check_unique(ctx: &Ctx, named: &[(String, NDArray)]) -> Result<()> {
     Ok(())
 }
 
+/// Refuses names the format cannot hold: `__metadata__` is its reserved key (a tensor under it
+/// makes a file no reader accepts), and an empty name.
+fn check_names(ctx: &Ctx, named: &[(String, NDArray)]) -> Result<()> {
+    for (name, array) in named {
+        let why = match name.as_str() {
+            "__metadata__" => {
+                "'__metadata__' is the key the safetensors format reserves for its metadata"
+            }
+            "" => "a tensor name in a safetensors file cannot be empty",
+            _ => continue,
+        };
+        return Err(ctx.invalid(format!(
+            "array {} (created at {}) cannot be saved under the name {name:?}: {why}; rename it",
+            array.id(),
+            array.created_at()
+        )));
+    }
+    Ok(())
+}
+
 #[track_caller]
 fn le_bytes(array: &NDArray) -> Result<Vec<u8>> {
     fn bytes<T: Element>(values: Vec<T>, to: impl Fn(T, &mut Vec<u8>)) -> Vec<u8> {
@@ -185,96 +205,465 @@ fn le_bytes(array: &NDArray) -> Result<Vec<u8>> {
     })
 }
 
-#[track_caller]
-fn save(ctx: &Ctx, named: Vec<(String, NDArray)>, path: &Path) -> Result<()> {
-    let mut tensors = Vec::with_capacity(named.len());
+/// The header of a file holding `named` (in this order), padded with spaces to a multiple of 8
+/// bytes as the format's writers do, and the data's length.
+fn header(ctx: &Ctx, named: &[(String, NDArray)]) -> Result<(Vec<u8>, u64)> {
+    let mut infos = Vec::with_capacity(named.len());
+    let mut offset = 0usize;
     for (name, array) in named {
-        let tensor = Tensor {
+        let len = array
+            .dims()
+            .iter()
+            .try_fold(array.dtype().size_in_bytes(), |n, &d| n.checked_mul(d))
+            .ok_or_else(|| ctx.invalid(format!("array '{name}' is too large to save")))?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| ctx.invalid("the arrays are too large to save in one file"))?;
+        let info = TensorInfo {
             dtype: file_dtype(array.dtype()),
             shape: array.dims().to_vec(),
-            bytes: le_bytes(&array)?,
+            data_offsets: (offset, end),
         };
-        tensors.push((name, tensor));
+        infos.push((name.clone(), info));
+        offset = end;
     }
-    let views = tensors.iter().map(|(name, t)| (name.as_str(), t));
-    safetensors::serialize_to_file(views, None, path).map_err(|e| match e {
-        SafeTensorError::IoError(source) => io_error(ctx, path, source),
-        other => ctx.invalid(format!(
-            "the arrays cannot be written as safetensors: {other}"
-        )),
-    })
+    let metadata = Metadata::new(None, infos)
+        .map_err(|e| ctx.invalid(format!("the arrays cannot be written as safetensors: {e}")))?;
+    let mut bytes = serde_json::to_vec(&metadata)
+        .map_err(|e| ctx.invalid(format!("the arrays cannot be written as safetensors: {e}")))?;
+    bytes.resize(bytes.len().next_multiple_of(8), b' ');
+    if bytes.len() as u64 > MAX_HEADER {
+        return Err(ctx.invalid(format!(
+            "the header for {} arrays would take {} bytes, more than the format's {MAX_HEADER}",
+            named.len(),
+            bytes.len()
+        )));
+    }
+    Ok((bytes, offset as u64))
 }
 
-/// One tensor of a file, checked and converted to ndscope's terms.
-struct FileTensor<'a> {
+/// Temporary files of a save are named `.<file name>.ndscope-tmp-<pid>-<n>`, beside the target.
+const TMP_MARK: &str = ".ndscope-tmp-";
+
+/// Tells apart the temporaries of one process's saves.
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The prefix of the temporaries of saves to `file_name`.
+fn tmp_prefix(file_name: &str) -> String {
+    format!(".{file_name}{TMP_MARK}")
+}
+
+/// Whether process `pid` is gone (a temporary it left is stale).
+#[cfg(unix)]
+fn process_gone(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: `kill` with signal 0 sends nothing; it only checks that the process exists.
+    let alive = unsafe { libc::kill(pid, 0) } == 0;
+    !alive && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+#[cfg(not(unix))]
+fn process_gone(_pid: u32) -> bool {
+    false
+}
+
+/// Removes the temporaries earlier saves to `file_name` in `dir` left behind (their process
+/// was killed): those of processes that no longer exist. Best effort, never an error.
+fn remove_stale_temporaries(dir: &Path, file_name: &str) {
+    let prefix = tmp_prefix(file_name);
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && process_gone(pid) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// A new temporary file beside the target, with the target's permissions (or those a new file
+/// gets: `0666` less the umask).
+fn create_temporary(dir: &Path, file_name: &str, mode: Option<u32>) -> io::Result<(File, PathBuf)> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        // The umask applies to a new file's mode: `0666 & !umask`, as any new file gets.
+        options.mode(0o666);
+    }
+    loop {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(
+            "{}{}-{n}",
+            tmp_prefix(file_name),
+            std::process::id()
+        ));
+        match options.open(&tmp) {
+            Ok(file) => {
+                #[cfg(unix)]
+                if let Some(mode) = mode {
+                    use std::os::unix::fs::PermissionsExt;
+                    // The target's own mode, umask or not (set on the open file, not the path).
+                    if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(mode)) {
+                        let _ = std::fs::remove_file(&tmp);
+                        return Err(e);
+                    }
+                }
+                #[cfg(not(unix))]
+                let _ = mode;
+                return Ok((file, tmp));
+            }
+            // Left by an earlier process of the same id: take the next number.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Saves `named` to `path`: a temporary file beside it, written, synced, renamed over `path`,
+/// and the directory synced, so `path` holds the old file or the whole new one, even after a
+/// crash or a power cut. Stale temporaries of earlier saves to `path` are removed first.
+#[track_caller]
+fn save(ctx: &Ctx, named: Vec<(String, NDArray)>, path: &Path) -> Result<()> {
+    check_names(ctx, &named)?;
+    let Some(file_name) = path.file_name().and_then(|n| n.to_str()) else {
+        return Err(ctx.invalid(format!(
+            "cannot save to {}: the path must end in a file name (of UTF-8 text)",
+            path.display()
+        )));
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (header, data_len) = header(ctx, &named)?;
+    // The target's permissions are kept; a directory there is refused by the rename.
+    let mode = match std::fs::metadata(path) {
+        #[cfg(unix)]
+        Ok(m) => {
+            use std::os::unix::fs::PermissionsExt;
+            Some(m.permissions().mode() & 0o7777)
+        }
+        #[cfg(not(unix))]
+        Ok(_) => None,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(io_error(ctx, path, e)),
+    };
+    remove_stale_temporaries(&dir, file_name);
+    let (file, tmp) =
+        create_temporary(&dir, file_name, mode).map_err(|e| io_error(ctx, path, e))?;
+    let written = write_and_sync(ctx, file, &header, data_len, &named, path);
+    let renamed =
+        written.and_then(|()| std::fs::rename(&tmp, path).map_err(|e| io_error(ctx, path, e)));
+    if let Err(e) = renamed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    // The rename itself is durable once the directory is synced (not possible everywhere: a
+    // directory cannot be opened on some systems, which is then not an error).
+    if let Ok(d) = File::open(&dir) {
+        d.sync_all().map_err(|e| io_error(ctx, &dir, e))?;
+    }
+    Ok(())
+}
+
+/// Writes the file's bytes to `file` (one array's bytes at a time) and syncs it to disk.
+#[track_caller]
+fn write_and_sync(
+    ctx: &Ctx,
+    file: File,
+    header: &[u8],
+    data_len: u64,
+    named: &[(String, NDArray)],
+    path: &Path,
+) -> Result<()> {
+    let io = |e| io_error(ctx, path, e);
+    let total = 8 + header.len() as u64 + data_len;
+    file.set_len(total).map_err(io)?;
+    let mut out = io::BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(header).map_err(io)?;
+    for (_, array) in named {
+        out.write_all(&le_bytes(array)?).map_err(io)?;
+    }
+    let file = out.into_inner().map_err(|e| io(e.into_error()))?;
+    file.sync_all().map_err(io)
+}
+
+/// One tensor of a file, checked and converted to ndscope's terms; its data is read later.
+struct FileTensor {
     name: String,
     dtype: DType,
+    /// `BOOL` in the file: every byte must be 0 or 1.
+    boolean: bool,
     shape: Shape,
-    data: &'a [u8],
+    /// Where its bytes start in the file.
+    start: u64,
+    /// How many bytes.
+    len: usize,
 }
 
-/// Reads and checks a whole file: valid safetensors, every tensor of a dtype ndscope has and
-/// of an addressable shape. Sorted by name.
-fn read<'a>(ctx: &Ctx, path: &Path, bytes: &'a [u8]) -> Result<Vec<FileTensor<'a>>> {
-    let file = SafeTensors::deserialize(bytes).map_err(|e| invalid_file(ctx, path, e))?;
-    let mut out = Vec::with_capacity(file.len());
-    for (name, view) in file.iter() {
-        let Some(dtype) = our_dtype(view.dtype()) else {
-            return Err(ctx.unsupported(format!(
-                "tensor '{name}' of {} is {:?}, which ndscope has no dtype for (f32 f64 i32 i64 u8)",
-                path.display(),
-                view.dtype()
-            )));
+/// An open safetensors file whose header was read and checked; the tensors' data is read
+/// later, each straight into its array.
+struct SafetensorsFile {
+    file: File,
+    path: PathBuf,
+    /// Its length and modification time when opened: the data read must come from this file,
+    /// not one changed meanwhile.
+    len: u64,
+    modified: Option<SystemTime>,
+    /// Sorted by name.
+    tensors: Vec<FileTensor>,
+}
+
+/// Opens `path` without blocking (a FIFO would wait for a writer) and checks it is a regular
+/// file.
+fn open_regular(ctx: &Ctx, path: &Path) -> Result<File> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path).map_err(|e| io_error(ctx, path, e))?;
+    let meta = file.metadata().map_err(|e| io_error(ctx, path, e))?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file (a FIFO, a socket or a device)"
         };
-        let shape = Shape::from(view.shape());
-        crate::shape::check(ctx, &shape, dtype)?;
-        if view.data().len() != shape.size() * dtype.size_in_bytes() {
+        return Err(io_error(
+            ctx,
+            path,
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{what}: safetensors files are read from regular files only"),
+            ),
+        ));
+    }
+    Ok(file)
+}
+
+impl SafetensorsFile {
+    /// Opens `path` and reads its header: size bounded, JSON checked by the format's crate,
+    /// byte ranges inside the file, which must be a regular file of exactly the length the
+    /// header states. Every tensor of a dtype ndscope has and of an addressable shape.
+    fn open(ctx: &Ctx, path: &Path) -> Result<SafetensorsFile> {
+        let mut file = open_regular(ctx, path)?;
+        let meta = file.metadata().map_err(|e| io_error(ctx, path, e))?;
+        let len = meta.len();
+        let modified = meta.modified().ok();
+        if len < 8 {
+            return Err(invalid_file(
+                ctx,
+                path,
+                format!("{len} bytes, less than the 8 of the header's length"),
+            ));
+        }
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(|e| changed(ctx, path, e))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER || n > len - 8 {
             return Err(invalid_file(
                 ctx,
                 path,
                 format!(
-                    "tensor '{name}' has {} bytes for shape {shape}",
-                    view.data().len()
+                    "the header is said to take {n} bytes, more than the {} after its length{}",
+                    len - 8,
+                    if n > MAX_HEADER {
+                        format!(" and the format's limit of {MAX_HEADER}")
+                    } else {
+                        String::new()
+                    }
                 ),
             ));
         }
-        out.push(FileTensor {
-            name: name.to_string(),
-            dtype,
-            shape,
-            data: view.data(),
-        });
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| changed(ctx, path, e))?;
+        let metadata: Metadata = serde_json::from_slice(&header)
+            .map_err(|e| invalid_file(ctx, path, format!("the header: {e}")))?;
+        let data_start = 8 + n;
+        let data_len = metadata.data_len() as u64;
+        if data_start.checked_add(data_len) != Some(len) {
+            return Err(invalid_file(
+                ctx,
+                path,
+                format!(
+                    "the header describes {data_len} bytes of data, the file has {}",
+                    len - data_start
+                ),
+            ));
+        }
+        let mut tensors = Vec::new();
+        for (name, info) in metadata.tensors() {
+            let Some(dtype) = our_dtype(info.dtype) else {
+                return Err(ctx.unsupported(format!(
+                    "tensor '{name}' of {} is {:?}, which ndscope has no dtype for (f32 f64 i32 i64 u8)",
+                    path.display(),
+                    info.dtype
+                )));
+            };
+            let shape = Shape::from(info.shape.as_slice());
+            crate::shape::check(ctx, &shape, dtype)?;
+            let (start, end) = info.data_offsets;
+            let size = shape.size().checked_mul(dtype.size_in_bytes());
+            if end.checked_sub(start) != size {
+                return Err(invalid_file(
+                    ctx,
+                    path,
+                    format!(
+                        "tensor '{name}' has bytes {start}..{end} for shape {shape} of {dtype}"
+                    ),
+                ));
+            }
+            tensors.push(FileTensor {
+                name,
+                dtype,
+                boolean: info.dtype == FileDType::BOOL,
+                shape,
+                start: data_start + start as u64,
+                len: end - start,
+            });
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(SafetensorsFile {
+            file,
+            path: path.to_path_buf(),
+            len,
+            modified,
+            tensors,
+        })
     }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
-}
 
-fn read_file(ctx: &Ctx, path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| io_error(ctx, path, e))
-}
+    /// Refuses (`OutOfMemory`, nothing read) when the tensors' bytes cannot all be allocated
+    /// on `device` under its memory limit now, before any is read.
+    fn charge(&self, ctx: &Ctx, device: Device, tensors: &[&FileTensor]) -> Result<()> {
+        let bytes = tensors
+            .iter()
+            .try_fold(0usize, |sum, t| sum.checked_add(t.len))
+            .unwrap_or(usize::MAX);
+        arena::memory::reserve(ctx, device, bytes)?;
+        arena::memory::release(device, bytes);
+        Ok(())
+    }
 
-/// A new array in `manager` holding a file tensor's data.
-#[track_caller]
-fn create(manager: &Manager, t: &FileTensor<'_>) -> Result<NDArray> {
-    fn values<T: Element, const N: usize>(data: &[u8], from: fn([u8; N]) -> T) -> Vec<T> {
-        data.chunks_exact(N)
-            .map(|c| {
+    /// A new array of `manager` holding tensor `t`, read from the file straight into the
+    /// array's values.
+    #[track_caller]
+    fn create(&mut self, ctx: &Ctx, manager: &Manager, t: &FileTensor) -> Result<NDArray> {
+        self.file
+            .seek(SeekFrom::Start(t.start))
+            .map_err(|e| io_error(ctx, &self.path, e))?;
+        let count = t.shape.size();
+        let shape = t.shape.clone();
+        let array = match t.dtype {
+            DType::F32 => manager.from_vec(self.values(ctx, count, f32::from_le_bytes)?, shape),
+            DType::F64 => manager.from_vec(self.values(ctx, count, f64::from_le_bytes)?, shape),
+            DType::I32 => manager.from_vec(self.values(ctx, count, i32::from_le_bytes)?, shape),
+            DType::I64 => manager.from_vec(self.values(ctx, count, i64::from_le_bytes)?, shape),
+            DType::U8 => {
+                let mut bytes = vec![0u8; count];
+                (&self.file)
+                    .read_exact(&mut bytes)
+                    .map_err(|e| changed(ctx, &self.path, e))?;
+                if t.boolean {
+                    if let Some(at) = bytes.iter().position(|&b| b > 1) {
+                        return Err(invalid_file(
+                            ctx,
+                            &self.path,
+                            format!(
+                                "BOOL tensor '{}' holds {} at element {at} (byte {} of the \
+                                 file): a boolean is 0 or 1",
+                                t.name,
+                                bytes[at],
+                                t.start + at as u64
+                            ),
+                        ));
+                    }
+                }
+                manager.from_vec(bytes, shape)
+            }
+        }?;
+        array.set_name(&t.name);
+        #[cfg(test)]
+        tests::after_tensor_read();
+        Ok(array)
+    }
+
+    /// `count` values of `N` little-endian bytes each, read at the file's position.
+    fn values<T, const N: usize>(
+        &mut self,
+        ctx: &Ctx,
+        count: usize,
+        from: fn([u8; N]) -> T,
+    ) -> Result<Vec<T>> {
+        let mut out = Vec::with_capacity(count);
+        let mut chunk = vec![0u8; CHUNK.min(count * N)];
+        let mut left = count;
+        while left > 0 {
+            let take = left.min(CHUNK / N);
+            let bytes = &mut chunk[..take * N];
+            (&self.file)
+                .read_exact(bytes)
+                .map_err(|e| changed(ctx, &self.path, e))?;
+            out.extend(bytes.chunks_exact(N).map(|c| {
                 let mut b = [0u8; N];
                 b.copy_from_slice(c);
                 from(b)
-            })
-            .collect()
+            }));
+            left -= take;
+        }
+        Ok(out)
     }
-    let shape = t.shape.clone();
-    let array = match t.dtype {
-        DType::F32 => manager.from_vec(values(t.data, f32::from_le_bytes), shape),
-        DType::F64 => manager.from_vec(values(t.data, f64::from_le_bytes), shape),
-        DType::I32 => manager.from_vec(values(t.data, i32::from_le_bytes), shape),
-        DType::I64 => manager.from_vec(values(t.data, i64::from_le_bytes), shape),
-        DType::U8 => manager.from_vec(t.data.to_vec(), shape),
-    }?;
-    array.set_name(&t.name);
-    Ok(array)
+
+    /// `InvalidData` if the file's length or modification time differ from when it was
+    /// opened: what was read may mix two versions.
+    fn check_unchanged(&self, ctx: &Ctx) -> Result<()> {
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|e| io_error(ctx, &self.path, e))?;
+        if meta.len() != self.len || meta.modified().ok() != self.modified {
+            return Err(changed(
+                ctx,
+                &self.path,
+                io::Error::other(format!(
+                    "length {} and modified {:?} when opened, {} and {:?} after reading",
+                    self.len,
+                    self.modified,
+                    meta.len(),
+                    meta.modified().ok()
+                )),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The error for a file that changed (or shrank) while it was read.
+fn changed(ctx: &Ctx, path: &Path, source: io::Error) -> Error {
+    io_error(
+        ctx,
+        path,
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the file changed while it was read ({source}); nothing was loaded"),
+        ),
+    )
 }
 
 /// Checks that `file` has exactly the tensors `named`, each of the same shape and dtype.
@@ -282,10 +671,9 @@ fn check_match(
     ctx: &Ctx,
     path: &Path,
     named: &[(String, NDArray)],
-    file: &[FileTensor<'_>],
+    file: &[FileTensor],
 ) -> Result<()> {
-    let in_file: BTreeMap<&str, &FileTensor<'_>> =
-        file.iter().map(|t| (t.name.as_str(), t)).collect();
+    let in_file: BTreeMap<&str, &FileTensor> = file.iter().map(|t| (t.name.as_str(), t)).collect();
     let wanted: BTreeSet<&str> = named.iter().map(|(n, _)| n.as_str()).collect();
     let missing: Vec<&str> = wanted
         .iter()
@@ -336,17 +724,17 @@ fn check_match(
     Ok(())
 }
 
-/// Overwrites `named` with the file's tensors: every check first, then every staging copy,
-/// then the writes.
+/// Overwrites `named` with the file's tensors: every check first, then every staging copy
+/// (read from the file, which must not change meanwhile), then the writes.
 #[track_caller]
 fn restore(ctx: &Ctx, named: Vec<(String, NDArray)>, path: &Path) -> Result<()> {
-    let bytes = read_file(ctx, path)?;
-    let file = read(ctx, path, &bytes)?;
-    check_match(ctx, path, &named, &file)?;
+    let mut file = SafetensorsFile::open(ctx, path)?;
+    check_match(ctx, path, &named, &file.tensors)?;
     // The file's data as arrays on each target's device, in a scratch manager per device; a
-    // failure while staging (the memory limit) leaves every target untouched.
+    // failure while staging (the memory limit, a file changed meanwhile) leaves every target
+    // untouched.
     let mut staging: Vec<Manager> = Vec::new();
-    let result = stage_and_write(&named, &file, &mut staging);
+    let result = stage_and_write(ctx, &named, &mut file, &mut staging);
     for m in staging {
         m.close()?;
     }
@@ -355,12 +743,27 @@ fn restore(ctx: &Ctx, named: Vec<(String, NDArray)>, path: &Path) -> Result<()> 
 
 #[track_caller]
 fn stage_and_write(
+    ctx: &Ctx,
     named: &[(String, NDArray)],
-    file: &[FileTensor<'_>],
+    file: &mut SafetensorsFile,
     staging: &mut Vec<Manager>,
 ) -> Result<()> {
-    let by_name: BTreeMap<&str, &FileTensor<'_>> =
-        file.iter().map(|t| (t.name.as_str(), t)).collect();
+    let tensors = std::mem::take(&mut file.tensors);
+    let by_name: BTreeMap<&str, &FileTensor> =
+        tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    // Charged to each device's limit before anything is read.
+    let mut per_device: Vec<(Device, Vec<&FileTensor>)> = Vec::new();
+    for (name, array) in named {
+        if let Some(&t) = by_name.get(name.as_str()) {
+            match per_device.iter_mut().find(|(d, _)| *d == array.device()) {
+                Some((_, ts)) => ts.push(t),
+                None => per_device.push((array.device(), vec![t])),
+            }
+        }
+    }
+    for (device, ts) in &per_device {
+        file.charge(ctx, *device, ts)?;
+    }
     let mut sources = Vec::with_capacity(named.len());
     for (name, array) in named {
         let scratch = match staging.iter().find(|m| m.device() == array.device()) {
@@ -372,9 +775,10 @@ fn stage_and_write(
             }
         };
         if let Some(t) = by_name.get(name.as_str()) {
-            sources.push((array, create(&scratch, t)?));
+            sources.push((array, file.create(ctx, &scratch, t)?));
         }
     }
+    file.check_unchanged(ctx)?;
     for (target, source) in &sources {
         target.assign_(source)?;
     }
@@ -422,18 +826,27 @@ impl Manager {
     pub fn load_safetensors(&self, path: impl AsRef<Path>) -> Result<NDList> {
         let ctx = Ctx::new("Manager::load_safetensors");
         let path = path.as_ref();
-        let bytes = read_file(&ctx, path)?;
-        let file = read(&ctx, path, &bytes)?;
+        let mut file = SafetensorsFile::open(&ctx, path)?;
+        let tensors = std::mem::take(&mut file.tensors);
+        // Inside a workspace cycle the arrays go to its block, which the limit already counts.
+        if !crate::ndarray::exec::allocates_from_workspace(self) {
+            file.charge(&ctx, self.device(), &tensors.iter().collect::<Vec<_>>())?;
+        }
         let mut created = NDList::new();
-        for t in &file {
-            match create(self, t) {
+        let mut result = Ok(());
+        for t in &tensors {
+            match file.create(&ctx, self, t) {
                 Ok(array) => created.push(array),
                 Err(e) => {
-                    // Nothing half-loaded: close what this call created.
-                    created.close()?;
-                    return Err(e);
+                    result = Err(e);
+                    break;
                 }
             }
+        }
+        if let Err(e) = result.and_then(|()| file.check_unchanged(&ctx)) {
+            // Nothing half-loaded: close what this call created.
+            created.close()?;
+            return Err(e);
         }
         Ok(created)
     }
@@ -485,5 +898,89 @@ impl NDList {
         let ctx = Ctx::new("NDList::restore_safetensors");
         let named = named_by_list(&ctx, self)?;
         restore(&ctx, named, path.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::time::{Duration, SystemTime};
+
+    use crate::{DType, Error, Manager};
+
+    thread_local! {
+        /// Run after each tensor is read (unit tests only): changes the file midway.
+        static AFTER_TENSOR: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+    }
+
+    pub(super) fn after_tensor_read() {
+        AFTER_TENSOR.with(|hook| {
+            if let Some(f) = hook.borrow_mut().as_mut() {
+                f();
+            }
+        });
+    }
+
+    fn saved(test: &str) -> (std::path::PathBuf, Manager, crate::NDArray) {
+        let d = std::env::temp_dir().join(format!("ndscope-unit-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let path = d.join("model.safetensors");
+        let m = Manager::new_base();
+        m.full([64], 1.0, DType::F32).unwrap().set_name("a");
+        let b = m.full([64], 2.0, DType::F32).unwrap().with_name("b");
+        m.save_safetensors(&path).unwrap();
+        b.fill_(3.0).unwrap();
+        (path, m, b)
+    }
+
+    fn assert_changed(err: &Error) {
+        match err {
+            Error::Io { source, .. } => {
+                assert_eq!(source.kind(), std::io::ErrorKind::InvalidData, "{err}");
+                assert!(
+                    err.to_string().contains("changed while it was read"),
+                    "{err}"
+                );
+            }
+            other => panic!("expected Io, got {other}"),
+        }
+    }
+
+    /// The file rewritten in place after the first tensor is read (same length, a later
+    /// modification time): a load or a restore fails and nothing is loaded or changed.
+    #[test]
+    fn a_file_changed_while_read_is_an_error_and_loads_nothing() {
+        let (path, m, b) = saved("changed");
+        let good = std::fs::read(&path).unwrap();
+        for rewrite in [false, true] {
+            let target = Manager::new_base();
+            let p = path.clone();
+            AFTER_TENSOR.with(|h| {
+                *h.borrow_mut() = Some(Box::new(move || {
+                    let f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+                    if rewrite {
+                        // Same length, another modification time.
+                        f.set_modified(SystemTime::now() + Duration::from_secs(5))
+                            .unwrap();
+                    } else {
+                        // Longer.
+                        use std::io::Write;
+                        (&f).write_all(b"more").unwrap();
+                    }
+                }))
+            });
+            let err = target.load_safetensors(&path).unwrap_err();
+            assert_changed(&err);
+            assert_eq!(target.report().total_arrays(), 0, "nothing half-loaded");
+            std::fs::write(&path, &good).unwrap();
+            let err = m.restore_safetensors(&path).unwrap_err();
+            AFTER_TENSOR.with(|h| *h.borrow_mut() = None);
+            assert_changed(&err);
+            assert_eq!(b.to_vec::<f32>().unwrap(), vec![3.0; 64], "not restored");
+            target.close().unwrap();
+            std::fs::write(&path, &good).unwrap();
+        }
+        m.close().unwrap();
     }
 }

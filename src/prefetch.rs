@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::arena::{self, CloseReason, Owner};
-use crate::error::{panic_message, Ctx};
+use crate::error::{take_panic_message, Ctx};
 use crate::{
     AllocationPolicy, Error, LearningPolicy, Manager, NDList, ResetPolicy, Result, SpillPolicy,
     Workspace, WorkspaceConfig,
@@ -28,9 +28,16 @@ pub struct PrefetchStats {
     pub waits: u64,
     /// Total time `next` waited for the producer: what prefetching did not hide.
     pub waited: Duration,
-    /// Batches closed because the consumer asked for the `depth`-th next one while still
-    /// holding them (arrays moved elsewhere with `detach`/`attach` are not counted).
+    /// Batches closed because the consumer asked for the batch `depth` places after them while
+    /// still holding them (arrays moved elsewhere with `detach`/`attach` are not counted).
     pub overwritten: u64,
+    /// Batches built (partly) outside the ring because the ring had no free room: the batches
+    /// still readable were in the way, and are never overwritten. Such a batch's arrays have
+    /// buffers of their own, freed as the ring's are.
+    pub spilled: u64,
+    /// Times the ring was replaced by a larger one because a batch outgrew it (batches that
+    /// live in the old one stay readable; it is freed with the last of them).
+    pub ring_growths: u64,
 }
 
 struct Slots {
@@ -51,6 +58,8 @@ struct Shared {
     waits: AtomicU64,
     waited_ns: AtomicU64,
     overwritten: AtomicU64,
+    spilled: AtomicU64,
+    ring_growths: AtomicU64,
 }
 
 /// An iterator over batches ([`NDList`]s) that a background thread prepares ahead, up to
@@ -66,14 +75,21 @@ struct Shared {
 /// ring workspace, active on its thread), builds the batch's arrays there and returns them;
 /// its other temporaries die with the scope. The batch stays in the ring, zero-copy.
 ///
-/// **How long a batch lives.** A batch stays valid until the consumer asks for the
-/// `depth`-th next one: with `depth` 2, batch 5 is valid while `next` returns batches 6 and
-/// 7, and is closed when `next` is called for batch 8. A handle kept longer gives
-/// `Error::ArrayClosed` saying it was overwritten by the circular workspace — never another
-/// batch's data, which is what ND4J hands back. To keep a batch, move it out first:
-/// `list.detach()` (then close it yourself), `list.attach(&m)` or `scope.ret(…)`; each copies
-/// it out of the ring. The ring holds `2·depth + 1` batches' worth of memory (sized from the
-/// first batch, grown to the largest): `depth` handed out, `depth` prepared, and one of slack.
+/// **How long a batch lives.** The consumer holds at most `depth` batches: the one `next`
+/// just returned and the `depth - 1` before it. A batch stays valid until `next` is called for
+/// the batch `depth` places after it: with `depth` 2, batch 5 is valid while `next` returns
+/// batch 6, and is closed when `next` is called for batch 7 (with `depth` 1, a batch is closed
+/// by the next call). A handle kept longer gives `Error::ArrayClosed` saying it was overwritten
+/// by the circular workspace — never another batch's data, which is what ND4J hands back. To
+/// keep a batch, move it out first: `list.detach()` (then close it yourself), `list.attach(&m)`
+/// or `scope.ret(…)`; each copies it out of the ring.
+///
+/// **The ring** holds `2·depth + 1` batches' worth of memory, sized from the first batch: at
+/// most `depth` handed out, at most `depth` prepared or being prepared, and one of slack. A
+/// batch is never overwritten while it is valid, whatever the sizes: when a larger batch finds
+/// no free room, it is built outside the ring (counted in [`PrefetchStats::spilled`]), and the
+/// ring is replaced by one of `2·depth + 1` of the largest batch
+/// ([`PrefetchStats::ring_growths`]); batches in the old ring stay readable.
 ///
 /// **The prefetch manager is capped**, so an op whose first input is a batch array, run with
 /// no active scope, fails with `Capped` at its line instead of piling results up in it. Run
@@ -148,6 +164,8 @@ impl Prefetcher {
             .reset(ResetPolicy::EndOfBuffer)
             .build()?;
         let ring = manager.workspace("ring", config)?;
+        // Never overwrite a batch still readable: spill and grow instead.
+        ring.keep_open_arrays(&ctx)?;
         manager.cap();
         let shared = Arc::new(Shared {
             slots: Mutex::new(Slots {
@@ -161,6 +179,8 @@ impl Prefetcher {
             waits: AtomicU64::new(0),
             waited_ns: AtomicU64::new(0),
             overwritten: AtomicU64::new(0),
+            spilled: AtomicU64::new(0),
+            ring_growths: AtomicU64::new(0),
         });
         let thread = {
             let shared = Arc::clone(&shared);
@@ -168,7 +188,7 @@ impl Prefetcher {
             let manager = manager.clone();
             thread::Builder::new()
                 .name(format!("ndscope-prefetch-{}", manager.id()))
-                .spawn(move || producer(shared, ring, manager, depth, produce))
+                .spawn(move || run_producer(shared, ring, manager, depth, produce))
                 .map_err(|e| ctx.invalid(format!("cannot start the producer thread: {e}")))?
         };
         Ok(Prefetcher {
@@ -214,8 +234,8 @@ impl Prefetcher {
         &self.ring
     }
 
-    /// How many batches the producer may run ahead, and how many `next` calls a batch
-    /// outlives.
+    /// How many batches the producer may run ahead, and how many batches the consumer holds
+    /// at most: a batch is closed by the `depth`-th `next` call after the one that returned it.
     pub fn depth(&self) -> usize {
         self.depth
     }
@@ -229,6 +249,8 @@ impl Prefetcher {
             waits: self.shared.waits.load(Ordering::Relaxed),
             waited: Duration::from_nanos(self.shared.waited_ns.load(Ordering::Relaxed)),
             overwritten: self.shared.overwritten.load(Ordering::Relaxed),
+            spilled: self.shared.spilled.load(Ordering::Relaxed),
+            ring_growths: self.shared.ring_growths.load(Ordering::Relaxed),
         }
     }
 
@@ -326,6 +348,37 @@ impl Drop for Prefetcher {
     }
 }
 
+/// The producer thread's body: [`producer`], and if anything panics outside the closure (which
+/// `producer` catches itself), the consumer is told all the same rather than left waiting.
+fn run_producer<F>(shared: Arc<Shared>, ring: Workspace, manager: Manager, depth: usize, produce: F)
+where
+    F: FnMut(&Manager) -> Result<Option<NDList>>,
+{
+    let ctx = Ctx::new("Prefetcher producer");
+    let during = format!("the producer of prefetcher {}", manager.0.describe());
+    let ran = {
+        let shared = Arc::clone(&shared);
+        panic::catch_unwind(AssertUnwindSafe(move || {
+            producer(shared, ring, manager, depth, produce)
+        }))
+    };
+    if let Err(payload) = ran {
+        let error = Error::Panicked {
+            op: ctx.op,
+            at: ctx.at,
+            during,
+            message: take_panic_message(payload),
+        };
+        let mut slots = shared.slots.lock();
+        if !slots.ended {
+            slots.ready.push_back(Err(error));
+            slots.ended = true;
+        }
+        drop(slots);
+        shared.changed.notify_all();
+    }
+}
+
 /// The producer thread: one ring cycle per batch, at most `depth` batches ahead of the
 /// consumer.
 fn producer<F>(shared: Arc<Shared>, ring: Workspace, manager: Manager, depth: usize, mut produce: F)
@@ -343,6 +396,7 @@ where
                 return;
             }
         }
+        let before = ring.stats();
         let made = panic::catch_unwind(AssertUnwindSafe(|| {
             ring.cycle(|scope| {
                 let batch = produce(scope)?;
@@ -352,6 +406,12 @@ where
                 Ok(batch)
             })
         }));
+        let after = ring.stats();
+        if before.initialized && after.spilled_count > before.spilled_count {
+            shared.spilled.fetch_add(1, Ordering::Relaxed);
+        }
+        let grown = after.reallocations.saturating_sub(before.reallocations);
+        shared.ring_growths.fetch_add(grown, Ordering::Relaxed);
         let item = match made {
             Ok(Ok(Some(batch))) => Some(Ok(batch)),
             Ok(Ok(None)) => None,
@@ -360,7 +420,7 @@ where
                 op: ctx.op,
                 at: ctx.at,
                 during: format!("the producer of prefetcher {}", manager.0.describe()),
-                message: panic_message(&*payload),
+                message: take_panic_message(payload),
             })),
         };
         let mut slots = shared.slots.lock();

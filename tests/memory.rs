@@ -169,7 +169,7 @@ fn memory_usage_and_limits_on_cpu() -> Result<()> {
     {
         run_child("8M", "8388608");
         run_child("1048576", "1048576");
-        run_child("lots", "none");
+        run_child("lots", "bad");
     }
     Ok(())
 }
@@ -207,9 +207,18 @@ fn env_limit_child() {
         return;
     };
     let m = Manager::new_base();
-    if expect == "none" {
-        // An unparsable value is ignored (with a warning on stderr): no limit.
+    if expect == "bad" {
+        // A value that is not a byte count refuses every allocation, naming the variable and
+        // the value, until the API replaces it.
         assert_eq!(memory_limit(Device::Cpu), None);
+        let err = m.zeros([FOUR_MIB_F32], DType::F32).unwrap_err();
+        assert!(matches!(err, Error::InvalidConfig { .. }), "{err}");
+        assert!(
+            err.to_string()
+                .contains("NDSCOPE_MAX_HOST_BYTES=\"lots\" is not a byte count"),
+            "{err}"
+        );
+        set_memory_limit(Device::Cpu, None);
         m.zeros([FOUR_MIB_F32], DType::F32).unwrap();
     } else {
         let limit: usize = expect.parse().unwrap();

@@ -488,3 +488,67 @@ fn bad_configurations_and_inputs_are_refused() {
         .unwrap_err();
     assert!(matches!(err, Error::ManagerClosed { .. }), "{err}");
 }
+
+/// A panic payload whose own `Drop` panics (see `tests/predictor.rs`).
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panics too");
+    }
+}
+
+/// The answer of `pending`, or `None` if none came within 20 seconds (a lost worker).
+fn answer_within(pending: ndscope::Pending) -> Option<ndscope::Result<HostArray>> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Some(answer) = pending.try_wait() {
+            return Some(answer);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_loses_no_worker_and_no_request() {
+    for mode in [InferenceMode::Sequential, batched(4, 500)] {
+        let (model, w, v) = model();
+        // One worker: were it lost, nothing would answer the requests after the bomb.
+        let service = ParallelInference::builder(&model)
+            .workers(1)
+            .mode(mode)
+            .build(move |_c, x| {
+                if x.to_vec::<f32>()?.contains(&999.0) {
+                    std::panic::panic_any(Bomb);
+                }
+                forward(&w, &v, x)
+            })
+            .unwrap();
+        let mut poisoned = request(5, 1).into_vec::<f32>().unwrap();
+        poisoned[0] = 999.0;
+        let poisoned = HostArray::from_vec(poisoned, [1, 8]).unwrap();
+        match answer_within(service.submit(poisoned).unwrap()) {
+            Some(Err(Error::Panicked { .. })) => {}
+            other => panic!("expected Panicked in {mode:?}, got {other:?}"),
+        }
+        let pending: Vec<_> = (0..100)
+            .map(|i| service.submit(request(i, 1)).unwrap())
+            .collect();
+        for (i, p) in pending.into_iter().enumerate() {
+            match answer_within(p) {
+                Some(Ok(y)) => assert_eq!(y.dims(), &[1, 3], "request {i} in {mode:?}"),
+                other => panic!("request {i} in {mode:?}: {other:?}"),
+            }
+        }
+        let stats = service.stats();
+        assert_eq!(stats.panics, 1, "{stats:?}");
+        assert_eq!(
+            service.manager().children().len(),
+            1,
+            "the worker was replaced"
+        );
+        service.shutdown(ShutdownMode::Drain).unwrap();
+        model.close().unwrap();
+    }
+}

@@ -246,3 +246,40 @@ fn a_step_error_is_returned_as_it_is() {
     assert_eq!(predictor.manager().report().total_arrays(), 0);
     model.close().unwrap();
 }
+
+/// A panic payload whose own `Drop` panics: dropped after `catch_unwind`, it would unwind
+/// into the caller.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panics too");
+    }
+}
+
+#[test]
+fn a_panic_payload_whose_drop_panics_gives_panicked_and_the_predictor_goes_on() {
+    let (model, w) = model();
+    let predictor = Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
+        let x = ctx.from_host(x)?;
+        let y = x.matmul(&w)?;
+        if x.to_vec::<f32>()?[0] < 0.0 {
+            std::panic::panic_any(Bomb);
+        }
+        y.to_host()
+    })
+    .unwrap();
+    match predictor.predict(&input(-1.0)) {
+        Err(Error::Panicked { message, .. }) => {
+            assert_eq!(message, "<non-string panic payload>")
+        }
+        other => panic!("expected Panicked, got {other:?}"),
+    }
+    assert!(Manager::active().is_none(), "the context was deactivated");
+    for i in 0..100 {
+        let y = predictor.predict(&input(i as f32)).unwrap();
+        assert_eq!(y.as_slice::<f32>().unwrap(), &[2.0 * i as f32; 3]);
+    }
+    assert_eq!(predictor.manager().report().total_arrays(), 0, "freed");
+    model.close().unwrap();
+}

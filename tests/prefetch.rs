@@ -285,3 +285,149 @@ fn a_producer_as_slow_as_the_step_is_hidden() {
     );
     owner.close().unwrap();
 }
+
+/// `n` batches of `sizes(i)` f32 values each, batch `i` holding `i * 1000 + k` at `k`, in two
+/// arrays (the second the first plus one) and a temporary.
+fn sized(owner: &Manager, depth: usize, sizes: Vec<usize>) -> Prefetcher {
+    Prefetcher::from_iter(
+        owner,
+        depth,
+        sizes.into_iter().enumerate(),
+        |scope, (i, n)| {
+            let values: Vec<f32> = (0..n).map(|k| (i * 1000 + k) as f32).collect();
+            let a = scope.from_vec(values, [n])?;
+            let tmp = scope.full([n], 1.0, DType::F32)?;
+            let b = a.add(&tmp)?;
+            Ok(vec![a, b].into())
+        },
+    )
+    .unwrap()
+}
+
+/// Checks that `batch` is batch `i` of `n` values, in full.
+fn check_sized(batch: &NDList, i: usize, n: usize) -> Result<(), Error> {
+    let a = batch.get(0).unwrap().to_vec::<f32>()?;
+    let b = batch.get(1).unwrap().to_vec::<f32>()?;
+    let want: Vec<f32> = (0..n).map(|k| (i * 1000 + k) as f32).collect();
+    assert_eq!(a, want, "batch {i}");
+    let plus: Vec<f32> = want.iter().map(|v| v + 1.0).collect();
+    assert_eq!(b, plus, "batch {i}");
+    Ok(())
+}
+
+/// Reads every batch in full when it comes, and again every batch still within its lifetime
+/// (the `depth - 1` before it), letting the producer run ahead first.
+fn read_all(owner: &Manager, depth: usize, sizes: Vec<usize>) -> ndscope::PrefetchStats {
+    let mut batches = sized(owner, depth, sizes.clone());
+    let mut held: std::collections::VecDeque<(usize, NDList)> = Default::default();
+    for i in 0..sizes.len() {
+        if i % 3 == 0 {
+            // The producer fills its `depth` batches ahead meanwhile.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let batch = batches.next().unwrap().unwrap();
+        if held.len() == depth {
+            held.pop_front();
+        }
+        held.push_back((i, batch));
+        for (j, b) in &held {
+            if let Err(e) = check_sized(b, *j, sizes[*j]) {
+                panic!("depth {depth}: batch {j} unreadable when batch {i} came: {e}");
+            }
+        }
+    }
+    assert!(batches.next().is_none());
+    let stats = batches.stats();
+    assert_eq!(stats.consumed, sizes.len() as u64);
+    drop(batches);
+    stats
+}
+
+#[test]
+fn growing_batches_are_never_evicted_while_handed_out() {
+    let owner = Manager::new_base();
+    for depth in [1, 2, 3] {
+        let sizes: Vec<usize> = (0..60).map(|i| 16 * (i + 1)).collect();
+        let stats = read_all(&owner, depth, sizes);
+        assert!(stats.ring_growths >= 1, "depth {depth}: {stats:?}");
+    }
+    assert!(owner.children().is_empty());
+    owner.close().unwrap();
+}
+
+#[test]
+fn batches_of_random_sizes_are_never_evicted_while_handed_out() {
+    let owner = Manager::new_base();
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    for depth in [1, 2, 4] {
+        let sizes: Vec<usize> = (0..300)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                1 + (seed % 2000) as usize
+            })
+            .collect();
+        read_all(&owner, depth, sizes);
+    }
+    owner.close().unwrap();
+}
+
+/// The documented lifetime, exactly: with depth `d`, batch `i` reads until `next` is called
+/// for batch `i + d`, which closes it.
+#[test]
+fn the_documented_lifetime_holds_for_depth_two() {
+    let owner = Manager::new_base();
+    let mut batches = counting(&owner, 2, 20);
+    let b: Vec<NDList> = (0..8).map(|_| batches.next().unwrap().unwrap()).collect();
+    // Batch 5 was read while `next` returned batch 6, and closed when it returned batch 7.
+    assert!(value(&b[6]).is_ok() && value(&b[7]).is_ok());
+    assert!(matches!(value(&b[5]), Err(Error::ArrayClosed { .. })));
+    let mut batches = counting(&owner, 2, 20);
+    let b5: Vec<NDList> = (0..7).map(|_| batches.next().unwrap().unwrap()).collect();
+    assert_eq!(
+        value(&b5[5]).unwrap(),
+        5.0,
+        "valid while next returned batch 6"
+    );
+    drop(batches);
+    owner.close().unwrap();
+}
+
+/// A panic payload whose own `Drop` panics (see `tests/predictor.rs`).
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("the payload's drop panics too");
+    }
+}
+
+#[test]
+fn a_producer_panic_whose_payload_drop_panics_reaches_the_consumer() {
+    let owner = Manager::new_base();
+    let mut batches = Prefetcher::from_iter(&owner, 2, 0..10, |scope, i| {
+        if i == 2 {
+            std::panic::panic_any(Bomb);
+        }
+        Ok(vec![scope.full([4], i as f64, DType::F32)?].into())
+    })
+    .unwrap();
+    // The consumer on its own thread: were the producer lost, it would wait forever.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let items: Vec<Result<f32, Error>> = batches
+            .by_ref()
+            .map(|b| b.and_then(|b| value(&b)))
+            .collect();
+        let _ = tx.send(items);
+    });
+    let items = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the consumer got an answer for every batch");
+    assert_eq!(items.len(), 3, "{items:?}");
+    assert_eq!(items[0].as_ref().unwrap(), &0.0);
+    assert_eq!(items[1].as_ref().unwrap(), &1.0);
+    assert!(matches!(items[2], Err(Error::Panicked { .. })), "{items:?}");
+    owner.close().unwrap();
+}

@@ -17,6 +17,50 @@ const NO_LIMIT: usize = usize::MAX;
 const SOURCE_NONE: u8 = 0;
 const SOURCE_ENV: u8 = 1;
 const SOURCE_API: u8 = 2;
+/// The environment variable is set to something that is not a byte count: every allocation on
+/// the device fails with `InvalidConfig` naming it, until [`set_memory_limit`] replaces it.
+const SOURCE_BAD_ENV: u8 = 3;
+
+/// A memory-limit variable as read from the environment.
+#[derive(Clone)]
+enum EnvLimit {
+    Unset,
+    Bytes(usize),
+    /// Set, but not to a byte count: its text.
+    Bad(String),
+}
+
+/// Reads `env_var` once (at the first use of the device's counters) and, when its value is not
+/// a byte count, says so on stderr and in the log.
+fn env_limit(env_var: &'static str) -> EnvLimit {
+    let text = match std::env::var(env_var) {
+        Ok(text) => text,
+        Err(std::env::VarError::NotPresent) => return EnvLimit::Unset,
+        Err(std::env::VarError::NotUnicode(raw)) => raw.to_string_lossy().into_owned(),
+    };
+    // Set to nothing is unset (as `VAR= cmd` reads); a zero limit is an explicit `0`.
+    if text.trim().is_empty() {
+        return EnvLimit::Unset;
+    }
+    match parse_bytes(&text) {
+        Some(bytes) => EnvLimit::Bytes(bytes),
+        None => {
+            let message = bad_env_message(env_var, &text);
+            eprintln!("ndscope: {message}");
+            tracing::error!(target: "ndscope::memory", "{message}");
+            EnvLimit::Bad(text)
+        }
+    }
+}
+
+fn bad_env_message(env_var: &str, text: &str) -> String {
+    format!(
+        "{env_var}={text:?} is not a byte count: expected a whole number of bytes (0 for none at \
+         all) or a number with a unit K, M, G or T (binary multiples, optionally followed by B or \
+         iB), such as 1073741824, 512M, 8G or 1.5GiB; every allocation it limits fails with \
+         InvalidConfig until it is fixed or set_memory_limit replaces it"
+    )
+}
 
 /// A device's memory figures, from [`memory_usage`]: what is in use now, and counters like
 /// PyTorch's `torch.cuda.memory_stats` (accumulated since the process started or since
@@ -74,21 +118,18 @@ pub(crate) struct Counters {
     limit: AtomicUsize,
     source: AtomicU8,
     env_var: &'static str,
+    /// The variable's text when it is not a byte count (`SOURCE_BAD_ENV`).
+    bad_env: Option<String>,
 }
 
 impl Counters {
-    fn new(env_var: &'static str) -> Counters {
-        let (limit, source) = match std::env::var(env_var) {
-            Ok(text) => match parse_bytes(&text) {
-                Some(bytes) => (bytes, SOURCE_ENV),
-                None => {
-                    tracing::warn!(
-                        "ndscope: ignoring {env_var}={text:?}: expected a byte count such as 8G, 512M, 64K or 1048576"
-                    );
-                    (NO_LIMIT, SOURCE_NONE)
-                }
-            },
-            Err(_) => (NO_LIMIT, SOURCE_NONE),
+    fn new(env_var: &'static str, env: EnvLimit) -> Counters {
+        // A bad value refuses every allocation: a limit of 0 sends each one to the refusal,
+        // which then reports the variable rather than a lack of memory.
+        let (limit, source, bad_env) = match env {
+            EnvLimit::Bytes(bytes) => (bytes, SOURCE_ENV, None),
+            EnvLimit::Bad(text) => (0, SOURCE_BAD_ENV, Some(text)),
+            EnvLimit::Unset => (NO_LIMIT, SOURCE_NONE, None),
         };
         Counters {
             in_use: AtomicUsize::new(0),
@@ -105,14 +146,27 @@ impl Counters {
             limit: AtomicUsize::new(limit),
             source: AtomicU8::new(source),
             env_var,
+            bad_env,
         }
     }
 
     fn limit(&self) -> Option<usize> {
+        if self.source.load(Ordering::Relaxed) == SOURCE_BAD_ENV {
+            return None;
+        }
         match self.limit.load(Ordering::Relaxed) {
             NO_LIMIT => None,
             limit => Some(limit),
         }
+    }
+
+    /// `InvalidConfig` naming the variable, while it holds a value that is not a byte count.
+    fn bad_env_error(&self, ctx: &Ctx) -> Option<Error> {
+        if self.source.load(Ordering::Relaxed) != SOURCE_BAD_ENV {
+            return None;
+        }
+        let text = self.bad_env.as_deref().unwrap_or_default();
+        Some(ctx.config(bad_env_message(self.env_var, text)))
     }
 
     /// The accumulated totals, in the order of `at_reset`.
@@ -138,10 +192,15 @@ impl Counters {
     }
 }
 
-static CPU: LazyLock<Counters> = LazyLock::new(|| Counters::new("NDSCOPE_MAX_HOST_BYTES"));
+static CPU: LazyLock<Counters> = LazyLock::new(|| {
+    const VAR: &str = "NDSCOPE_MAX_HOST_BYTES";
+    Counters::new(VAR, env_limit(VAR))
+});
 static CUDA: LazyLock<Vec<Counters>> = LazyLock::new(|| {
+    const VAR: &str = "NDSCOPE_MAX_CUDA_BYTES";
+    let env = env_limit(VAR);
     (0..MAX_CUDA_DEVICES)
-        .map(|_| Counters::new("NDSCOPE_MAX_CUDA_BYTES"))
+        .map(|_| Counters::new(VAR, env.clone()))
         .collect()
 });
 
@@ -163,6 +222,9 @@ pub(crate) fn reserve(ctx: &Ctx, device: Device, bytes: usize) -> Result<()> {
         let next = match current.checked_add(bytes) {
             Some(next) if next <= limit => next,
             _ => {
+                if let Some(error) = c.bad_env_error(ctx) {
+                    return Err(error);
+                }
                 return Err(out_of_memory(
                     ctx,
                     Some(c),
@@ -170,7 +232,7 @@ pub(crate) fn reserve(ctx: &Ctx, device: Device, bytes: usize) -> Result<()> {
                     bytes,
                     current,
                     c.source(),
-                ))
+                ));
             }
         };
         match c
@@ -384,34 +446,40 @@ pub fn reset_peak(device: Device) {
     }
 }
 
-/// Parses `8G`, `512M`, `64k`, `1.5GiB`, `1048576` (binary multiples, case-insensitive).
+/// Parses a byte count: a whole number of bytes (`1073741824`, `0`), or a number with a unit
+/// `K`, `M`, `G` or `T` (binary multiples, any case, optionally followed by `B` or `iB`: `8G`,
+/// `512m`, `64KiB`), where the number may have a fraction if the bytes come out whole (`1.5G`).
+/// Spaces around are ignored. Anything else is `None`: signs, exponents, a fraction of a byte
+/// (`0.5`, `1e-9`, `-0`), an empty value.
 pub(crate) fn parse_bytes(text: &str) -> Option<usize> {
     let text = text.trim();
     let lower = text.to_ascii_lowercase();
-    let body = lower
-        .strip_suffix("ib")
-        .or_else(|| lower.strip_suffix('b'))
-        .unwrap_or(&lower);
-    let (number, shift) = match body.chars().last()? {
-        'k' => (&body[..body.len() - 1], 10),
-        'm' => (&body[..body.len() - 1], 20),
-        'g' => (&body[..body.len() - 1], 30),
-        't' => (&body[..body.len() - 1], 40),
-        _ => (body, 0),
+    let (number, shift) = match lower.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
+        None => (lower.as_str(), 0),
+        Some(at) => {
+            let shift = match &lower[at..] {
+                "b" => 0,
+                "k" | "kb" | "kib" => 10,
+                "m" | "mb" | "mib" => 20,
+                "g" | "gb" | "gib" => 30,
+                "t" | "tb" | "tib" => 40,
+                _ => return None,
+            };
+            (&lower[..at], shift)
+        }
     };
-    let number = number.trim();
-    if number.is_empty() {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() || (number.contains('.') && (shift == 0 || fraction.is_empty())) {
         return None;
     }
-    if let Ok(whole) = number.parse::<usize>() {
-        return whole.checked_mul(1usize << shift);
-    }
-    let value: f64 = number.parse().ok()?;
-    if !value.is_finite() || value < 0.0 {
+    // value = (whole · 10^f + fraction) · 2^shift / 10^f, which must be a whole number.
+    let scale = 10u128.checked_pow(u32::try_from(fraction.len()).ok()?)?;
+    let digits: u128 = format!("{whole}{fraction}").parse().ok()?;
+    let scaled = digits.checked_mul(1u128 << shift)?;
+    if scaled % scale != 0 {
         return None;
     }
-    let bytes = value * (1u64 << shift) as f64;
-    (bytes < usize::MAX as f64).then_some(bytes as usize)
+    usize::try_from(scaled / scale).ok()
 }
 
 #[cfg(test)]
@@ -423,12 +491,47 @@ mod tests {
         assert_eq!(parse_bytes("8G"), Some(8 << 30));
         assert_eq!(parse_bytes("512M"), Some(512 << 20));
         assert_eq!(parse_bytes("64k"), Some(64 << 10));
+        assert_eq!(parse_bytes("64KiB"), Some(64 << 10));
         assert_eq!(parse_bytes("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_bytes("1.5g"), Some(3 << 29));
         assert_eq!(parse_bytes(" 1048576 "), Some(1 << 20));
+        assert_eq!(parse_bytes("1073741824"), Some(1 << 30));
+        assert_eq!(parse_bytes("100B"), Some(100));
         assert_eq!(parse_bytes("12MB"), Some(12 << 20));
-        assert_eq!(parse_bytes(""), None);
-        assert_eq!(parse_bytes("G"), None);
-        assert_eq!(parse_bytes("lots"), None);
-        assert_eq!(parse_bytes("-1G"), None);
+        assert_eq!(parse_bytes("0"), Some(0), "a zero limit is an explicit 0");
+        assert_eq!(parse_bytes("0K"), Some(0));
+        assert_eq!(parse_bytes("1T"), Some(1 << 40));
+    }
+
+    #[test]
+    fn anything_else_is_not_a_byte_count() {
+        for bad in [
+            "",
+            " ",
+            "G",
+            "lots",
+            "-1G",
+            "-0",
+            "+5",
+            "0.5",
+            "1e-9",
+            "1e9",
+            ".5G",
+            "5.G",
+            "1.5",
+            "0.0000001K",
+            "1.2.3G",
+            "8 G",
+            "8GG",
+            "8Gi",
+            "8P",
+            "NaN",
+            "inf",
+            "0x10",
+            "99999999999999999999999",
+            "20000000000T",
+        ] {
+            assert_eq!(parse_bytes(bad), None, "{bad:?}");
+        }
     }
 }

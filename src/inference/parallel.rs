@@ -556,6 +556,9 @@ fn worker(
     mut predictor: Predictor<HostArray, HostArray>,
     inline: bool,
 ) {
+    // Counts the worker out however it ends, a panic outside a step included (the step's own
+    // are caught by the predictor), so no request waits for a worker that is gone.
+    let _leaving = Leaving(&shared);
     if inline {
         crate::backend::cpu::pool::run_inline();
     }
@@ -565,18 +568,27 @@ fn worker(
         }
     }
     let _ = predictor.close();
-    drop(predictor);
-    let mut q = shared.queue.lock();
-    q.alive -= 1;
-    let last = q.alive == 0;
-    drop(q);
-    if last {
-        // No worker is left to answer what is still queued (the service is stopping, or its
-        // workers could not be remade): say so rather than leave callers waiting.
-        let ctx = Ctx::new("ParallelInference worker");
-        shared.refuse_queued(&ctx, "no worker is left to answer it");
+}
+
+/// Decrements the live workers when a worker thread ends (returns or unwinds); the last one
+/// refuses what is still queued.
+struct Leaving<'a>(&'a Shared);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        let shared = self.0;
+        let mut q = shared.queue.lock();
+        q.alive -= 1;
+        let last = q.alive == 0;
+        drop(q);
+        if last {
+            // No worker is left to answer what is still queued (the service is stopping, or its
+            // workers could not be remade): say so rather than leave callers waiting.
+            let ctx = Ctx::new("ParallelInference worker");
+            shared.refuse_queued(&ctx, "no worker is left to answer it");
+        }
+        shared.changed.notify_all();
     }
-    shared.changed.notify_all();
 }
 
 /// Runs one batch and answers its requests. A predictor whose step panicked is closed (freeing

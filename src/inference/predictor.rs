@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::error::{panic_message, Ctx};
+use crate::error::{take_panic_message, Ctx};
 use crate::{Error, Manager, Result, Workspace, WorkspaceConfig};
 
 /// A predictor's step: the input's borrowed form and the call's context manager in, owned data
@@ -183,7 +183,7 @@ impl<I: ?Sized, O> Predictor<I, O> {
                 op: ctx.op,
                 at: ctx.at,
                 during: format!("the step of predictor {}", self.manager.0.describe()),
-                message: panic_message(&*payload),
+                message: take_panic_message(payload),
             }),
         }
     }

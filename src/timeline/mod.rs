@@ -784,8 +784,36 @@ pub fn is_recording() -> bool {
     on()
 }
 
-/// Where `NDSCOPE_RECORD` asked for the recording to be written at exit.
-static EXIT_PATH: Mutex<Option<PathBuf>> = Mutex::new(None);
+/// The files `NDSCOPE_RECORD` asked for, opened when the recording started and written at
+/// exit: (Chrome trace, PyTorch snapshot), each with its path.
+struct ExitFiles {
+    path: PathBuf,
+    trace: Option<(PathBuf, File)>,
+    snapshot: Option<(PathBuf, File)>,
+}
+
+static EXIT_FILES: Mutex<Option<ExitFiles>> = Mutex::new(None);
+
+/// Says on stderr and in the log (once: this runs once per process) that `NDSCOPE_RECORD`
+/// cannot be honoured.
+fn env_problem(message: &str) {
+    eprintln!("ndscope: {message}");
+    tracing::error!(target: "ndscope::timeline", "{message}");
+}
+
+/// Opens (creates or truncates) a file `NDSCOPE_RECORD` will write at exit.
+fn open_output(path: Option<PathBuf>) -> std::result::Result<Option<(PathBuf, File)>, String> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    match File::create(&path) {
+        Ok(file) => Ok(Some((path, file))),
+        Err(e) => Err(format!(
+            "NDSCOPE_RECORD: cannot write {}: {e}; no memory recording will be made",
+            path.display()
+        )),
+    }
+}
 
 /// Starts a recording if `NDSCOPE_RECORD=path` is set (called once, when the arena is created:
 /// nothing is live yet but the system manager). The files are written when the process exits:
@@ -796,16 +824,36 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
     let Some(path) = std::env::var_os("NDSCOPE_RECORD").filter(|p| !p.is_empty()) else {
         return;
     };
+    let path = PathBuf::from(path);
     let mut options = RecordOptions::default();
-    if let Ok(text) = std::env::var("NDSCOPE_RECORD_MAX_ENTRIES") {
+    if let Some(raw) = std::env::var_os("NDSCOPE_RECORD_MAX_ENTRIES") {
+        let text = raw.to_string_lossy();
         match text.trim().parse::<usize>() {
             Ok(n) if n > 0 => options = options.with_max_entries(n),
-            _ => tracing::warn!(
-                target: "ndscope::timeline",
-                "ignoring NDSCOPE_RECORD_MAX_ENTRIES={text:?}: expected a positive number of events"
-            ),
+            _ => env_problem(&format!(
+                "ignoring NDSCOPE_RECORD_MAX_ENTRIES={text:?}: expected a positive whole number \
+                 of events; the recording keeps the default {}",
+                options.max_entries()
+            )),
         }
     }
+    // The files are opened now, so a path that cannot be written is said at once, not
+    // discovered at exit when nobody reads the log.
+    let (trace, snapshot) = env_outputs(&path);
+    let files = open_output(trace).and_then(|trace| {
+        open_output(snapshot).map(|snapshot| ExitFiles {
+            path: path.clone(),
+            trace,
+            snapshot,
+        })
+    });
+    let files = match files {
+        Ok(files) => files,
+        Err(message) => {
+            env_problem(&message);
+            return;
+        }
+    };
     let thread = thread_index();
     let mut guard = RECORDER.lock();
     if guard.is_some() {
@@ -818,7 +866,7 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
         thread,
     );
     drop(guard);
-    *EXIT_PATH.lock() = Some(PathBuf::from(path));
+    *EXIT_FILES.lock() = Some(files);
     if !crate::backend::cpu::process::at_exit(write_at_exit) {
         tracing::warn!(
             target: "ndscope::timeline",
@@ -843,9 +891,10 @@ pub(crate) fn env_outputs(path: &Path) -> (Option<PathBuf>, Option<PathBuf>) {
 }
 
 extern "C" fn write_at_exit() {
-    let Some(path) = EXIT_PATH.lock().take() else {
+    let Some(files) = EXIT_FILES.lock().take() else {
         return;
     };
+    let path = files.path;
     // Another thread may hold the recorder's lock as the process exits: wait a little, no more.
     let recording = match RECORDER.try_lock_for(Duration::from_secs(2)) {
         Some(mut guard) => {
@@ -858,18 +907,17 @@ extern "C" fn write_at_exit() {
         tracing::error!(target: "ndscope::timeline", path = %path.display(), "NDSCOPE_RECORD: the recording was stopped before exit, or is busy; nothing written");
         return;
     };
-    let (trace, snapshot) = env_outputs(&path);
     let mut written = Vec::new();
-    if let Some(trace) = trace {
-        match recording.write_chrome_trace(&trace) {
+    if let Some((trace, file)) = files.trace {
+        match recording.write_chrome_trace_to(file) {
             Ok(()) => written.push(trace),
-            Err(e) => tracing::error!(target: "ndscope::timeline", "NDSCOPE_RECORD: {e}"),
+            Err(e) => env_problem(&format!("NDSCOPE_RECORD: {}: {e}", trace.display())),
         }
     }
-    if let Some(snapshot) = snapshot {
-        match recording.write_memory_snapshot(&snapshot) {
+    if let Some((snapshot, file)) = files.snapshot {
+        match recording.write_memory_snapshot_to(file) {
             Ok(()) => written.push(snapshot),
-            Err(e) => tracing::error!(target: "ndscope::timeline", "NDSCOPE_RECORD: {e}"),
+            Err(e) => env_problem(&format!("NDSCOPE_RECORD: {}: {e}", snapshot.display())),
         }
     }
     for path in written {

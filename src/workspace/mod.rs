@@ -73,10 +73,14 @@ static DEBUG: LazyLock<AtomicU8> = LazyLock::new(|| {
             "spill_everything" => 1,
             "bypass" => 2,
             "" | "off" | "none" => 0,
-            other => {
-                tracing::warn!(
-                    "ndscope: ignoring NDSCOPE_WORKSPACE_DEBUG={other:?}: expected spill_everything or bypass"
+            _ => {
+                // Said on stderr too: without a log subscriber a typo would go unnoticed.
+                let message = format!(
+                    "ignoring NDSCOPE_WORKSPACE_DEBUG={v:?}: expected spill_everything, bypass or \
+                     off; the debug mode stays off"
                 );
+                eprintln!("ndscope: {message}");
+                tracing::warn!("ndscope: {message}");
                 0
             }
         },
@@ -200,6 +204,10 @@ pub(crate) struct WorkspaceEntry {
     spilled_at_open: (usize, u64),
     /// The most a learned cycle spilled so far, to warn once per new maximum, not every cycle.
     warned_spill: usize,
+    /// Circular workspaces only (the prefetcher's ring): an allocation never overwrites an
+    /// open array of an earlier cycle; it spills instead, and at the end of the cycle the block
+    /// grows to the policy's size for the largest cycle when that is larger than the block.
+    keep_open: bool,
 }
 
 impl WorkspaceEntry {
@@ -458,7 +466,9 @@ impl WorkspaceEntry {
                 events::learned(self, demand, &grown);
             }
         } else if self.config().spill() == SpillPolicy::Reallocate
-            && self.max_cycle_bytes > self.capacity()
+            && (self.max_cycle_bytes > self.capacity()
+                || (self.keep_open
+                    && self.config().block_size_for(self.max_cycle_bytes) > self.capacity()))
         {
             let old_capacity = self.capacity();
             let grown = self.grow_to(ctx, self.max_cycle_bytes);
@@ -556,6 +566,16 @@ impl Workspace {
         if state.live_workspace(&self.0).is_some() {
             state.destroy_workspace(&ctx, self.0.key);
         }
+        Ok(())
+    }
+
+    /// Makes a circular workspace keep the open arrays of earlier cycles: an allocation that
+    /// would overwrite one spills instead, and the block grows (with `SpillPolicy::Reallocate`)
+    /// to the policy's size for the largest cycle. For the prefetcher's ring, whose batches
+    /// stay readable until the consumer lets them go.
+    pub(crate) fn keep_open_arrays(&self, ctx: &Ctx) -> Result<()> {
+        let mut state = arena::lock();
+        state.workspace_mut(ctx, &self.0)?.keep_open = true;
         Ok(())
     }
 
@@ -701,6 +721,7 @@ impl State {
             block_live: 0,
             spilled_at_open: (0, 0),
             warned_spill: 0,
+            keep_open: false,
         };
         // ND4J allocates `initial_size` at creation whatever the learning policy.
         let initial = entry.config().initial_size();
@@ -847,7 +868,8 @@ impl State {
             // refused, they stay closed: they were only kept until the buffer came round.)
             let evict = ws.overlapping(offset, aligned);
             let name = Arc::clone(&ws.shared.name);
-            if !self.evict(&evict, &name, ctx.at) {
+            // A ring that keeps its open arrays (the prefetcher's) spills rather than evict.
+            if (ws.keep_open && !evict.is_empty()) || !self.evict(&evict, &name, ctx.at) {
                 slot = Slot::Spill;
             }
         }
