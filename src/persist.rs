@@ -789,8 +789,10 @@ impl Manager {
     /// Saves the arrays this manager holds (owned or borrowed; not those of its sub-managers)
     /// to a safetensors file at `path`, each under its name. Every array must be named, with
     /// unique names (`InvalidArgument` naming the unnamed or duplicate array, and where it was
-    /// created). Writes a temporary file beside `path` and renames it, so `path` is never left
-    /// half-written. `Io` when the file cannot be written.
+    /// created), none of them `__metadata__` (the format's reserved key) or empty. Writes a
+    /// temporary file beside `path` (with the permissions of the file it replaces), syncs it
+    /// and renames it, so `path` is never left half-written, even by a crash. `Io` when the
+    /// file cannot be written; nothing is left behind then.
     ///
     /// ```
     /// use ndscope::{DType, Manager};
@@ -868,7 +870,8 @@ impl Manager {
 impl NDList {
     /// Saves the list's arrays to a safetensors file at `path`, each under its name, or its
     /// position in the list (`"0"`, `"1"`, …) if it has none. Names must be unique
-    /// (`InvalidArgument`). Atomic as [`Manager::save_safetensors`].
+    /// (`InvalidArgument`), none of them `__metadata__` or empty. Atomic and crash-safe as
+    /// [`Manager::save_safetensors`].
     ///
     /// ```
     /// use ndscope::{DType, Manager, NDList};
