@@ -131,13 +131,17 @@ fn product(
         out: SendPtr(out.as_mut_ptr()),
         avx2: avx2 && super::gemv::available(),
     };
-    let tasks = panels.div_ceil(PANELS_PER_TASK);
+    // At least PANELS_PER_TASK panels per task, and enough that a task has PAR_MIN
+    // multiply-adds: a short batch does not wake a thread per four panels. From the sizes
+    // alone; each panel is computed the same way whichever task has it.
+    let per_task = PANELS_PER_TASK.max(PAR_MIN.div_ceil(m * k * NR));
+    let tasks = panels.div_ceil(per_task);
     let task = |t: usize| {
-        let first = t * PANELS_PER_TASK;
+        let first = t * per_task;
         // SAFETY: `job` describes the operands checked above, which stay borrowed until this
         // function returns; `run` gives each task index to one call, and task t writes only the
-        // columns of panels first..first + PANELS_PER_TASK, so the tasks' writes are disjoint.
-        unsafe { job.panels(first..(first + PANELS_PER_TASK).min(panels)) };
+        // columns of panels first..first + per_task, so the tasks' writes are disjoint.
+        unsafe { job.panels(first..(first + per_task).min(panels)) };
     };
     if m * k * n < PAR_MIN || tasks < 2 || pool::threads() < 2 {
         (0..tasks).for_each(task);

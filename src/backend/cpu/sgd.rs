@@ -133,12 +133,17 @@ fn fused(
         }
         let (xpack, gpack): (&[f32], &[f32]) = (xpack, gpack);
         let (vp, wp) = (SendPtr(v.as_mut_ptr()), SendPtr(w.as_mut_ptr()));
-        // One contiguous run of row tiles per thread (measured a little faster than four
-        // smaller runs per thread, which balance better on a noisy machine).
-        let per_task = if m * n * k < 48 * 48 * 48 {
+        // Runs of row tiles, as many as the size gives (never as the thread count): each tile
+        // is computed the same way whichever task has it, so the result does not depend on
+        // the split, and the split does not depend on the threads. At most 16 runs (long
+        // contiguous runs were measured a little faster than many short ones), each with at
+        // least `MIN_WORK` multiply-adds, so a small update wakes few threads.
+        const MIN_WORK: usize = 48 * 48 * 48;
+        const MAX_RUNS: usize = super::MAX_TASKS / 4;
+        let per_task = if m * n * k < MIN_WORK {
             tiles
         } else {
-            tiles.div_ceil(pool::threads())
+            tiles.div_ceil(MAX_RUNS).max(MIN_WORK.div_ceil(MR * n * k))
         };
         pool::run(tiles.div_ceil(per_task), &|task| {
             let first = task * per_task;
