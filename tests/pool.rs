@@ -198,3 +198,86 @@ fn thread_count_child() {
         .collect();
     println!("{RESULT_PREFIX}{}", parts.join(";"));
 }
+
+const ENV_CHILD_VAR: &str = "NDSCOPE_TEST_POOL_ENV_CHILD";
+const THREADS_PREFIX: &str = "pool-threads:";
+
+/// Runs `report_threads_child` with `NDSCOPE_NUM_THREADS=value`: the pool size it got and what
+/// it said on stderr.
+fn threads_for(value: &str) -> (usize, String) {
+    let child = Command::new(std::env::current_exe().expect("test binary path"))
+        .args([
+            "report_threads_child",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ENV_CHILD_VAR, "1")
+        .env("NDSCOPE_NUM_THREADS", value)
+        .output()
+        .expect("child runs");
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    let stderr = String::from_utf8_lossy(&child.stderr).into_owned();
+    assert!(child.status.success(), "child failed: {stdout}\n{stderr}");
+    let threads = stdout
+        .lines()
+        .find_map(|l| l.split_once(THREADS_PREFIX).map(|(_, rest)| rest))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no thread count from the child: {stdout}"));
+    (threads, stderr)
+}
+
+/// A bad `NDSCOPE_NUM_THREADS` is said on stderr (naming the variable and the value) when the
+/// pool starts, and the default (or the maximum) is used instead: the pool starts lazily, inside
+/// kernels that cannot fail for it, exactly as a bad `NDSCOPE_MAX_HOST_BYTES` is a warning and no
+/// limit.
+#[test]
+fn a_bad_thread_count_is_reported_and_replaced() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let max = (4 * cores).clamp(64, 1024);
+    assert_eq!(threads_for("3"), (3, String::new()));
+    for bad in ["0", "-1", "2.5", "many", "1e2"] {
+        let (threads, stderr) = threads_for(bad);
+        assert_eq!(
+            threads, cores,
+            "NDSCOPE_NUM_THREADS={bad:?} uses the cores available"
+        );
+        assert!(
+            stderr.contains(&format!("NDSCOPE_NUM_THREADS={bad:?}")),
+            "{bad:?}: {stderr}"
+        );
+        assert_eq!(
+            stderr.matches("NDSCOPE_NUM_THREADS").count(),
+            1,
+            "said once: {stderr}"
+        );
+    }
+    for huge in ["100000", "99999999999999999999999999"] {
+        let (threads, stderr) = threads_for(huge);
+        assert_eq!(threads, max, "NDSCOPE_NUM_THREADS={huge} is clamped");
+        assert!(
+            stderr.contains(&format!("NDSCOPE_NUM_THREADS={huge:?}"))
+                && stderr.contains(&format!("using {max} threads")),
+            "{stderr}"
+        );
+    }
+}
+
+/// Child of the test above: starts the pool with a kernel and reports its size.
+#[test]
+fn report_threads_child() {
+    if std::env::var_os(ENV_CHILD_VAR).is_none() {
+        return;
+    }
+    // A parallel kernel starts the pool (twice: the warning comes once).
+    for _ in 0..2 {
+        let m = Manager::new_base();
+        let x = m.ones([1 << 16], DType::F32).expect("ones");
+        assert_eq!(
+            x.sum_all().and_then(|s| s.to_scalar::<f32>()).ok(),
+            Some(65536.0)
+        );
+        m.close().expect("close");
+    }
+    println!("{THREADS_PREFIX}{}", ndscope::num_threads());
+}
