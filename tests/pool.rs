@@ -8,7 +8,7 @@
 
 use std::process::Command;
 
-use ndscope::{manual_seed, DType, Manager, Result, Transpose};
+use ndscope::{manual_seed, Activation, DType, Dense, Manager, Result, Transpose};
 
 const CHILD_VAR: &str = "NDSCOPE_TEST_POOL_CHILD";
 const RESULT_PREFIX: &str = "pool-results:";
@@ -18,7 +18,7 @@ const RESULT_PREFIX: &str = "pool-results:";
 const THREAD_COUNTS: [usize; 5] = [1, 2, 3, 7, 16];
 
 /// Names of the kernels [`large_kernels`] runs, in order, for messages.
-const KERNELS: [&str; 19] = [
+const KERNELS: [&str; 21] = [
     "add + relu (1M)",
     "sum_all f32 (1M)",
     "sum_all i64 (1M)",
@@ -38,6 +38,8 @@ const KERNELS: [&str; 19] = [
     "addmm_ with a transposed left operand, [300, 700]",
     "matmul [256, 784] · [784, 1024] (MLP layer, batch 256)",
     "matmul [16, 784] · [784, 1024] (MLP layer, batch 16)",
+    "Dense (packed weights) 784→1024 with bias and ReLU, batch 1",
+    "Dense (packed weights) 784→1024 with bias and ReLU, batch 64",
 ];
 
 /// Runs kernels that take their parallel paths (each input is past the split threshold) and
@@ -73,6 +75,10 @@ fn large_kernels() -> Result<Vec<Vec<f64>>> {
         let x256 = s.randn([256, 784], DType::F32)?;
         let x16 = s.randn([16, 784], DType::F32)?;
         let w1 = s.randn([784, 1024], DType::F32)?;
+        let bias = s.randn([1024], DType::F32)?;
+        let dense = Dense::new(&w1, Some(&bias), Activation::Relu)?;
+        let x1 = s.randn([1, 784], DType::F32)?;
+        let x64 = s.randn([64, 784], DType::F32)?;
         Ok(vec![
             as_f64(&big.add(&big)?.relu()?)?,
             as_f64(&big.sum_all()?)?,
@@ -93,6 +99,8 @@ fn large_kernels() -> Result<Vec<Vec<f64>>> {
             as_f64(&c)?,
             as_f64(&x256.matmul(&w1)?)?,
             as_f64(&x16.matmul(&w1)?)?,
+            as_f64(&dense.forward(&x1)?)?,
+            as_f64(&dense.forward(&x64)?)?,
         ])
     });
     m.close()?;
