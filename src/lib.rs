@@ -74,8 +74,11 @@ pub fn allow_tf32() -> bool {
 }
 
 /// Threads the CPU kernels run on: the calling thread plus helper threads of ndscope's own pool.
-/// It is `NDSCOPE_NUM_THREADS` when that is set to a positive number (read once, at the first
-/// parallel kernel), else the number of cores the process may use.
+/// It is `NDSCOPE_NUM_THREADS` when that is set to a whole number from 1 to the larger of 4 ×
+/// the cores the process may use and 64 (read once, at the first parallel kernel), else the
+/// number of cores. A larger number is clamped to that maximum; `0` or anything not a whole
+/// number is ignored; either way a warning naming the variable and its value goes to stderr and
+/// to `tracing`. Kernel results are bit-identical for every thread count.
 ///
 /// ```
 /// assert!(ndscope::num_threads() >= 1);

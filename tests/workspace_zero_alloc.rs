@@ -4,6 +4,11 @@
 //! (`workspace::ALIGNMENT`), so those are "storage"; the matrix kernels' packing scratch
 //! (`gemm`, 128-byte aligned) and small metadata (array handles, names; 8-byte aligned) are
 //! counted separately.
+//!
+//! The counts per cycle must not depend on the thread count either (the pool's bookkeeping is
+//! allocated once, and a product is cut into the same gemm calls on 1 thread or 16): the test
+//! runs itself again in child processes with `NDSCOPE_NUM_THREADS` set to 1, 2, 3, 7 and 16 and
+//! compares their counts.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
@@ -92,9 +97,61 @@ fn count(f: impl FnOnce()) -> (usize, usize, usize, usize) {
     )
 }
 
+const CHILD_VAR: &str = "NDSCOPE_TEST_ZERO_ALLOC_CHILD";
+const COUNTS_PREFIX: &str = "per cycle after learning: ";
+
+/// The per-cycle line of this test run in a child process with `threads` pool threads.
+fn counts_with(threads: usize) -> String {
+    let child = std::process::Command::new(std::env::current_exe().expect("test binary path"))
+        .args([
+            "learned_workspace_cycle_allocates_no_array_storage",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .env("NDSCOPE_NUM_THREADS", threads.to_string())
+        .output()
+        .expect("child runs");
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    let head: String = stdout.chars().take(3000).collect();
+    let stderr = String::from_utf8_lossy(&child.stderr);
+    assert!(
+        child.status.success(),
+        "with {threads} threads: {head}\n{stderr}"
+    );
+    stdout
+        .lines()
+        .find_map(|l| l.find(COUNTS_PREFIX).map(|at| l[at..].to_string()))
+        .unwrap_or_else(|| panic!("no counts from the child ({threads} threads): {head}"))
+}
+
 // One test in this binary: the counters are process-wide.
 #[test]
 fn learned_workspace_cycle_allocates_no_array_storage() {
+    let here = cycle_counts();
+    if std::env::var_os(CHILD_VAR).is_some() {
+        return;
+    }
+    let one = counts_with(1);
+    assert_eq!(
+        here,
+        one,
+        "with {} threads and with one",
+        ndscope::num_threads()
+    );
+    for threads in [2, 3, 7, 16] {
+        assert_eq!(
+            counts_with(threads),
+            one,
+            "allocations per cycle with {threads} threads and with one"
+        );
+    }
+}
+
+/// Runs the checks in this process and returns its per-cycle line.
+fn cycle_counts() -> String {
+    let mut line = String::new();
     let model = Manager::new_base().with_name("model");
     let w1 = model.randn([64, 256], DType::F32).unwrap();
     let w2 = model.randn([256, 10], DType::F32).unwrap();
@@ -131,7 +188,8 @@ fn learned_workspace_cycle_allocates_no_array_storage() {
             ws.cycle(|batch| step(batch, &w1, &w2)).unwrap();
         });
         if i == 0 {
-            println!("per cycle after learning: {storage} storage, {scratch} gemm scratch, {other} metadata allocations");
+            line = format!("{COUNTS_PREFIX}{storage} storage, {scratch} gemm scratch, {other} metadata allocations");
+            println!("{line}");
         }
         assert_eq!(
             storage, 0,
@@ -146,4 +204,5 @@ fn learned_workspace_cycle_allocates_no_array_storage() {
     assert_eq!(after.spilled_count, 5, "no spill after learning");
     assert_eq!(after.cycles, 23);
     model.close().unwrap();
+    line
 }

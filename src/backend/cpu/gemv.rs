@@ -29,6 +29,15 @@ const COLS: usize = 1024;
 /// Multiply-adds below which the product runs on the calling thread.
 const PAR_MIN: usize = 1 << 16;
 
+/// Tasks of a [`small_m`] product `[m, k] · [k, n]` (1: it runs on the calling thread).
+pub(crate) fn tasks(m: usize, k: usize, n: usize) -> usize {
+    if m * k * n < PAR_MIN {
+        1
+    } else {
+        n.div_ceil(COLS)
+    }
+}
+
 /// Whether [`small_m`] runs on this machine (f32 with AVX2 and FMA).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -74,7 +83,7 @@ pub(crate) fn small_m(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], out: &
         });
         columns(m, k, n, a, b, cols.start, rows);
     };
-    if m * k * n < PAR_MIN || tasks < 2 || pool::threads() < 2 {
+    if self::tasks(m, k, n) < 2 || pool::threads() < 2 {
         (0..tasks).for_each(task);
     } else {
         pool::run(tasks, &task);

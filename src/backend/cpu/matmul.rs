@@ -7,8 +7,57 @@ use super::num::Num;
 use super::pool::{self, SendPtr};
 use crate::backend::Batched;
 
-/// Multiply-adds below which a product runs on one thread.
+/// Multiply-adds below which a product runs on one thread, and the least one task of a split
+/// product gets (a few microseconds of work: less would cost more to hand over than it saves).
 const PAR_PRODUCT: usize = 48 * 48 * 48;
+
+/// The least columns (rows) a block of a product split by columns (rows) gets: narrower blocks
+/// make gemm pack the other operand once per block for too little arithmetic.
+const MIN_BLOCK_COLS: usize = 64;
+const MIN_BLOCK_ROWS: usize = 32;
+
+/// How a float product `[m, k] · [k, n]` is cut into blocks of the result, each computed by one
+/// gemm call. Derived from `m`, `n` and `k` alone, never from the thread count: gemm's own
+/// blocking (its depth blocks and its kernels for small shapes) depends on the shape of the
+/// block it is given, so the same element could be summed in a different order if the blocks
+/// changed with the threads. With the blocks fixed, each element is computed by the same
+/// sequence of operations on 1 thread or 16, and the result is bit-identical.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Split {
+    /// Blocks of whole columns (else of whole rows).
+    pub(crate) by_cols: bool,
+    /// Columns (rows) per block; the last block may be narrower.
+    pub(crate) block: usize,
+    /// Number of blocks: the tasks the product gives the pool.
+    pub(crate) tasks: usize,
+}
+
+/// The split of a float product (see [`Split`]): at most `MAX_TASKS` blocks, each with at least
+/// `PAR_PRODUCT` multiply-adds (a product with less than twice that is one block), cut along the
+/// columns when the result is at least as wide as it is tall, else along the rows, in whole
+/// vectors (16 columns or 8 rows).
+pub(crate) fn split(m: usize, n: usize, k: usize) -> Split {
+    let work = m.saturating_mul(n).saturating_mul(k);
+    let wanted = (work / PAR_PRODUCT).clamp(1, super::MAX_TASKS);
+    let (len, min, align) = if n >= m {
+        (n, MIN_BLOCK_COLS, 16)
+    } else {
+        (m, MIN_BLOCK_ROWS, 8)
+    };
+    let block = if wanted < 2 {
+        len
+    } else {
+        len.div_ceil(wanted)
+            .max(min)
+            .next_multiple_of(align)
+            .min(len)
+    };
+    Split {
+        by_cols: n >= m,
+        block: block.max(1),
+        tasks: len.div_ceil(block.max(1)),
+    }
+}
 
 /// `out[m×n] = a[m×k] · b[k×n]`, all row-major and contiguous.
 pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {
@@ -168,26 +217,21 @@ pub(crate) fn gemm_general<T: Num>(
         }
     };
     let out = SendPtr(out.as_mut_ptr());
-    // Small products never ask for the pool: pool helpers run one while the pool starts
-    // (`warm_thread`), and asking then would wait for the start to finish.
-    if m * n * k < PAR_PRODUCT {
+    // Small products (one block) never ask for the pool: pool helpers run one while the pool
+    // starts (`warm_thread`), and asking then would wait for the start to finish.
+    let Split {
+        by_cols,
+        block: size,
+        tasks,
+    } = split(m, n, k);
+    if tasks < 2 {
         return block(0..m, 0..n, out);
     }
-    let threads = pool::threads();
-    if threads < 2 {
-        return block(0..m, 0..n, out);
-    }
-    // One block per thread, split along the longer side of the result (in whole vectors).
-    if n >= m {
-        let cols = n.div_ceil(threads).next_multiple_of(16);
-        pool::run(n.div_ceil(cols), &|t| {
-            block(0..m, t * cols..((t + 1) * cols).min(n), out)
-        });
+    let part = |t: usize| t * size..((t + 1) * size).min(if by_cols { n } else { m });
+    if by_cols {
+        pool::run(tasks, &|t| block(0..m, part(t), out));
     } else {
-        let rows = m.div_ceil(threads).next_multiple_of(8);
-        pool::run(m.div_ceil(rows), &|t| {
-            block(t * rows..((t + 1) * rows).min(m), 0..n, out)
-        });
+        pool::run(tasks, &|t| block(part(t), 0..n, out));
     }
 }
 
@@ -309,6 +353,97 @@ mod tests {
             let want: Vec<i64> = expect.iter().map(|e| 2 + (e * 4.0) as i64).collect();
             assert_eq!(oi, want, "integers ta {ta} tb {tb}");
         }
+    }
+
+    #[test]
+    fn splits_depend_on_the_shape_only_and_give_every_block_its_minimum_of_work() {
+        let shapes = [
+            (1, 1, 1),
+            (48, 48, 48),
+            (96, 48, 48),
+            (128, 256, 64),
+            (128, 10, 256),
+            (256, 1024, 784),
+            (16, 1024, 1024),
+            (784, 1024, 256),
+            (1024, 10, 1024),
+            (3000, 3000, 3000),
+            (100_000, 16, 16),
+        ];
+        for (m, n, k) in shapes {
+            let s = split(m, n, k);
+            let len = if s.by_cols { n } else { m };
+            assert!(
+                s.tasks >= 1 && s.tasks <= super::super::MAX_TASKS,
+                "{m}x{n}x{k}: {s:?}"
+            );
+            assert_eq!(s.tasks, len.div_ceil(s.block), "{m}x{n}x{k}: {s:?}");
+            if s.tasks > 1 {
+                // Every block but the last is whole, and even the narrowest one carries at
+                // least PAR_PRODUCT multiply-adds of work... except a last, narrower block.
+                let other = if s.by_cols { m } else { n };
+                assert!(s.block * other * k >= PAR_PRODUCT, "{m}x{n}x{k}: {s:?}");
+                // So a split never uses more threads than it has work for.
+                assert!(s.tasks <= m * n * k / PAR_PRODUCT, "{m}x{n}x{k}: {s:?}");
+            }
+        }
+        assert_eq!(split(48, 48, 48).tasks, 1);
+    }
+
+    /// Splitting a product into blocks the way `split` says gives the same bits whether the
+    /// blocks run on one thread or on the pool (they are the same gemm calls).
+    #[test]
+    fn a_split_product_is_bit_identical_to_its_blocks_run_in_order() {
+        let (m, k, n) = (200, 300, 700);
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0 - 0.5)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 104729) % 1000) as f32 / 991.0 - 0.5)
+            .collect();
+        let mut pooled = vec![0f32; m * n];
+        gemm_general(m, k, n, &a, false, &b, false, &mut pooled, None);
+        let s = split(m, n, k);
+        assert!(s.tasks > 1 && s.by_cols);
+        let mut serial = vec![0f32; m * n];
+        for t in 0..s.tasks {
+            let cols = t * s.block..((t + 1) * s.block).min(n);
+            let bb: Vec<f32> = (0..k)
+                .flat_map(|p| b[p * n + cols.start..p * n + cols.end].to_vec())
+                .collect();
+            let mut o = vec![0f32; m * cols.len()];
+            // One block, below the split threshold per block only if small: call gemm directly.
+            // SAFETY: as in `gemm_general`: the pointers and strides describe the vectors above.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    cols.len(),
+                    k,
+                    o.as_mut_ptr(),
+                    1,
+                    cols.len() as isize,
+                    false,
+                    a.as_ptr(),
+                    1,
+                    k as isize,
+                    bb.as_ptr(),
+                    1,
+                    cols.len() as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+            for i in 0..m {
+                serial[i * n + cols.start..i * n + cols.end]
+                    .copy_from_slice(&o[i * cols.len()..(i + 1) * cols.len()]);
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&pooled), bits(&serial));
     }
 
     #[test]

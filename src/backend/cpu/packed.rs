@@ -131,18 +131,37 @@ fn product(
         out: SendPtr(out.as_mut_ptr()),
         avx2: avx2 && super::gemv::available(),
     };
-    let tasks = panels.div_ceil(PANELS_PER_TASK);
+    let per_task = panels_per_task(m, k);
+    let tasks = panels.div_ceil(per_task);
     let task = |t: usize| {
-        let first = t * PANELS_PER_TASK;
+        let first = t * per_task;
         // SAFETY: `job` describes the operands checked above, which stay borrowed until this
         // function returns; `run` gives each task index to one call, and task t writes only the
-        // columns of panels first..first + PANELS_PER_TASK, so the tasks' writes are disjoint.
-        unsafe { job.panels(first..(first + PANELS_PER_TASK).min(panels)) };
+        // columns of panels first..first + per_task, so the tasks' writes are disjoint.
+        unsafe { job.panels(first..(first + per_task).min(panels)) };
     };
-    if m * k * n < PAR_MIN || tasks < 2 || pool::threads() < 2 {
+    if self::tasks(m, k, n) < 2 || pool::threads() < 2 {
         (0..tasks).for_each(task);
     } else {
         pool::run(tasks, &task);
+    }
+}
+
+/// Panels per task of a packed product with `m` rows and depth `k`: at least
+/// `PANELS_PER_TASK`, and enough that a task has `PAR_MIN` multiply-adds, so a short batch does
+/// not wake a thread per four panels. From the sizes alone; each panel is computed the same way
+/// whichever task has it.
+pub(crate) fn panels_per_task(m: usize, k: usize) -> usize {
+    PANELS_PER_TASK.max(PAR_MIN.div_ceil((m * k * NR).max(1)))
+}
+
+/// Tasks of a packed product `[m, k] · [k, n]` (1: it runs on the calling thread).
+pub(crate) fn tasks(m: usize, k: usize, n: usize) -> usize {
+    let tasks = n.div_ceil(NR).div_ceil(panels_per_task(m, k));
+    if m * k * n < PAR_MIN {
+        1
+    } else {
+        tasks
     }
 }
 

@@ -14,8 +14,16 @@
 //!   kernel called from inside a task) runs its tasks itself, in order: never a deadlock, and
 //!   never more threads than cores.
 //!
-//! The thread count is `NDSCOPE_NUM_THREADS` when set to a positive number, else the number of
-//! cores the process may use.
+//! - a job of `tasks` tasks lets at most `tasks − 1` helpers in (and wakes at most that many
+//!   sleeping ones): a kernel with little work never wakes the whole pool. How many tasks a
+//!   kernel has is its own choice, made from the problem's size alone (see `super::chunk_len`),
+//!   so that its results are bit-identical for any thread count.
+//!
+//! The thread count is `NDSCOPE_NUM_THREADS` when set, else the number of cores the process may
+//! use. The pool is created at the first parallel kernel, which cannot fail, so a bad value is
+//! reported the way a bad `NDSCOPE_MAX_HOST_BYTES` is: a warning (on stderr and through
+//! `tracing`) that names the variable and the value, and the default in its place. See
+//! [`threads_from_env`].
 
 use std::cell::UnsafeCell;
 use std::panic::{self, AssertUnwindSafe};
@@ -27,11 +35,24 @@ use std::time::{Duration, Instant};
 /// How long a helper spins for the next job before it sleeps.
 const SPIN: Duration = Duration::from_micros(300);
 
-/// `ctl` layout: the number of helpers inside the current job in the low bits, the "open" flag
-/// (helpers may join) above them, and the job's epoch in the high bits.
-const COUNT_MASK: u64 = (1 << 32) - 1;
+/// `ctl` layout: the number of helpers inside the current job in the low 16 bits, the number
+/// that joined it in the next 16, the "open" flag (helpers may join) above them, and the job's
+/// epoch in the high bits.
+const COUNT_MASK: u64 = (1 << 16) - 1;
+const JOINED_SHIFT: u32 = 16;
+const JOINED_ONE: u64 = 1 << JOINED_SHIFT;
 const OPEN: u64 = 1 << 32;
 const EPOCH_SHIFT: u32 = 33;
+
+/// The most threads the pool starts, whatever `NDSCOPE_NUM_THREADS` asks (the helper counts of
+/// `ctl` must fit in 16 bits).
+const MAX_THREADS: usize = 1024;
+
+/// How many times the available parallelism `NDSCOPE_NUM_THREADS` may ask for...
+const OVERSUBSCRIBE: usize = 4;
+/// ...or this many threads, if more: a small machine (CI's two cores) can still run a 16- or
+/// 64-core server's pool, to reproduce what happens there.
+const MIN_MAX_THREADS: usize = 64;
 
 /// One job: `tasks` calls of `f`, each index given to exactly one thread.
 struct Job<'a> {
@@ -49,6 +70,8 @@ struct Pool {
     job: UnsafeCell<*const Job<'static>>,
     /// The next unclaimed task of the current job.
     next: AtomicUsize,
+    /// How many helpers may join the current job (its tasks less the caller's one).
+    helpers: AtomicUsize,
     /// Whether a helper's task panicked in the current job.
     panicked: AtomicBool,
     sleepers: AtomicUsize,
@@ -68,19 +91,75 @@ unsafe impl Sync for Pool {}
 
 static POOL: OnceLock<&'static Pool> = OnceLock::new();
 
+/// The pool size `NDSCOPE_NUM_THREADS` asks for, given its value (`None` when unset) and the
+/// available parallelism, with the warning to give when the value is not used as it stands:
+///
+/// - unset, or only blanks: `available`, no warning;
+/// - a whole number from 1 to `max(4 × available, 64)` (at most 1024): that number;
+/// - a larger number: clamped to that maximum, with a warning (1000 threads on 8 cores would
+///   only make every kernel slower, and each thread reserves its stack and kernel buffers);
+/// - `0`, a negative, fractional or non-numeric value: `available`, with a warning.
+pub(crate) fn threads_from_env(value: Option<&str>, available: usize) -> (usize, Option<String>) {
+    const VAR: &str = "NDSCOPE_NUM_THREADS";
+    let available = available.clamp(1, MAX_THREADS);
+    let max = available
+        .saturating_mul(OVERSUBSCRIBE)
+        .clamp(MIN_MAX_THREADS, MAX_THREADS);
+    let Some(text) = value.map(str::trim).filter(|t| !t.is_empty()) else {
+        return (available, None);
+    };
+    // All digits but too large for a u64 is still "too many threads".
+    let parsed = text
+        .parse::<u64>()
+        .or_else(|e| match text.bytes().all(|b| b.is_ascii_digit()) {
+            true => Ok(u64::MAX),
+            false => Err(e),
+        });
+    match parsed {
+        Ok(0) => (
+            available,
+            Some(format!(
+                "ndscope: ignoring {VAR}={text:?}: the pool needs at least one thread (the \
+                 caller's); using the {available} cores available"
+            )),
+        ),
+        Ok(n) if n > max as u64 => (
+            max,
+            Some(format!(
+                "ndscope: {VAR}={text:?} is more than the {max} threads allowed with {available} \
+                 cores available (the larger of {OVERSUBSCRIBE} × the cores and \
+                 {MIN_MAX_THREADS}); using {max} threads"
+            )),
+        ),
+        Ok(n) => (n as usize, None),
+        Err(_) => (
+            available,
+            Some(format!(
+                "ndscope: ignoring {VAR}={text:?}: expected a whole number of threads from 1 to \
+                 {max}; using the {available} cores available"
+            )),
+        ),
+    }
+}
+
 fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
-        let wanted = std::env::var("NDSCOPE_NUM_THREADS")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()));
+        let available = thread::available_parallelism().map_or(1, |n| n.get());
+        let value = std::env::var("NDSCOPE_NUM_THREADS").ok();
+        let (wanted, warning) = threads_from_env(value.as_deref(), available);
+        if let Some(warning) = warning {
+            // Said on stderr too: a library's `tracing` events are often not collected, and a
+            // setting that silently does something else is worse than a line on stderr.
+            tracing::warn!(target: "ndscope::pool", "{warning}");
+            eprintln!("{warning}");
+        }
         let pool: &'static Pool = Box::leak(Box::new(Pool {
             threads: AtomicUsize::new(1),
             busy: AtomicBool::new(false),
             ctl: AtomicU64::new(0),
             job: UnsafeCell::new(std::ptr::null()),
             next: AtomicUsize::new(0),
+            helpers: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             ready: AtomicUsize::new(0),
@@ -163,12 +242,20 @@ fn helper(pool: &'static Pool) {
             std::hint::spin_loop();
         };
         seen = ctl >> EPOCH_SHIFT;
-        // Join (count ourselves in) only while this job is still open.
+        // The caller wrote `helpers` before opening the job; our Acquire load of `ctl` saw the
+        // open job, so it sees that write too.
+        let limit = pool.helpers.load(Ordering::Relaxed) as u64;
+        // Join (count ourselves in) only while this job is still open and wants more helpers.
         let joined = loop {
-            match pool
-                .ctl
-                .compare_exchange_weak(ctl, ctl + 1, Ordering::AcqRel, Ordering::Relaxed)
-            {
+            if (ctl >> JOINED_SHIFT) & COUNT_MASK >= limit {
+                break false;
+            }
+            match pool.ctl.compare_exchange_weak(
+                ctl,
+                ctl + 1 + JOINED_ONE,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => break true,
                 Err(now) if now & OPEN != 0 && now >> EPOCH_SHIFT == seen => ctl = now,
                 Err(_) => break false,
@@ -187,6 +274,12 @@ fn helper(pool: &'static Pool) {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// How many helpers joined the last job this thread ran on the pool.
+    static LAST_JOINED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 thread_local! {
     /// Set on threads that run every kernel themselves ([`run_inline`]).
     static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
@@ -201,9 +294,14 @@ pub(crate) fn run_inline() {
 }
 
 /// Runs `f(0)`, …, `f(tasks − 1)`, each once, on the pool (the calling thread included), and
-/// returns when all have finished. Runs them in order on the calling thread when there is one
-/// task, one thread, or the pool is busy. A panic in a task is re-raised here after every task
-/// has finished.
+/// returns when all have finished. At most `min(tasks, threads())` threads take part: no helper
+/// joins (or is woken) that would find no task. Runs them in order on the calling thread when
+/// there is one task, one thread, or the pool is busy. A panic in a task is re-raised here
+/// after every task has finished.
+///
+/// Which thread runs which task is left to timing, so a kernel's result must not depend on it:
+/// each task writes its own part of the output, and partial results are combined in task order
+/// (as [`fold_tasks`] does).
 pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     if tasks <= 1 || INLINE.with(std::cell::Cell::get) {
         (0..tasks).for_each(f);
@@ -225,6 +323,8 @@ pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     // opened below, and we close it and wait for them to leave before `job` goes out of scope.
     unsafe { *pool.job.get() = (&job as *const Job<'_>).cast::<Job<'static>>() };
     pool.next.store(0, Ordering::Relaxed);
+    let helpers = (tasks - 1).min(pool.threads.load(Ordering::Relaxed) - 1);
+    pool.helpers.store(helpers, Ordering::Relaxed);
     pool.panicked.store(false, Ordering::Relaxed);
     let epoch = (pool.ctl.load(Ordering::Relaxed) >> EPOCH_SHIFT).wrapping_add(1);
     pool.ctl.store(
@@ -233,12 +333,17 @@ pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         // sleep sees the open job, or we see it counted as a sleeper and wake it.
         Ordering::SeqCst,
     );
-    if pool.sleepers.load(Ordering::SeqCst) > 0 {
+    let sleepers = pool.sleepers.load(Ordering::SeqCst);
+    if sleepers > 0 {
         let _guard = pool
             .sleep_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        pool.wake.notify_all();
+        // Spinning helpers may take some of the places first; a woken one that finds none
+        // goes back to sleep.
+        for _ in 0..sleepers.min(helpers) {
+            pool.wake.notify_one();
+        }
     }
     let mine = panic::catch_unwind(AssertUnwindSafe(|| {
         let mut i = pool.next.fetch_add(1, Ordering::Relaxed);
@@ -248,7 +353,16 @@ pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         }
     }));
     // Close the job, then wait for the helpers inside it to finish their last task.
-    pool.ctl.fetch_and(!OPEN, Ordering::AcqRel);
+    let closed = pool.ctl.fetch_and(!OPEN, Ordering::AcqRel);
+    let joined = ((closed >> JOINED_SHIFT) & COUNT_MASK) as usize;
+    debug_assert!(
+        joined <= helpers,
+        "{joined} helpers joined a job for {helpers}"
+    );
+    #[cfg(test)]
+    LAST_JOINED.with(|j| j.set(joined));
+    #[cfg(not(test))]
+    let _ = joined;
     let mut spins = 0u32;
     while pool.ctl.load(Ordering::Acquire) & COUNT_MASK != 0 {
         spins = spins.wrapping_add(1);
@@ -376,6 +490,63 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    #[test]
+    fn a_job_never_takes_more_threads_than_it_has_tasks() {
+        // Tasks long enough (about 50 µs each) that every spinning helper would join if let.
+        let work = |_: usize| {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            }
+        };
+        for tasks in 2..=threads() + 3 {
+            for _ in 0..20 {
+                LAST_JOINED.with(|j| j.set(usize::MAX));
+                run(tasks, &work);
+                let joined = LAST_JOINED.with(std::cell::Cell::get);
+                if joined == usize::MAX {
+                    continue; // the pool was busy (another test's job): ran inline
+                }
+                assert!(
+                    joined < tasks && joined < threads(),
+                    "{joined} helpers joined a job of {tasks} tasks on {} threads",
+                    threads()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_thread_count_variable_is_checked_and_clamped() {
+        assert_eq!(threads_from_env(None, 8), (8, None));
+        assert_eq!(threads_from_env(Some("  "), 8), (8, None));
+        assert_eq!(threads_from_env(Some("3"), 8), (3, None));
+        assert_eq!(threads_from_env(Some(" 32 "), 8), (32, None));
+        assert_eq!(threads_from_env(Some("64"), 2), (64, None));
+        assert_eq!(threads_from_env(Some("100"), 32), (100, None));
+        let (n, warning) = threads_from_env(Some("1000"), 8);
+        assert_eq!(n, 64);
+        let warning = warning.expect("a clamped value warns");
+        assert!(warning.contains("NDSCOPE_NUM_THREADS=\"1000\"") && warning.contains("64"));
+        assert_eq!(threads_from_env(Some("1000"), 32).0, 128);
+        for bad in ["0", "-2", "1.5", "four", "1e3", "99999999999999999999999"] {
+            let (n, warning) = threads_from_env(Some(bad), 8);
+            let warning = warning.unwrap_or_else(|| panic!("{bad:?} warns"));
+            assert!(
+                warning.contains(&format!("NDSCOPE_NUM_THREADS={bad:?}")),
+                "{warning}"
+            );
+            if bad.starts_with("9999") {
+                assert_eq!(n, 64, "a huge number is clamped");
+            } else {
+                assert_eq!(n, 8, "{bad:?} falls back to the cores available");
+            }
+        }
+        // Never more than MAX_THREADS, however many cores.
+        assert_eq!(threads_from_env(Some("100000"), 4096).0, MAX_THREADS);
+        assert_eq!(threads_from_env(None, 0).0, 1);
     }
 
     #[test]

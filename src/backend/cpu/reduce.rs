@@ -68,6 +68,10 @@ pub(crate) fn sum_int<T: Num>(x: &[T]) -> i64 {
     pool::fold_tasks(x.len().div_ceil(chunk), part, i64::wrapping_add).unwrap_or(0)
 }
 
+/// Outer blocks from which a reduction over an axis is split by whole blocks (each folded as on
+/// one thread); with fewer, each block is split itself.
+const SPLIT_OUTER: usize = 16;
+
 /// Columns per tile of a column fold: the tile of accumulators stays in L1.
 const COLUMN_TILE: usize = 512;
 
@@ -189,12 +193,13 @@ pub(crate) fn fold_axis<T, A, C, F>(
     if out.is_empty() {
         return;
     }
-    let threads = pool::threads();
-    if x.len() < PAR_MIN || threads < 2 {
+    // Every choice below (serial or split, how, and where the chunks end) depends on the sizes
+    // alone, so the order partial results are combined in is the same for any thread count.
+    if x.len() < PAR_MIN {
         return fold_blocks(x, n, inner, out, conv, comb);
     }
     let block = n * inner;
-    if outer >= threads {
+    if outer >= SPLIT_OUTER {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
         pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
             fold_blocks(x, n, inner, o, conv, comb)
@@ -340,12 +345,11 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
     if out.is_empty() {
         return;
     }
-    let threads = pool::threads();
-    if x.len() < PAR_MIN || threads < 2 {
+    if x.len() < PAR_MIN {
         return argmax_blocks(x, n, inner, out);
     }
     let block = n * inner;
-    if outer >= threads {
+    if outer >= SPLIT_OUTER {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
         pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
             argmax_blocks(x, n, inner, o)

@@ -91,6 +91,22 @@ fn fused_available<T: Num>() -> bool {
     }
 }
 
+/// Row tiles per task of the fused kernel: runs of tiles, as many as the size gives (never as
+/// the thread count): each tile is computed the same way whichever task has it, so the result
+/// does not depend on the split, and the split does not depend on the threads. At most 16 runs
+/// (long contiguous runs were measured a little faster than many short ones), each with at
+/// least `MIN_WORK` multiply-adds, so a small update wakes few threads.
+pub(crate) fn tiles_per_task(m: usize, k: usize, n: usize) -> usize {
+    const MIN_WORK: usize = 48 * 48 * 48;
+    const MAX_RUNS: usize = super::MAX_TASKS / 4;
+    let tiles = m.div_ceil(MR);
+    if m * n * k < MIN_WORK {
+        tiles.max(1)
+    } else {
+        tiles.div_ceil(MAX_RUNS).max(MIN_WORK.div_ceil(MR * n * k))
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fused(
     m: usize,
@@ -133,13 +149,7 @@ fn fused(
         }
         let (xpack, gpack): (&[f32], &[f32]) = (xpack, gpack);
         let (vp, wp) = (SendPtr(v.as_mut_ptr()), SendPtr(w.as_mut_ptr()));
-        // One contiguous run of row tiles per thread (measured a little faster than four
-        // smaller runs per thread, which balance better on a noisy machine).
-        let per_task = if m * n * k < 48 * 48 * 48 {
-            tiles
-        } else {
-            tiles.div_ceil(pool::threads())
-        };
+        let per_task = tiles_per_task(m, k, n);
         pool::run(tiles.div_ceil(per_task), &|task| {
             let first = task * per_task;
             let last = (first + per_task).min(tiles);
