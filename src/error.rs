@@ -313,12 +313,17 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// rather than dropped. Every `catch_unwind` of ndscope ends its payload here.
 pub(crate) fn take_panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
     let message = panic_message(&*payload);
+    drop_panic_payload(payload);
+    message
+}
+
+/// Drops a caught panic payload without letting a panic in its `Drop` escape (the payload of
+/// that second panic is leaked: its `Drop` might panic as well).
+pub(crate) fn drop_panic_payload(payload: Box<dyn std::any::Any + Send>) {
     let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload)));
     if let Err(again) = dropped {
-        // Its `Drop` might panic as well: never run it.
         std::mem::forget(again);
     }
-    message
 }
 
 /// Formats a byte count as `512 B`, `1.50 KiB`, `4.00 MiB`, `7.99 GiB`.

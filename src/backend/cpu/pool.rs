@@ -204,7 +204,12 @@ fn run_tasks(pool: &Pool, job: &Job<'_>) -> bool {
         if i >= job.tasks {
             return ok;
         }
-        ok &= panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))).is_ok();
+        // The payload is dropped here, on a pool thread: a `Drop` that panics must not escape
+        // and end the helper (the caller re-panics with a message of its own).
+        if let Err(payload) = panic::catch_unwind(AssertUnwindSafe(|| (job.f)(i))) {
+            crate::error::drop_panic_payload(payload);
+            ok = false;
+        }
     }
 }
 
@@ -607,5 +612,33 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 10);
+    }
+
+    /// A panic payload whose own `Drop` panics.
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            panic!("the payload's drop panics too");
+        }
+    }
+
+    #[test]
+    fn a_payload_whose_drop_panics_ends_no_pool_thread() {
+        for _ in 0..20 {
+            let caught = panic::catch_unwind(|| {
+                run(64, &|_| std::panic::panic_any(PanicsOnDrop));
+            });
+            // The caller's own payload is re-raised: leak it rather than run its `Drop`.
+            match caught {
+                Err(payload) => std::mem::forget(payload),
+                Ok(()) => panic!("the job's panic reached the caller"),
+            }
+        }
+        // Every helper is still there to take part (a dead one would leave this job waiting).
+        let count = AtomicUsize::new(0);
+        run(64, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 64);
     }
 }
