@@ -8,7 +8,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use ndscope::{DType, Device, Manager, WorkspaceConfig};
+use ndscope::{DType, Device, Error, Manager, WorkspaceConfig};
 
 mod common;
 
@@ -132,4 +132,158 @@ fn creating_and_closing_in_a_learned_cycle_makes_no_driver_call() {
         );
     }
     owner.close().unwrap();
+}
+
+/// The op and call site an `InvalidArgument` names, and its reason.
+fn invalid(e: &Error) -> (&'static str, u32, String) {
+    match e {
+        Error::InvalidArgument { op, at, reason } => {
+            assert!(at.file().ends_with("cuda_ops.rs"), "site {at}");
+            (op, at.line(), reason.clone())
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_bad_index_is_reported_at_the_next_read_naming_the_op_and_its_site() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base_on(dev).unwrap();
+    let x = m
+        .from_vec((0..12).map(|v| v as f32).collect(), [4, 3])
+        .unwrap();
+    let good = m.from_slice(&[0i64, 2, 1, 2], [4]).unwrap();
+    let bad = m.from_slice(&[0i64, 2, 3, -1], [4]).unwrap();
+    let other = m.from_slice(&[1.5f32, 2.5], [2]).unwrap();
+
+    // pick: queued without a wait; the next read on the device (of any array) reports it.
+    let ok = x.pick(&good, 1).unwrap();
+    let (picked, line) = (x.pick(&bad, 1), line!());
+    let picked = picked.expect("the bad index is reported at the next wait, not here");
+    let e = other.to_vec::<f32>().unwrap_err();
+    let (op, at, reason) = invalid(&e);
+    assert_eq!((op, at), ("pick", line), "{e}");
+    assert!(
+        reason.contains("flat position 2") && reason.contains("below the size of the axis, 3"),
+        "{reason}"
+    );
+    // Reported once; the good pick's result is right, the device works on.
+    assert_eq!(other.to_vec::<f32>().unwrap(), vec![1.5, 2.5]);
+    assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0, 5.0, 7.0, 11.0]);
+    picked.close().unwrap();
+
+    // one_hot: reported by Device::synchronize; the first failing op is the one named.
+    let (first, line) = (bad.one_hot(3, DType::F32).unwrap(), line!());
+    let second = x.pick(&bad, 1).unwrap();
+    let e = dev.synchronize().unwrap_err();
+    let (op, at, reason) = invalid(&e);
+    assert_eq!((op, at), ("one_hot", line), "{e}");
+    assert!(
+        reason.contains("flat position 2") && reason.contains("below the depth, 3"),
+        "{reason}"
+    );
+    dev.synchronize().unwrap();
+    first.close().unwrap();
+    second.close().unwrap();
+
+    // u8 and i32 indices, a bad one far into a long array.
+    for from in [DType::U8, DType::I32] {
+        let mut idx = vec![1i64; 70_001];
+        idx[69_999] = 7;
+        let idx = m.from_vec(idx, [70_001]).unwrap().to_dtype(from).unwrap();
+        let y = m.zeros([70_001, 4], DType::F64).unwrap();
+        let (p, line) = (y.pick(&idx, 1).unwrap(), line!());
+        let e = p.to_vec::<f64>().unwrap_err();
+        let (op, at, reason) = invalid(&e);
+        assert_eq!((op, at), ("pick", line), "{e}");
+        assert!(reason.contains("flat position 69999"), "{reason}");
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn an_integer_division_by_zero_is_reported_at_the_next_read() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base_on(dev).unwrap();
+    for dtype in [DType::I32, DType::I64, DType::U8] {
+        let a = m
+            .from_slice(&[6i64, 8, 9], [3])
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let b = m
+            .from_slice(&[3i64, 0, 1], [3])
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let (q, line) = (a.div(&b).unwrap(), line!());
+        let e = match dtype {
+            DType::I64 => q.to_vec::<i64>().unwrap_err(),
+            _ => q.to_dtype(DType::I64).unwrap().to_vec::<i64>().unwrap_err(),
+        };
+        let (op, at, reason) = invalid(&e);
+        assert_eq!((op, at), ("div", line), "{e}");
+        assert!(reason.contains("flat position 1"), "{reason}");
+        // A divisor broadcast from one element, reported by `synchronize`.
+        let z = m.zeros([1], dtype).unwrap();
+        let (_q, line) = (a.div(&z).unwrap(), line!());
+        let e = dev.synchronize().unwrap_err();
+        let (op, at, reason) = invalid(&e);
+        assert_eq!((op, at), ("div", line), "{e}");
+        assert!(reason.contains("flat position 0"), "{reason}");
+        // Without a 0 nothing is reported.
+        let c = m
+            .from_slice(&[2i64, 4, 3], [3])
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let d = c.div(&c).unwrap();
+        assert_eq!(
+            d.to_dtype(DType::I64).unwrap().to_vec::<i64>().unwrap(),
+            vec![1, 1, 1]
+        );
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn checked_ops_do_not_wait_for_the_device() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base_on(dev).unwrap();
+    let x = m
+        .from_vec((0..40).map(|v| v as f32).collect(), [10, 4])
+        .unwrap();
+    let idx = m
+        .from_slice(&[0i64, 3, 1, 2, 0, 1, 2, 3, 3, 0], [10])
+        .unwrap();
+    let a = m.from_slice(&[7i64, 9, 12], [3]).unwrap();
+    let b = m.from_slice(&[2i64, 3, 5], [3]).unwrap();
+    let step = || {
+        let p = x.pick(&idx, 1).unwrap();
+        let h = idx.one_hot(4, DType::F32).unwrap();
+        let q = a.div(&b).unwrap();
+        p.close().unwrap();
+        h.close().unwrap();
+        q.close().unwrap();
+    };
+    step();
+    dev.synchronize().unwrap();
+    let before = sim::stats();
+    for _ in 0..10 {
+        step();
+    }
+    let after = sim::stats();
+    dev.synchronize().unwrap();
+    if let (Some(before), Some(after)) = (before, after) {
+        let d = sim::diff(&before, &after);
+        assert_eq!(
+            d["blocking_syncs"],
+            0,
+            "waits in 10 steps of pick, one_hot, div: {:?}",
+            sim::calls(&d)
+        );
+        assert_eq!(d["d2h"], 0, "reads in 10 steps: {:?}", sim::calls(&d));
+        assert_eq!(d["launches"], 30, "{:?}", sim::calls(&d));
+    }
+    m.close().unwrap();
 }

@@ -6,7 +6,7 @@
 // covers any length.
 //
 // Semantics follow the CPU backend: integer arithmetic wraps (done in unsigned types, where C++
-// defines it), integer division by zero gives 0 (the front-ends refuse it first), MIN / -1 wraps
+// defines it), integer division by zero gives 0 (and is reported: `report_bad`), MIN / -1 wraps
 // to MIN, maximum/minimum let NaN win, float-to-integer conversions truncate toward zero and
 // saturate (NaN gives 0) like Rust's `as`, integer-to-integer conversions wrap.
 
@@ -75,6 +75,17 @@ __device__ __forceinline__ void operand_offsets(int mode, const Strided& s, u64 
     case MODE_STRIDED32: offsets32(s, i, oa, ob); break;
     default: offsets64(s, i, oa, ob); break;
     }
+}
+
+// ---- checks reported at the host's next wait ----
+//
+// A kernel that finds bad input (an index outside its range, an integer divisor of 0) never
+// reads or divides with it, and records where: atomicMin(flag, key + position). The host gives
+// each checked launch a key above every earlier one's positions, so the smallest value names
+// the first launch, and its first position, that failed.
+__device__ __forceinline__ void report_bad(u64* flag, u64 key, u64 position) {
+    const u64 span = 1ull << 40;
+    atomicMin(flag, key + (position < span - 1 ? position : span - 1));
 }
 
 // ---- element arithmetic ----
@@ -341,6 +352,36 @@ FOR_ALL(CAST_FROM)
     BINARY_OP(minimum, op_min, T)
 FOR_ALL(BINARY_ALL)
 
+// Integer division with the divisor checked in the kernel: a divisor of 0 gives 0 (never a
+// division by 0) and is reported (`report_bad`, the output position).
+#define DIV_CHECKED(T)                                                                           \
+    extern "C" __global__ void div_checked_##T(const T* a, const T* b, T* out, u64 n, int mode, \
+                                               Strided s, u64* flag, u64 key) {                 \
+        GRID_STRIDE(i, n) {                                                                    \
+            u64 oa, ob;                                                                        \
+            operand_offsets(mode, s, i, oa, ob);                                               \
+            T d = b[ob];                                                                       \
+            if (d == (T)0) report_bad(flag, key, i);                                           \
+            out[i] = op_div(a[oa], d);                                                         \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void div_checked_inplace_##T(T* x, const T* b, u64 n, int mode,      \
+                                                       Strided s, u64* flag, u64 key) {        \
+        GRID_STRIDE(i, n) {                                                                    \
+            u64 oa, ob;                                                                        \
+            T d;                                                                               \
+            if (mode == MODE_SELF) {                                                           \
+                d = x[i];                                                                      \
+            } else {                                                                           \
+                operand_offsets(mode, s, i, oa, ob);                                           \
+                d = b[ob];                                                                     \
+            }                                                                                  \
+            if (d == (T)0) report_bad(flag, key, i);                                           \
+            x[i] = op_div(x[i], d);                                                            \
+        }                                                                                      \
+    }
+FOR_INT(DIV_CHECKED)
+
 #define COMPARE_OP(NAME, EXPR, T)                                                                \
     extern "C" __global__ void NAME##_##T(const T* a, const T* b, u8* out, u64 n, int mode,     \
                                           Strided s) {                                          \
@@ -394,9 +435,6 @@ FOR_ALL(COMPARE_ALL)
             operand_offsets(mode, s, i, oa, ob);                            \
             x[i] = op_add(x[i], op_mul(alpha, b[ob]));                      \
         }                                                                   \
-    }                                                                       \
-    extern "C" __global__ void any_zero_##T(const T* b, u64 n, u64* flag) { \
-        GRID_STRIDE(i, n) if (b[i] == (T)0) *flag = 1;                      \
     }
 __device__ __forceinline__ f32 pow_elem(f32 x, f64 e) { return powf(x, (f32)e); }
 __device__ __forceinline__ f64 pow_elem(f64 x, f64 e) { return pow(x, e); }
@@ -637,37 +675,33 @@ FOR_ALL(ARGMAX)
     }
 FOR_FLOAT(SOFTMAX)
 
-// The first position of an index outside [0, bound): atomicMin into *first (set to all ones).
-#define INDICES(I)                                                                                 \
-    extern "C" __global__ void bad_index_##I(const I* idx, u64 count, u64 bound, u64* first) {    \
-        GRID_STRIDE(p, count) {                                                                    \
-            i64 v = (i64)idx[p];                                                                   \
-            if (v < 0 || (u64)v >= bound) atomicMin(first, p);                                     \
-        }                                                                                          \
-    }
-INDICES(i32)
-INDICES(i64)
-INDICES(u8)
-
 // out[p, c] = (idx[p] == c) for out of [count, depth]; an index outside the range gives a row of
-// zeros (the front-end refused such indices first).
+// zeros and is reported (`report_bad`, position p).
 #define ONE_HOT(I, T)                                                                              \
-    extern "C" __global__ void one_hot_##I##_##T(const I* idx, T* out, u64 count, u64 depth) {    \
-        GRID_STRIDE(q, count * depth) out[q] = ((i64)idx[q / depth] == (i64)(q % depth)) ? (T)1 : (T)0; \
+    extern "C" __global__ void one_hot_##I##_##T(const I* idx, T* out, u64 count, u64 depth,      \
+                                                 u64* flag, u64 key) {                             \
+        GRID_STRIDE(q, count * depth) {                                                            \
+            i64 v = (i64)idx[q / depth];                                                           \
+            if (q % depth == 0 && (v < 0 || (u64)v >= depth)) report_bad(flag, key, q / depth);    \
+            out[q] = (v == (i64)(q % depth)) ? (T)1 : (T)0;                                        \
+        }                                                                                          \
     }
 #define ONE_HOT_TO(I) ONE_HOT(I, f32) ONE_HOT(I, f64) ONE_HOT(I, i32) ONE_HOT(I, i64) ONE_HOT(I, u8)
 ONE_HOT_TO(i32)
 ONE_HOT_TO(i64)
 ONE_HOT_TO(u8)
 
-// out[o, j] = x[o, idx[o, j], j] for x of [outer, n, inner]; an index outside gives 0.
+// out[o, j] = x[o, idx[o, j], j] for x of [outer, n, inner]; an index outside gives 0 and is
+// reported (`report_bad`, position p).
 #define PICK(T, I)                                                                                 \
     extern "C" __global__ void pick_##T##_##I(const T* x, const I* idx, T* out, u64 count, u64 n, \
-                                              u64 inner) {                                        \
+                                              u64 inner, u64* flag, u64 key) {                    \
         GRID_STRIDE(p, count) {                                                                    \
             i64 v = (i64)idx[p];                                                                   \
             u64 o = p / inner, j = p % inner;                                                      \
-            out[p] = (v >= 0 && (u64)v < n) ? x[(o * n + (u64)v) * inner + j] : (T)0;             \
+            bool ok = v >= 0 && (u64)v < n;                                                        \
+            if (!ok) report_bad(flag, key, p);                                                     \
+            out[p] = ok ? x[(o * n + (u64)v) * inner + j] : (T)0;                                  \
         }                                                                                          \
     }
 #define PICK_OF(T) PICK(T, i32) PICK(T, i64) PICK(T, u8)

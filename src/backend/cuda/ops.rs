@@ -2,11 +2,16 @@
 //! products, driver copies, and host↔device transfers through page-locked staging memory.
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
-//! stream. What must reach the host first synchronises: reads (`to_vec`, `to_scalar`), and the
-//! checks that refuse bad input before writing (integer division by zero, out-of-range
-//! indices), which read one flag back.
+//! stream. Only reads (`to_vec`, `to_scalar`, `to_device(Cpu)`) and `Device::synchronize` wait,
+//! for the events of their own copies. Input that only the device sees (an index outside its
+//! range in `pick`/`one_hot`, an integer divisor of 0) is checked by the kernel itself, which
+//! never uses it and records where it was ([`Checks`]); the next wait on that device reports it
+//! as an error naming the op and the call site that queued it. No op waits for the device.
 
 use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use parking_lot::Mutex;
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::result;
@@ -15,13 +20,14 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use super::device::{blas_error, driver_error, Gpu, STAGING};
 use super::kernels::Function;
 use super::memory::DeviceBuffer;
+use crate::arena::memory::MAX_CUDA_DEVICES;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
     broadcast_strides, contiguous_strides, merge_dims, reduction_passes, Pass,
 };
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::dispatch;
-use crate::error::Ctx;
+use crate::error::{Ctx, Site};
 use crate::{DType, Element, Error, Result};
 
 type Src<'a> = (&'a DeviceBuffer, &'a [usize]);
@@ -227,6 +233,175 @@ fn elements(buffer: &DeviceBuffer, dtype: DType) -> u64 {
     (buffer.bytes() / dtype.size_in_bytes()) as u64
 }
 
+// ---- checks reported at the next wait ----
+
+/// Bits of a check key that hold the position (kernels.cu's `report_bad`).
+const POSITION_BITS: u32 = 40;
+/// Checked launches a device may queue between two waits before one is forced.
+const MAX_PENDING: usize = 1 << 20;
+
+/// What a checked launch refuses, to build its error when the device reports it.
+enum Refusal {
+    /// An index outside `0..bound` in the indices of `what` (their shape, dtype).
+    Index {
+        indices: String,
+        bound: usize,
+        what: &'static str,
+    },
+    /// An integer division whose divisor held 0: the front-end's error.
+    Zero(Error),
+}
+
+/// One checked launch queued since the last wait.
+struct Pending {
+    op: &'static str,
+    at: Site,
+    refusal: Refusal,
+}
+
+impl Pending {
+    fn error(self, ordinal: usize, position: u64) -> Error {
+        let found = format!(
+            "(found by the kernel on cuda:{ordinal}, reported at the next wait for the device)"
+        );
+        match self.refusal {
+            Refusal::Index {
+                indices,
+                bound,
+                what,
+            } => Error::InvalidArgument {
+                op: self.op,
+                at: self.at,
+                reason: format!(
+                    "the index at flat position {position} of {indices} is out of range: it \
+                     must be at least 0 and below {what}, {bound} {found}"
+                ),
+            },
+            Refusal::Zero(Error::InvalidArgument { op, at, reason }) => Error::InvalidArgument {
+                op,
+                at,
+                reason: format!("{reason} (at flat position {position} of the result) {found}"),
+            },
+            Refusal::Zero(e) => e,
+        }
+    }
+}
+
+/// The device-side flag of a device's checked launches: one word of device memory, all ones
+/// while no kernel found bad input, else the smallest `key + position` reported; a page-locked
+/// word it is copied to before each wait; and what each key stands for.
+struct Checks {
+    word: CUdeviceptr,
+    host: NonNull<u64>,
+    pending: Vec<Pending>,
+}
+
+// SAFETY: `host` is page-locked memory owned by this struct, used under its mutex.
+unsafe impl Send for Checks {}
+
+static CHECKS: [Mutex<Option<Checks>>; MAX_CUDA_DEVICES] =
+    [const { Mutex::new(None) }; MAX_CUDA_DEVICES];
+
+fn checks_of(gpu: &Gpu) -> &'static Mutex<Option<Checks>> {
+    &CHECKS[gpu.ordinal.min(MAX_CUDA_DEVICES - 1)]
+}
+
+impl Checks {
+    /// The flag of `gpu`, set to all ones (in stream order).
+    fn new(ctx: &Ctx, gpu: &Gpu) -> Result<Checks> {
+        let word = gpu.malloc(ctx, 8)?;
+        // SAFETY: the context is current (`malloc` bound it); 8 bytes, freed never (the
+        // struct lives as long as the device).
+        let host = match unsafe { result::malloc_host(8, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            Ok(p) => NonNull::new(p.cast::<u64>()),
+            Err(e) => {
+                gpu.free(word);
+                return Err(driver_error(ctx, "cuMemHostAlloc", e));
+            }
+        };
+        let Some(host) = host else {
+            gpu.free(word);
+            return Err(ctx.unsupported("cuMemHostAlloc returned no memory"));
+        };
+        memset(ctx, gpu, word, 0xff, 8)?;
+        Ok(Checks {
+            word,
+            host,
+            pending: Vec::new(),
+        })
+    }
+}
+
+/// Queues a checked launch on `gpu`: `launch(flag, key)` runs the kernel, which reports bad
+/// input into `flag` with `key`; `refusal` says what the error will be. Forces a wait (the
+/// only one) when `MAX_PENDING` checked launches are queued without one.
+fn checked_launch(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    refusal: impl FnOnce() -> Refusal,
+    launch: impl FnOnce(CUdeviceptr, u64) -> Result<()>,
+) -> Result<()> {
+    if checks_of(gpu)
+        .lock()
+        .as_ref()
+        .is_some_and(|c| c.pending.len() >= MAX_PENDING)
+    {
+        synchronize(ctx, gpu.ordinal)?;
+    }
+    let mut guard = checks_of(gpu).lock();
+    if guard.is_none() {
+        *guard = Some(Checks::new(ctx, gpu)?);
+    }
+    let Some(checks) = guard.as_mut() else {
+        return Err(ctx.unsupported("the check flag of the device vanished"));
+    };
+    let key = (checks.pending.len() as u64) << POSITION_BITS;
+    launch(checks.word, key)?;
+    checks.pending.push(Pending {
+        op: ctx.op,
+        at: ctx.at,
+        refusal: refusal(),
+    });
+    Ok(())
+}
+
+/// Runs `wait` (which waits for everything queued on `gpu` so far, or at least for work queued
+/// after this call's copy) and then reports the first bad input a checked launch queued before
+/// it found, as that launch's error. Costs one 8-byte copy when checked launches are pending,
+/// nothing otherwise.
+fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Result<R> {
+    let mut guard = checks_of(gpu).lock();
+    let Some(checks) = guard.as_mut().filter(|c| !c.pending.is_empty()) else {
+        drop(guard);
+        return wait();
+    };
+    gpu.bind(ctx)?;
+    // SAFETY: `host` is 8 bytes of page-locked memory of this struct, read only after `wait`
+    // (below) has waited for work queued after this copy; `word` is 8 bytes of device memory.
+    unsafe {
+        sys::cuMemcpyDtoHAsync_v2(checks.host.as_ptr().cast(), checks.word, 8, gpu.cu_stream())
+    }
+    .result()
+    .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+    let value = wait()?;
+    // SAFETY: the copy into `host` has completed (`wait`); nothing else writes it.
+    let word = unsafe { std::ptr::read_volatile(checks.host.as_ptr()) };
+    let pending = std::mem::take(&mut checks.pending);
+    if word == u64::MAX {
+        return Ok(value);
+    }
+    memset(ctx, gpu, checks.word, 0xff, 8)?;
+    let index = (word >> POSITION_BITS) as usize;
+    let position = word & ((1 << POSITION_BITS) - 1);
+    match pending.into_iter().nth(index) {
+        Some(p) => Err(p.error(gpu.ordinal, position)),
+        None => Err(ctx.unsupported(format!(
+            "the check flag of cuda:{} holds {word:#x}, which no queued op wrote",
+            gpu.ordinal
+        ))),
+    }
+}
+
 // ---- transfers and copies ----
 
 /// Copies host `bytes` to device address `dst` of `gpu`. Through the staging buffers,
@@ -331,7 +506,8 @@ pub(crate) fn read<T: Element>(ctx: &Ctx, src: &DeviceBuffer, dst: &mut [T]) -> 
     // SAFETY: element types are plain numbers valid for every bit pattern; the length is in
     // bytes.
     let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
-    device_to_host(ctx, src.gpu(), src.ptr(), out, false)
+    let gpu = src.gpu();
+    reporting(ctx, gpu, || device_to_host(ctx, gpu, src.ptr(), out, false))
 }
 
 pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut DeviceBuffer, data: &[T]) -> Result<()> {
@@ -344,7 +520,10 @@ pub(crate) fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut DeviceBuffer) -> Res
 
 pub(crate) fn download(ctx: &Ctx, src: &DeviceBuffer, dst: &mut HostBuffer) -> Result<()> {
     let pinned = dst.is_pinned();
-    device_to_host(ctx, src.gpu(), src.ptr(), dst.as_bytes_mut(), pinned)
+    let gpu = src.gpu();
+    reporting(ctx, gpu, || {
+        device_to_host(ctx, gpu, src.ptr(), dst.as_bytes_mut(), pinned)
+    })
 }
 
 pub(crate) fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<()> {
@@ -413,16 +592,11 @@ pub(crate) fn convert(
     unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src.ptr(), out = dst.ptr(), count = n) }
 }
 
-/// Waits for all work queued on device `ordinal` and reports errors of earlier kernels.
+/// Waits for all work queued on device `ordinal` and reports errors of earlier kernels, and
+/// bad input that a checked launch found since the last wait.
 pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
-    super::device::gpu(ctx, ordinal)?.synchronize(ctx)
-}
-
-/// Reads the 8-byte word at device address `ptr` (a flag or index a kernel wrote).
-fn read_word(ctx: &Ctx, gpu: &Gpu, ptr: CUdeviceptr) -> Result<u64> {
-    let mut word = [0u8; 8];
-    device_to_host(ctx, gpu, ptr, &mut word, false)?;
-    Ok(u64::from_ne_bytes(word))
+    let gpu = super::device::gpu(ctx, ordinal)?;
+    reporting(ctx, gpu, || gpu.synchronize(ctx))
 }
 
 // ---- fill / random ----
@@ -565,22 +739,6 @@ fn binary_name(op: Binary) -> (&'static str, &'static str, &'static str) {
     }
 }
 
-/// Whether `divisor` (an integer array of `n` elements at `ptr`) holds a 0: one kernel and one
-/// read back.
-fn has_zero(ctx: &Ctx, gpu: &Gpu, dtype: DType, ptr: CUdeviceptr, n: u64) -> Result<bool> {
-    if n == 0 {
-        return Ok(false);
-    }
-    let f = gpu.kernels.one(ctx, "any_zero", dtype)?;
-    let mut scratch = gpu.scratch();
-    let flag = scratch.ensure(ctx, gpu, 8)?;
-    memset(ctx, gpu, flag, 0, 8)?;
-    // SAFETY: any_zero_<T>(const T* b, u64 n, u64* flag); `ptr` is locked storage of `gpu`,
-    // `flag` its scratch (held under the scratch lock).
-    unsafe { launch!(ctx, gpu, f, linear(gpu, n); b = ptr, count = n, out = flag)? };
-    Ok(read_word(ctx, gpu, flag)? != 0)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn binary(
     ctx: &Ctx,
@@ -596,11 +754,26 @@ pub(crate) fn binary(
     if n == 0 {
         return Ok(());
     }
-    if op == Binary::Div
-        && !dtype.is_float()
-        && has_zero(ctx, gpu, dtype, b.ptr(), elements(b, dtype))?
-    {
-        return Err(on_zero());
+    if op == Binary::Div && !dtype.is_float() {
+        // The divisor is checked by the kernel; a 0 is reported at the next wait.
+        let f = gpu.kernels.one(ctx, "div_checked", dtype)?;
+        let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+        return checked_launch(
+            ctx,
+            gpu,
+            || Refusal::Zero(on_zero()),
+            |flag, key| {
+                // SAFETY: div_checked_<T>(const T* a, const T* b, T* out, u64 n, int mode,
+                // Strided s, u64* flag, u64 key); the three buffers are locked storage of
+                // `gpu`, addressed within their sizes by `mode` and `s`; `flag` is the
+                // device's check word, which lives as long as the device.
+                unsafe {
+                    launch!(ctx, gpu, f, linear(gpu, n);
+                        pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode,
+                        s = strided, pf = flag, k = key)
+                }
+            },
+        );
     }
     let f = gpu.kernels.one(ctx, binary_name(op).0, dtype)?;
     launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
@@ -746,10 +919,23 @@ pub(crate) fn binary_inplace(
     }
     let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
     if op == Binary::Div && !dtype.is_float() {
-        let divisor_len = src.map_or(n, |(b, _)| elements(b, dtype));
-        if has_zero(ctx, gpu, dtype, b, divisor_len)? {
-            return Err(on_zero());
-        }
+        // The divisor is checked by the kernel; a 0 is reported at the next wait.
+        let f = gpu.kernels.one(ctx, "div_checked_inplace", dtype)?;
+        return checked_launch(
+            ctx,
+            gpu,
+            || Refusal::Zero(on_zero()),
+            |flag, key| {
+                // SAFETY: div_checked_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s,
+                // u64* flag, u64 key); locked storage of `gpu`, the source addressed within its
+                // size; `flag` is the device's check word.
+                unsafe {
+                    launch!(ctx, gpu, f, linear(gpu, n);
+                        px = x.ptr(), pb = b, count = n, m = mode, s = strided, pf = flag,
+                        k = key)
+                }
+            },
+        );
     }
     let f = gpu.kernels.one(ctx, binary_name(op).2, dtype)?;
     // SAFETY: <op>_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s); locked storage of
@@ -1483,43 +1669,16 @@ pub(crate) fn softmax(
     }
 }
 
+/// Indices on a CUDA device are checked by the kernels that use them (`pick`, `one_hot`): a
+/// bad one is reported at the next wait for the device, with the op and its call site, so
+/// nothing is checked here and no op waits for the device.
 pub(crate) fn first_bad_index(
-    ctx: &Ctx,
-    dtype: DType,
-    indices: &DeviceBuffer,
-    bound: usize,
+    _ctx: &Ctx,
+    _dtype: DType,
+    _indices: &DeviceBuffer,
+    _bound: usize,
 ) -> Result<Option<(usize, i64)>> {
-    let gpu = indices.gpu();
-    let count = elements(indices, dtype);
-    if count == 0 {
-        return Ok(None);
-    }
-    let f = gpu.kernels.one(ctx, "bad_index", dtype)?;
-    let position = {
-        let mut scratch = gpu.scratch();
-        let first = scratch.ensure(ctx, gpu, 8)?;
-        memset(ctx, gpu, first, 0xff, 8)?;
-        // SAFETY: bad_index_<I>(const I* idx, u64 count, u64 bound, u64* first); `indices` is
-        // locked storage of `gpu`, `first` its scratch (under the scratch lock).
-        unsafe {
-            launch!(ctx, gpu, f, linear(gpu, count);
-                pi = indices.ptr(), n = count, b = bound as u64, out = first)?
-        };
-        read_word(ctx, gpu, first)?
-    };
-    if position == u64::MAX {
-        return Ok(None);
-    }
-    let mut value = [0u8; 8];
-    let elem = dtype.size_in_bytes();
-    let at = indices.ptr() + position * elem as u64;
-    device_to_host(ctx, gpu, at, &mut value[..elem], false)?;
-    let value = match dtype {
-        DType::I32 => i64::from(i32::from_ne_bytes([value[0], value[1], value[2], value[3]])),
-        DType::U8 => i64::from(value[0]),
-        _ => i64::from_ne_bytes(value),
-    };
-    Ok(Some((position as usize, value)))
+    Ok(None)
 }
 
 pub(crate) fn one_hot(
@@ -1536,12 +1695,21 @@ pub(crate) fn one_hot(
         return Ok(());
     }
     let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
-    // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth); locked storage of
-    // `gpu` (`out` holds count·depth elements).
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, total);
-            pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64)
-    }
+    let refusal = || Refusal::Index {
+        indices: format!("the {count} {from} indices"),
+        bound: depth,
+        what: "the depth",
+    };
+    checked_launch(ctx, gpu, refusal, |flag, key| {
+        // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth, u64* flag,
+        // u64 key); locked storage of `gpu` (`out` holds count·depth elements); `flag` is the
+        // device's check word.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, total);
+                pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64, pf = flag,
+                k = key)
+        }
+    })
 }
 
 pub(crate) fn pick(
@@ -1558,13 +1726,21 @@ pub(crate) fn pick(
         return Ok(());
     }
     let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
-    // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner);
-    // locked storage of `gpu`; indices outside the axis read nothing.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, count);
-            px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
-            i = inner as u64)
-    }
+    let refusal = || Refusal::Index {
+        indices: format!("the {count} {from} indices"),
+        bound: n,
+        what: "the size of the axis",
+    };
+    checked_launch(ctx, gpu, refusal, |flag, key| {
+        // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner,
+        // u64* flag, u64 key); locked storage of `gpu`; indices outside the axis read nothing;
+        // `flag` is the device's check word.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, count);
+                px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
+                i = inner as u64, pf = flag, k = key)
+        }
+    })
 }
 
 // ---- shape / gather ----
