@@ -8,7 +8,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use ndscope::{DType, Device, Error, Manager, WorkspaceConfig};
+use ndscope::{DType, Device, Error, Manager, Transpose, WorkspaceConfig};
 
 mod common;
 
@@ -284,6 +284,111 @@ fn checked_ops_do_not_wait_for_the_device() {
         );
         assert_eq!(d["d2h"], 0, "reads in 10 steps: {:?}", sim::calls(&d));
         assert_eq!(d["launches"], 30, "{:?}", sim::calls(&d));
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn addmm_with_beta_zero_does_not_read_its_target() {
+    // The CPU first: it runs without a GPU too.
+    let mut devices = vec![Device::Cpu];
+    let serial = gpu();
+    if let Some((_, dev)) = &serial {
+        devices.push(*dev);
+    }
+    for dev in devices {
+        let m = Manager::new_base_on(dev).unwrap();
+        for dtype in [DType::F32, DType::F64] {
+            for k in [3usize, 0, 40] {
+                let a = m
+                    .arange(0.0, (2 * k) as f64, 1.0, dtype)
+                    .unwrap()
+                    .reshape([2, k])
+                    .unwrap();
+                let b = m
+                    .arange(0.0, (k * 3) as f64, 1.0, dtype)
+                    .unwrap()
+                    .reshape([k, 3])
+                    .unwrap();
+                let want: Vec<f64> = (0..6)
+                    .map(|q| {
+                        let (i, j) = (q / 3, q % 3);
+                        2.0 * (0..k)
+                            .map(|p| ((i * k + p) * (p * 3 + j)) as f64)
+                            .sum::<f64>()
+                    })
+                    .collect();
+                for special in [f64::NAN, f64::INFINITY] {
+                    let v = m.full([2, 3], special, dtype).unwrap();
+                    v.addmm_(&a, &b, Transpose::None, 0.0, 2.0).unwrap();
+                    let got = v.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+                    assert_eq!(got, want, "{dev} {dtype} k={k} over {special}");
+                    // Transposed operands, as an SGD step without momentum reads them.
+                    let at = a.transpose().unwrap();
+                    let w = m.full([2, 3], special, dtype).unwrap();
+                    w.addmm_(&at, &b, Transpose::Left, 0.0, 2.0).unwrap();
+                    let got = w.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+                    assert_eq!(got, want, "{dev} {dtype} k={k} Left over {special}");
+                }
+            }
+        }
+        m.close().unwrap();
+    }
+}
+
+#[test]
+fn batched_products_past_the_grid_limit_match_the_cpu() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base();
+    let batches = 70_000usize;
+    for dtype in [DType::F32, DType::I64] {
+        let a = m
+            .from_vec(
+                (0..batches * 4).map(|i| (i % 7) as f64).collect(),
+                [batches * 4],
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .reshape([batches, 2, 2])
+            .unwrap();
+        let b = m
+            .from_vec(
+                (0..batches * 2).map(|i| (i % 5) as f64).collect(),
+                [batches * 2],
+            )
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+            .reshape([batches, 2, 1])
+            .unwrap();
+        let want = a
+            .matmul(&b)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec::<f64>()
+            .unwrap();
+        let (ga, gb) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
+        let before = sim::stats();
+        let got = ga.matmul(&gb).unwrap();
+        let after = sim::stats();
+        let got = got.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+        assert_eq!(got.len(), want.len());
+        assert!(
+            got == want,
+            "{dtype}: batched product of {batches} differs from the CPU"
+        );
+        if let (Some(before), Some(after), DType::F32) = (before, after, dtype) {
+            // The simulator has no grid limit: count that the batch was split for one.
+            let d = sim::diff(&before, &after);
+            assert_eq!(
+                d["cublas"],
+                2,
+                "cuBLAS calls for {batches} products: {:?}",
+                sim::calls(&d)
+            );
+        }
     }
     m.close().unwrap();
 }

@@ -1325,12 +1325,50 @@ fn int_dim(ctx: &Ctx, value: usize) -> Result<i32> {
     })
 }
 
-/// `c = beta·c + alpha·op(a)·op(b)` for `batch` row-major float products (`a` `[m, k]`, or
-/// `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the i-th at element offsets
-/// `i·steps`. A row-major product is the column-major product of the transposes, so cuBLAS
-/// computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+/// Most products of one strided batched cuBLAS call: cuBLAS puts the batch in a grid dimension
+/// limited to 65535 blocks, so larger batches are split into several calls.
+const MAX_BLAS_BATCH: usize = 65_535;
+
+/// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
 #[allow(clippy::too_many_arguments)]
 fn blas_gemm(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    dims: (usize, usize, usize),
+    (a, ta): (CUdeviceptr, bool),
+    (b, tb): (CUdeviceptr, bool),
+    c: CUdeviceptr,
+    scales: (f64, f64),
+    (batch, steps): (usize, (usize, usize, usize)),
+) -> Result<()> {
+    let elem = dtype.size_in_bytes() as u64;
+    let mut done = 0;
+    while done < batch {
+        let count = (batch - done).min(MAX_BLAS_BATCH);
+        let at = |base: CUdeviceptr, step: usize| base + (done * step) as u64 * elem;
+        blas_batch(
+            ctx,
+            gpu,
+            dtype,
+            dims,
+            (at(a, steps.0), ta),
+            (at(b, steps.1), tb),
+            at(c, steps.2),
+            scales,
+            (count, steps),
+        )?;
+        done += count;
+    }
+    Ok(())
+}
+
+/// `c = beta·c + alpha·op(a)·op(b)` for `batch` (at most [`MAX_BLAS_BATCH`]) row-major float
+/// products (`a` `[m, k]`, or `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the
+/// i-th at element offsets `i·steps`. A row-major product is the column-major product of the
+/// transposes, so cuBLAS computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn blas_batch(
     ctx: &Ctx,
     gpu: &Gpu,
     dtype: DType,
@@ -1505,7 +1543,8 @@ fn product(
     let (c, c_len) = c;
     if k == 0 {
         return match accumulate {
-            Some((beta, _)) => {
+            // `beta = 0` does not read `c` (a NaN there must not survive as 0·NaN).
+            Some((beta, _)) if beta != 0.0 => {
                 let f = gpu.kernels.one(ctx, "scale", dtype)?;
                 // SAFETY: scale_<T>(T* x, u64 n, T v); `c` is locked storage of `gpu` with
                 // `c_len` elements.
@@ -1514,7 +1553,7 @@ fn product(
                         px = c, count = c_len as u64, v = scalar(dtype, beta))
                 }
             }
-            None => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),
+            _ => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),
         };
     }
     if dtype.is_float() {
