@@ -14,10 +14,10 @@ use std::ptr::NonNull;
 use parking_lot::Mutex;
 
 use cudarc::cublas::sys as blas;
-use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{result, CudaEvent};
 
-use super::device::{blas_error, driver_error, Gpu, STAGING};
+use super::device::{blas_error, driver_error, sticky, Gpu, STAGING};
 use super::kernels::Function;
 use super::memory::DeviceBuffer;
 use crate::arena::memory::MAX_CUDA_DEVICES;
@@ -402,11 +402,45 @@ fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Resul
     }
 }
 
+// ---- waiting ----
+
+/// Per device, an event created with `CU_EVENT_BLOCKING_SYNC`: waiting for it puts the host
+/// thread to sleep until the device signals, where a stream synchronisation in the default
+/// scheduling mode spins a CPU core. (The context keeps its default flags: it may be the
+/// primary context another library in the process shares.)
+struct Waiter(CudaEvent);
+
+static WAITERS: [Mutex<Option<Waiter>>; MAX_CUDA_DEVICES] =
+    [const { Mutex::new(None) }; MAX_CUDA_DEVICES];
+
+/// Waits, without spinning, until everything queued on `gpu` so far has run; reports an error
+/// of an earlier asynchronous kernel.
+fn wait_all(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+    let mut waiter = WAITERS[gpu.ordinal.min(MAX_CUDA_DEVICES - 1)].lock();
+    if waiter.is_none() {
+        let event = gpu
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| driver_error(ctx, "cuEventCreate", e))?;
+        *waiter = Some(Waiter(event));
+    }
+    let Some(Waiter(event)) = waiter.as_ref() else {
+        return Err(ctx.unsupported("the wait event of the device vanished"));
+    };
+    gpu.bind(ctx)?;
+    event
+        .record(&gpu.stream)
+        .map_err(|e| driver_error(ctx, "cuEventRecord", e))?;
+    event.synchronize().map_err(|e| sticky(ctx, gpu, e))
+}
+
 // ---- transfers and copies ----
 
-/// Copies host `bytes` to device address `dst` of `gpu`. Through the staging buffers,
-/// double-buffered; from page-locked memory directly (waiting for the copy, since the source is
-/// only borrowed).
+/// Copies host `bytes` to device address `dst` of `gpu`. From pageable memory through the two
+/// staging buffers, double-buffered: chunk i+1 is copied into one buffer while chunk i goes to
+/// the device from the other, each buffer reused only after the event recorded after its last
+/// copy. From page-locked memory directly, one copy, waiting (on an event) for it since the
+/// source is only borrowed.
 fn host_to_device(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -424,7 +458,7 @@ fn host_to_device(
         // copy to finish; `dst` holds `bytes.len()` bytes of device memory of this context.
         unsafe { result::memcpy_htod_async(dst, bytes, stream) }
             .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     let mut staging = gpu.staging();
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
@@ -455,7 +489,7 @@ fn device_to_host(
     pinned: bool,
 ) -> Result<()> {
     if out.is_empty() {
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     gpu.bind(ctx)?;
     let stream = gpu.cu_stream();
@@ -464,7 +498,7 @@ fn device_to_host(
         // copy to finish; `src` holds `out.len()` bytes of device memory of this context.
         unsafe { result::memcpy_dtoh_async(out, src, stream) }
             .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     let len = out.len();
     let chunks = len.div_ceil(STAGING);
@@ -596,7 +630,7 @@ pub(crate) fn convert(
 /// bad input that a checked launch found since the last wait.
 pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
     let gpu = super::device::gpu(ctx, ordinal)?;
-    reporting(ctx, gpu, || gpu.synchronize(ctx))
+    reporting(ctx, gpu, || wait_all(ctx, gpu))
 }
 
 // ---- fill / random ----
