@@ -498,3 +498,92 @@ fn a_pinned_upload_waits_for_its_copy_not_a_stream_synchronisation() {
     }
     owner.close().unwrap();
 }
+
+/// Deterministic floats with ties and a varied maximum, from `seed`.
+fn floats(n: usize, seed: u64) -> Vec<f64> {
+    common::values(n, seed, 1000)
+        .into_iter()
+        .map(|v| v as f64 / 16.0)
+        .collect()
+}
+
+/// `got` against `want` element by element, within `tol` relative to max(1, |want|).
+fn close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * w.abs().max(1.0) || (g.is_nan() && w.is_nan()),
+            "{what}[{i}]: cuda {g}, cpu {w}"
+        );
+    }
+}
+
+#[test]
+fn row_ops_of_short_long_and_odd_rows_match_the_cpu() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base();
+    let shapes: &[&[usize]] = &[
+        &[5000, 3],      // many short rows (13 rows per block of 4 threads)
+        &[1000, 10],     // the MLP's logits
+        &[300, 33],      // odd lengths
+        &[7, 1000],      // few rows of a block each
+        &[3, 70_001],    // few long rows, split into slices
+        &[1, 1_000_000], // one row of a million
+        &[1, 1],
+        &[2, 5, 3],      // a middle axis: 32-column blocks
+        &[3, 20_000, 5], // few columns, a long axis: split into slices
+        &[40_000, 7],    // axis 0 of many rows, few columns
+    ];
+    for (s, &dims) in shapes.iter().enumerate() {
+        let len: usize = dims.iter().product();
+        for dtype in [DType::F32, DType::F64] {
+            let cpu = m
+                .from_vec(floats(len, s as u64), dims)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let gpu = cpu.to_device(dev).unwrap();
+            for axis in 0..dims.len() as isize {
+                let what = |op: &str| format!("{op} {dtype} {dims:?} axis {axis}");
+                let read = |a: ndscope::NDArray| -> Vec<f64> {
+                    a.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+                };
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+                assert_eq!(
+                    read(gpu.argmax(axis).unwrap()),
+                    read(cpu.argmax(axis).unwrap()),
+                    "{}",
+                    what("argmax")
+                );
+                close(
+                    &what("softmax"),
+                    &read(gpu.softmax(axis).unwrap()),
+                    &read(cpu.softmax(axis).unwrap()),
+                    tol,
+                );
+                close(
+                    &what("log_softmax"),
+                    &read(gpu.log_softmax(axis).unwrap()),
+                    &read(cpu.log_softmax(axis).unwrap()),
+                    tol,
+                );
+                assert_eq!(
+                    read(gpu.max(axis, false).unwrap()),
+                    read(cpu.max(axis, false).unwrap()),
+                    "{}",
+                    what("max")
+                );
+                // Multiples of 1/16 in ±62.5: sums are exact in f64 accumulation.
+                assert_eq!(
+                    read(gpu.sum(&[axis], false).unwrap()),
+                    read(cpu.sum(&[axis], false).unwrap()),
+                    "{}",
+                    what("sum")
+                );
+            }
+            gpu.close().unwrap();
+            cpu.close().unwrap();
+        }
+    }
+    m.close().unwrap();
+}

@@ -278,6 +278,39 @@ __device__ __forceinline__ A block_reduce(A v, A* shared, F comb) {
     return r;
 }
 
+// Reduces v over groups of `width` adjacent threads (`width` a power of two dividing
+// blockDim.x): every thread of the block calls it (barriers) and gets its group's result.
+template <typename A, typename F>
+__device__ __forceinline__ A group_reduce(A v, A* shared, u32 width, F comb) {
+    u32 t = threadIdx.x;
+    shared[t] = v;
+    __syncthreads();
+    for (u32 s = width / 2; s > 0; s /= 2) {
+        if ((t & (width - 1)) < s) shared[t] = comb(shared[t], shared[t + s]);
+        __syncthreads();
+    }
+    A r = shared[t & ~(width - 1)];
+    __syncthreads();
+    return r;
+}
+
+// Reduces v over the rows (threadIdx.y) of a 32-wide block: every thread calls it and gets its
+// column's result.
+template <typename A, typename F>
+__device__ __forceinline__ A column_reduce(A v, A* shared, F comb) {
+    shared[threadIdx.y * 32 + threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.y == 0) {
+        A total = shared[threadIdx.x];
+        for (u32 y = 1; y < blockDim.y; ++y) total = comb(total, shared[y * 32 + threadIdx.x]);
+        shared[threadIdx.x] = total;
+    }
+    __syncthreads();
+    A r = shared[threadIdx.x];
+    __syncthreads();
+    return r;
+}
+
 // ---- kernels per dtype ----
 
 #define FOR_ALL(M) M(f32) M(f64) M(i32) M(i64) M(u8)
@@ -518,44 +551,52 @@ GATHER(b8, u64)
 
 // ---- reductions over x seen as [outer, n, inner] ----
 //
-// inner == 1 (1-d blocks): block b handles row b / chunks, slice b % chunks of it (chunks > 1
-// writes partial results, reduced by a second launch). inner > 1 (32 × 8 blocks): each block
-// takes 32 adjacent columns, its 8 rows of threads split the reduced axis.
+// Launch shapes fill the device for short and long rows alike:
+// inner == 1 (1-d blocks of 256): `tpr` threads (a power of two) per row segment, 256 / tpr
+// segments per block; segment b is slice b % chunks of row b / chunks (chunks > 1 writes
+// partial results [outer, chunks], reduced by a second launch), so short rows share a block
+// and long rows few in number are split over many blocks.
+// inner > 1 (32 × 8 blocks): each block takes 32 adjacent columns (coalesced reads) and slice
+// b % chunks of the reduced axis, its 8 rows of threads splitting the slice; chunks > 1 writes
+// partial results [outer, chunks, inner].
 
 template <typename In, typename Acc, typename Out, typename Conv, typename Comb, typename Fin>
-__device__ void fold(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks, Acc zero,
-                     Conv conv, Comb comb, Fin fin) {
+__device__ void fold(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks, u32 tpr,
+                     Acc zero, Conv conv, Comb comb, Fin fin) {
     __shared__ Acc shared[256];
+    u64 len = (n + chunks - 1) / chunks;
     if (inner == 1) {
-        u64 len = (n + chunks - 1) / chunks;
-        for (u64 b = blockIdx.x; b < outer * chunks; b += gridDim.x) {
-            u64 row = b / chunks, c = b % chunks;
-            u64 begin = c * len, end = begin + len < n ? begin + len : n;
-            const In* p = x + row * n;
+        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;
+        u64 segments = outer * chunks;
+        for (u64 base = (u64)blockIdx.x * per; base < segments; base += (u64)gridDim.x * per) {
+            u64 b = base + slot;
             Acc acc = zero;
-            for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) acc = comb(acc, conv(p[i]));
-            acc = block_reduce(acc, shared, comb);
-            if (threadIdx.x == 0) out[b] = fin(acc);
+            if (b < segments) {
+                u64 row = b / chunks, c = b % chunks;
+                u64 begin = c * len, end = begin + len < n ? begin + len : n;
+                const In* p = x + row * n;
+                for (u64 i = begin + lane; i < end; i += tpr) acc = comb(acc, conv(p[i]));
+            }
+            acc = group_reduce(acc, shared, tpr, comb);
+            if (lane == 0 && b < segments) out[b] = fin(acc);
         }
     } else {
-        u64 columns = outer * inner;
-        u32 tid = threadIdx.y * 32 + threadIdx.x;
-        for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {
+        u64 columns = outer * inner, groups = (columns + 31) / 32;
+        for (u64 b = blockIdx.x; b < groups * chunks; b += gridDim.x) {
+            u64 g = b / chunks, c = b % chunks;
             u64 col = g * 32 + threadIdx.x;
+            u64 begin = c * len, end = begin + len < n ? begin + len : n;
             Acc acc = zero;
             if (col < columns) {
                 u64 o = col / inner, j = col % inner;
                 const In* p = x + o * n * inner + j;
-                for (u64 i = threadIdx.y; i < n; i += blockDim.y) acc = comb(acc, conv(p[i * inner]));
+                for (u64 i = begin + threadIdx.y; i < end; i += blockDim.y) acc = comb(acc, conv(p[i * inner]));
             }
-            shared[tid] = acc;
-            __syncthreads();
-            if (threadIdx.y == 0) {
-                Acc total = shared[threadIdx.x];
-                for (u32 y = 1; y < blockDim.y; ++y) total = comb(total, shared[y * 32 + threadIdx.x]);
-                if (col < columns) out[col] = fin(total);
+            acc = column_reduce(acc, shared, comb);
+            if (threadIdx.y == 0 && col < columns) {
+                u64 o = col / inner, j = col % inner;
+                out[(o * chunks + c) * inner + j] = fin(acc);
             }
-            __syncthreads();
         }
     }
 }
@@ -567,8 +608,9 @@ struct AddI { __device__ u64 operator()(u64 a, u64 b) const { return a + b; } };
 // `count` at the end.
 #define SUM(IN, OUT, ACC, ADD)                                                                    \
     extern "C" __global__ void sum_##IN##_##OUT(const IN* x, OUT* out, u64 outer, u64 n,          \
-                                               u64 inner, u64 chunks, int mean, f64 count) {      \
-        fold<IN, ACC, OUT>(x, out, outer, n, inner, chunks, (ACC)0,                               \
+                                               u64 inner, u64 chunks, int mean, f64 count,        \
+                                               u32 tpr) {                                          \
+        fold<IN, ACC, OUT>(x, out, outer, n, inner, chunks, tpr, (ACC)0,                          \
             [](IN v) { return (ACC)v; }, ADD(),                                       \
             [=](ACC a) { return sum_finish<OUT>(a, mean, count); });                  \
     }
@@ -591,9 +633,9 @@ SUM(u8, f64, u64, AddI)
 
 #define MAX(T)                                                                                     \
     extern "C" __global__ void max_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,           \
-                                       u64 chunks) {                                               \
+                                       u64 chunks, u32 tpr) {                                      \
         /* the identity: the first element of each row would do, the lowest value is simpler */   \
-        fold<T, T, T>(x, out, outer, n, inner, chunks, lowest((T)0),                               \
+        fold<T, T, T>(x, out, outer, n, inner, chunks, tpr, lowest((T)0),                          \
             [](T v) { return v; },                                                     \
             [](T a, T b) { return op_max(a, b); },                                     \
             [](T a) { return a; });                                                    \
@@ -621,55 +663,108 @@ template <typename T> __device__ __forceinline__ Best<T> better(Best<T> a, Best<
     if (!an && a.v > b.v) return a;
     return b.i < a.i ? b : a;
 }
+template <typename T> struct Better {
+    __device__ Best<T> operator()(Best<T> a, Best<T> b) const { return better(a, b); }
+};
+// argmax along the middle axis of [outer, n, inner], with the launch shapes of `fold` (no
+// chunks): `tpr` threads per row for inner == 1, 32 columns per block otherwise.
 #define ARGMAX(T)                                                                                  \
-    extern "C" __global__ void argmax_##T(const T* x, i64* out, u64 outer, u64 n, u64 inner) {    \
+    extern "C" __global__ void argmax_##T(const T* x, i64* out, u64 outer, u64 n, u64 inner,      \
+                                          u32 tpr) {                                               \
         __shared__ Best<T> shared[256];                                                            \
-        u64 columns = outer * inner;                                                               \
-        for (u64 col = blockIdx.x; col < columns; col += gridDim.x) {                              \
-            u64 o = col / inner, j = col % inner;                                                  \
-            const T* p = x + o * n * inner + j;                                                    \
-            Best<T> best = {(T)0, -1};                                                             \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) {                                   \
-                Best<T> c = {p[i * inner], (i64)i};                                                \
-                best = better(best, c);                                                            \
+        if (inner == 1) {                                                                          \
+            u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
+            for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {  \
+                u64 row = base + slot;                                                             \
+                Best<T> best = {(T)0, -1};                                                         \
+                if (row < outer)                                                                   \
+                    for (u64 i = lane; i < n; i += tpr) best = better(best, Best<T>{x[row * n + i], (i64)i}); \
+                best = group_reduce(best, shared, tpr, Better<T>());                               \
+                if (lane == 0 && row < outer) out[row] = best.i;                                   \
             }                                                                                      \
-            best = block_reduce(best, shared, [](Best<T> a, Best<T> b) {              \
-                return better(a, b); });                                                           \
-            if (threadIdx.x == 0) out[col] = best.i;                                               \
+        } else {                                                                                   \
+            u64 columns = outer * inner;                                                           \
+            for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {                           \
+                u64 col = g * 32 + threadIdx.x;                                                    \
+                Best<T> best = {(T)0, -1};                                                         \
+                if (col < columns) {                                                               \
+                    const T* p = x + (col / inner) * n * inner + col % inner;                      \
+                    for (u64 i = threadIdx.y; i < n; i += blockDim.y)                              \
+                        best = better(best, Best<T>{p[i * inner], (i64)i});                        \
+                }                                                                                  \
+                best = column_reduce(best, shared, Better<T>());                                   \
+                if (threadIdx.y == 0 && col < columns) out[col] = best.i;                          \
+            }                                                                                      \
         }                                                                                          \
     }
 FOR_ALL(ARGMAX)
 
 // ---- neural-network ops ----
 
-// Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner]: one block per
-// (outer, inner) column. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
+// Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner], with the launch
+// shapes of `fold` (no chunks): `tpr` threads per row for inner == 1, 32 columns per block
+// otherwise. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
+template <typename T> struct MaxOf {
+    __device__ T operator()(T a, T b) const { return op_max(a, b); }
+};
+template <typename T, typename Reduce>
+__device__ __forceinline__ void softmax_line(const T* p, T* q, u64 n, u64 stride, u64 first,
+                                             u64 step, bool live, int log_, T* smax, f64* ssum,
+                                             Reduce reduce) {
+    T m = lowest((T)0);
+    if (live)
+        for (u64 i = first; i < n; i += step) m = op_max(m, p[i * stride]);
+    m = reduce(m, smax, MaxOf<T>());
+    f64 s = 0.0;
+    if (live)
+        for (u64 i = first; i < n; i += step) {
+            T e = e_exp(p[i * stride] - m);
+            if (!log_) q[i * stride] = e;
+            s += (f64)e;
+        }
+    s = reduce(s, ssum, AddF());
+    if (!live) return;
+    if (log_) {
+        T shift = m + (T)log(s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = p[i * stride] - shift;
+    } else {
+        T scale = (T)(1.0 / s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = q[i * stride] * scale;
+    }
+}
+struct GroupReduce {
+    u32 width;
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return group_reduce(v, shared, width, comb);
+    }
+};
+struct ColumnReduce {
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return column_reduce(v, shared, comb);
+    }
+};
 #define SOFTMAX(T)                                                                                 \
     extern "C" __global__ void softmax_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,       \
-                                           int log_) {                                             \
+                                           int log_, u32 tpr) {                                    \
         __shared__ T smax[256];                                                                    \
         __shared__ f64 ssum[256];                                                                  \
-        u64 columns = outer * inner;                                                               \
-        for (u64 col = blockIdx.x; col < columns; col += gridDim.x) {                              \
-            u64 o = col / inner, j = col % inner;                                                  \
-            const T* p = x + o * n * inner + j;                                                    \
-            T* q = out + o * n * inner + j;                                                        \
-            T m = lowest((T)0);                                                                    \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) m = op_max(m, p[i * inner]);        \
-            m = block_reduce(m, smax, [](T a, T b) { return op_max(a, b); });         \
-            f64 s = 0.0;                                                                           \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) {                                   \
-                T e = e_exp(p[i * inner] - m);                                                     \
-                if (!log_) q[i * inner] = e;                                                       \
-                s += (f64)e;                                                                       \
+        if (inner == 1) {                                                                          \
+            u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
+            for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {  \
+                u64 row = base + slot;                                                             \
+                bool live = row < outer;                                                           \
+                u64 at = live ? row * n : 0;                                                       \
+                softmax_line(x + at, out + at, n, 1, lane, tpr, live, log_, smax, ssum,            \
+                             GroupReduce{tpr});                                                    \
             }                                                                                      \
-            s = block_reduce(s, ssum, AddF());                                                     \
-            if (log_) {                                                                            \
-                T shift = m + (T)log(s);                                                           \
-                for (u64 i = threadIdx.x; i < n; i += blockDim.x) q[i * inner] = p[i * inner] - shift; \
-            } else {                                                                               \
-                T scale = (T)(1.0 / s);                                                            \
-                for (u64 i = threadIdx.x; i < n; i += blockDim.x) q[i * inner] = q[i * inner] * scale; \
+        } else {                                                                                   \
+            u64 columns = outer * inner;                                                           \
+            for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {                           \
+                u64 col = g * 32 + threadIdx.x;                                                    \
+                bool live = col < columns;                                                         \
+                u64 at = live ? (col / inner) * n * inner + col % inner : 0;                       \
+                softmax_line(x + at, out + at, n, inner, threadIdx.y, blockDim.y, live, log_,      \
+                             smax, ssum, ColumnReduce());                                          \
             }                                                                                      \
         }                                                                                          \
     }

@@ -1086,29 +1086,50 @@ pub(crate) fn assign(
 
 // ---- reductions ----
 
-/// Slices per row for a reduction of `pass` with contiguous rows: enough blocks to fill the
-/// device when there are few long rows; 1 otherwise.
+/// Slices the reduced axis of `pass` is split into, each reduced by its own blocks into a
+/// partial result (a second launch reduces those): enough blocks to fill the device when the
+/// rows (inner == 1) or the 32-column groups (inner > 1) are few and long; 1 otherwise.
 fn chunks_for(gpu: &Gpu, pass: Pass) -> usize {
     let wanted = 4 * gpu.sms as usize;
-    if pass.inner != 1 || pass.n < (1 << 16) || pass.outer >= wanted {
+    if pass.inner == 1 {
+        if pass.n < (1 << 16) || pass.outer >= wanted {
+            return 1;
+        }
+        return (pass.n / 8192).clamp(1, wanted / pass.outer.max(1)).max(1);
+    }
+    let groups = (pass.outer * pass.inner).div_ceil(32);
+    if pass.n < (1 << 12) || groups >= wanted {
         return 1;
     }
-    (pass.n / 8192).clamp(1, wanted / pass.outer.max(1)).max(1)
+    (pass.n / 1024).clamp(1, wanted / groups.max(1)).max(1)
 }
 
-/// Launch shape of a fold over `[outer, n, inner]` in `chunks` slices per row (kernels.cu's
-/// `fold`): 1-d blocks over rows, or 32 × 8 blocks over columns.
-fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> Config {
+/// Threads per row (a power of two, at most a block) for rows of `len` contiguous elements:
+/// about four elements each, so short rows share a block and long ones get a whole block.
+fn threads_per_row(len: usize) -> u32 {
+    len.div_ceil(4)
+        .next_power_of_two()
+        .clamp(1, THREADS as usize) as u32
+}
+
+/// Launch shape of a kernel over `[outer, n, inner]` in `chunks` slices per row (kernels.cu's
+/// `fold`, `argmax`, `softmax`), and the threads per row segment it uses when inner == 1:
+/// 1-d blocks of `THREADS / tpr` row segments, or 32 × 8 blocks over 32 columns.
+fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> (Config, u32) {
     if pass.inner == 1 {
-        Config {
-            blocks: blocks(gpu, (pass.outer * chunks) as u64, 1),
+        let tpr = threads_per_row(pass.n.div_ceil(chunks.max(1)));
+        let cfg = Config {
+            blocks: blocks(gpu, (pass.outer * chunks) as u64, u64::from(THREADS / tpr)),
             threads: (THREADS, 1),
-        }
+        };
+        (cfg, tpr)
     } else {
-        Config {
-            blocks: blocks(gpu, (pass.outer * pass.inner) as u64, 32),
+        let groups = (pass.outer * pass.inner).div_ceil(32) * chunks;
+        let cfg = Config {
+            blocks: blocks(gpu, groups as u64, 1),
             threads: (32, 8),
-        }
+        };
+        (cfg, 1)
     }
 }
 
@@ -1124,15 +1145,15 @@ fn sum_launch(
     mean: Option<f64>,
 ) -> Result<()> {
     let f = gpu.kernels.two(ctx, "sum", from, to)?;
-    let cfg = fold_config(gpu, pass, chunks);
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
     // SAFETY: sum_<in>_<out>(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks,
-    // int mean, f64 count); `x` and `out` are locked storage or scratch of `gpu` sized for the
-    // pass.
+    // int mean, f64 count, u32 tpr); `x` and `out` are locked storage or scratch of `gpu` sized
+    // for the pass.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
             inner = pass.inner as u64, parts = chunks as u64,
-            m = i32::from(mean.is_some()), count = mean.unwrap_or(1.0))
+            m = i32::from(mean.is_some()), count = mean.unwrap_or(1.0), t = tpr)
     }
 }
 
@@ -1163,10 +1184,11 @@ fn sum_pass(
     }
     let acc = accumulator(x.1);
     sum_launch(ctx, gpu, x, (partial, acc), pass, chunks, None)?;
+    // The partial sums, [outer, chunks, inner].
     let second = Pass {
         outer: pass.outer,
         n: chunks,
-        inner: 1,
+        inner: pass.inner,
     };
     sum_launch(ctx, gpu, (partial, acc), out, second, 1, mean)
 }
@@ -1226,7 +1248,7 @@ fn sum_passes(
         .unwrap_or(0);
     let partials = passes
         .iter()
-        .map(|p| p.outer * chunks_for(gpu, *p))
+        .map(|p| p.outer * p.inner * chunks_for(gpu, *p))
         .max()
         .unwrap_or(0);
     let word = acc.size_in_bytes();
@@ -1286,13 +1308,13 @@ fn max_launch(
     chunks: usize,
 ) -> Result<()> {
     let f = gpu.kernels.one(ctx, "max", dtype)?;
-    let cfg = fold_config(gpu, pass, chunks);
-    // SAFETY: max_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, u64 chunks); locked
-    // storage or scratch of `gpu` sized for the pass.
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
+    // SAFETY: max_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, u64 chunks, u32 tpr);
+    // locked storage or scratch of `gpu` sized for the pass.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
-            inner = pass.inner as u64, parts = chunks as u64)
+            inner = pass.inner as u64, parts = chunks as u64, t = tpr)
     }
 }
 
@@ -1313,12 +1335,13 @@ pub(crate) fn max_axis(
         return max_launch(ctx, gpu, dtype, (a.ptr(), out.ptr()), pass, 1);
     }
     let mut scratch = gpu.scratch();
-    let partial = scratch.ensure(ctx, gpu, outer * chunks * dtype.size_in_bytes())?;
+    let partial = scratch.ensure(ctx, gpu, outer * chunks * inner * dtype.size_in_bytes())?;
     max_launch(ctx, gpu, dtype, (a.ptr(), partial), pass, chunks)?;
+    // The partial maxima, [outer, chunks, inner].
     let second = Pass {
         outer,
         n: chunks,
-        inner: 1,
+        inner,
     };
     max_launch(ctx, gpu, dtype, (partial, out.ptr()), second, 1)
 }
@@ -1336,15 +1359,13 @@ pub(crate) fn argmax_axis(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, "argmax", dtype)?;
-    let cfg = Config {
-        blocks: blocks(gpu, columns, 1),
-        threads: (THREADS, 1),
-    };
-    // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner); locked storage of
-    // `gpu`.
+    let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
+    // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr); locked
+    // storage of `gpu`.
     unsafe {
         launch!(ctx, gpu, f, cfg;
-            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64)
+            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+            t = tpr)
     }
 }
 
@@ -1729,16 +1750,13 @@ pub(crate) fn softmax(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, "softmax", dtype)?;
-    let cfg = Config {
-        blocks: blocks(gpu, columns, 1),
-        threads: (THREADS, 1),
-    };
-    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log); locked
-    // storage of `gpu`.
+    let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
+    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log, u32 tpr);
+    // locked storage of `gpu`.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
-            lg = i32::from(log))
+            lg = i32::from(log), t = tpr)
     }
 }
 
