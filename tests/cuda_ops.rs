@@ -587,3 +587,26 @@ fn row_ops_of_short_long_and_odd_rows_match_the_cpu() {
     }
     m.close().unwrap();
 }
+
+#[test]
+fn bad_input_is_reported_to_the_thread_that_queued_it() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base_on(dev).unwrap();
+    let x = m.zeros([2, 3], DType::F32).unwrap();
+    let bad = m.from_slice(&[0i64, 5], [2]).unwrap();
+    let (picked, line) = (x.pick(&bad, 1).unwrap(), line!());
+    // Another thread's read waits for the device and finds the bad index, but it is not its
+    // error: its read succeeds.
+    std::thread::scope(|s| {
+        s.spawn(|| assert_eq!(x.to_vec::<f32>().unwrap(), vec![0.0; 6]))
+            .join()
+            .unwrap();
+    });
+    // This thread's next wait gets it, once.
+    let e = dev.synchronize().unwrap_err();
+    let (op, at, _) = invalid(&e);
+    assert_eq!((op, at), ("pick", line), "{e}");
+    dev.synchronize().unwrap();
+    picked.close().unwrap();
+    m.close().unwrap();
+}

@@ -10,6 +10,7 @@
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::thread::ThreadId;
 
 use parking_lot::Mutex;
 
@@ -239,6 +240,8 @@ fn elements(buffer: &DeviceBuffer, dtype: DType) -> u64 {
 const POSITION_BITS: u32 = 40;
 /// Checked launches a device may queue between two waits before one is forced.
 const MAX_PENDING: usize = 1 << 20;
+/// Errors kept for threads that have not waited since another thread's wait found them.
+const MAX_FOUND: usize = 64;
 
 /// What a checked launch refuses, to build its error when the device reports it.
 enum Refusal {
@@ -256,6 +259,8 @@ enum Refusal {
 struct Pending {
     op: &'static str,
     at: Site,
+    /// The thread that queued it: its error goes to that thread's next wait.
+    thread: ThreadId,
     refusal: Refusal,
 }
 
@@ -294,6 +299,8 @@ struct Checks {
     word: CUdeviceptr,
     host: NonNull<u64>,
     pending: Vec<Pending>,
+    /// Errors found by another thread's wait, for the thread that queued the op.
+    found: Vec<(ThreadId, Error)>,
 }
 
 // SAFETY: `host` is page-locked memory owned by this struct, used under its mutex.
@@ -328,6 +335,7 @@ impl Checks {
             word,
             host,
             pending: Vec::new(),
+            found: Vec::new(),
         })
     }
 }
@@ -360,45 +368,68 @@ fn checked_launch(
     checks.pending.push(Pending {
         op: ctx.op,
         at: ctx.at,
+        thread: std::thread::current().id(),
         refusal: refusal(),
     });
     Ok(())
 }
 
 /// Runs `wait` (which waits for everything queued on `gpu` so far, or at least for work queued
-/// after this call's copy) and then reports the first bad input a checked launch queued before
-/// it found, as that launch's error. Costs one 8-byte copy when checked launches are pending,
-/// nothing otherwise.
+/// after this call's copy) and then reports the first bad input that a checked launch queued
+/// before it found, as that launch's error, to the thread that queued it: to this one now, to
+/// another at its next wait. Costs one 8-byte copy when checked launches are pending, nothing
+/// otherwise.
 fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Result<R> {
     let mut guard = checks_of(gpu).lock();
-    let Some(checks) = guard.as_mut().filter(|c| !c.pending.is_empty()) else {
+    let Some(checks) = guard
+        .as_mut()
+        .filter(|c| !c.pending.is_empty() || !c.found.is_empty())
+    else {
         drop(guard);
         return wait();
     };
-    gpu.bind(ctx)?;
-    // SAFETY: `host` is 8 bytes of page-locked memory of this struct, read only after `wait`
-    // (below) has waited for work queued after this copy; `word` is 8 bytes of device memory.
-    unsafe {
-        sys::cuMemcpyDtoHAsync_v2(checks.host.as_ptr().cast(), checks.word, 8, gpu.cu_stream())
+    let me = std::thread::current().id();
+    let copied = !checks.pending.is_empty();
+    if copied {
+        gpu.bind(ctx)?;
+        // SAFETY: `host` is 8 bytes of page-locked memory of this struct, read only after
+        // `wait` (below) has waited for work queued after this copy; `word` is 8 bytes of
+        // device memory.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(checks.host.as_ptr().cast(), checks.word, 8, gpu.cu_stream())
+        }
+        .result()
+        .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
     }
-    .result()
-    .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
     let value = wait()?;
-    // SAFETY: the copy into `host` has completed (`wait`); nothing else writes it.
-    let word = unsafe { std::ptr::read_volatile(checks.host.as_ptr()) };
-    let pending = std::mem::take(&mut checks.pending);
-    if word == u64::MAX {
-        return Ok(value);
+    if copied {
+        // SAFETY: the copy into `host` has completed (`wait`); nothing else writes it.
+        let word = unsafe { std::ptr::read_volatile(checks.host.as_ptr()) };
+        let pending = std::mem::take(&mut checks.pending);
+        if word != u64::MAX {
+            memset(ctx, gpu, checks.word, 0xff, 8)?;
+            let index = (word >> POSITION_BITS) as usize;
+            let position = word & ((1 << POSITION_BITS) - 1);
+            let (thread, error) = match pending.into_iter().nth(index) {
+                Some(p) => (p.thread, p.error(gpu.ordinal, position)),
+                None => (
+                    me,
+                    ctx.unsupported(format!(
+                        "the check flag of cuda:{} holds {word:#x}, which no queued op wrote",
+                        gpu.ordinal
+                    )),
+                ),
+            };
+            checks.found.push((thread, error));
+            // A thread that never waits again would leave its error here: keep the latest few.
+            if checks.found.len() > MAX_FOUND {
+                checks.found.remove(0);
+            }
+        }
     }
-    memset(ctx, gpu, checks.word, 0xff, 8)?;
-    let index = (word >> POSITION_BITS) as usize;
-    let position = word & ((1 << POSITION_BITS) - 1);
-    match pending.into_iter().nth(index) {
-        Some(p) => Err(p.error(gpu.ordinal, position)),
-        None => Err(ctx.unsupported(format!(
-            "the check flag of cuda:{} holds {word:#x}, which no queued op wrote",
-            gpu.ordinal
-        ))),
+    match checks.found.iter().position(|(t, _)| *t == me) {
+        Some(at) => Err(checks.found.remove(at).1),
+        None => Ok(value),
     }
 }
 
@@ -1772,6 +1803,14 @@ pub(crate) fn first_bad_index(
     Ok(None)
 }
 
+/// The error for indices into an empty range, which every index is outside.
+fn empty_range(ctx: &Ctx, count: u64, from: DType, what: &str) -> Error {
+    ctx.invalid(format!(
+        "the index at flat position 0 of the {count} {from} indices is out of range: it must be \
+         at least 0 and below {what}, 0"
+    ))
+}
+
 pub(crate) fn one_hot(
     ctx: &Ctx,
     (from, to): (DType, DType),
@@ -1782,6 +1821,10 @@ pub(crate) fn one_hot(
     let gpu = same_gpu(ctx, &[indices.gpu(), out.gpu()])?;
     let count = elements(indices, from);
     let total = count * depth as u64;
+    if depth == 0 && count > 0 {
+        // No index is below 0: known without looking.
+        return Err(empty_range(ctx, count, from, "the depth"));
+    }
     if total == 0 {
         return Ok(());
     }
@@ -1813,6 +1856,9 @@ pub(crate) fn pick(
 ) -> Result<()> {
     let gpu = same_gpu(ctx, &[x.gpu(), indices.gpu(), out.gpu()])?;
     let count = elements(indices, from);
+    if n == 0 && count > 0 {
+        return Err(empty_range(ctx, count, from, "the size of the axis"));
+    }
     if count == 0 || inner == 0 {
         return Ok(());
     }
