@@ -239,15 +239,16 @@ fn elements(buffer: &DeviceBuffer, dtype: DType) -> u64 {
 /// Bits of a check key that hold the position (kernels.cu's `report_bad`).
 const POSITION_BITS: u32 = 40;
 /// Checked launches a device may queue between two waits before one is forced.
-const MAX_PENDING: usize = 1 << 20;
+const MAX_PENDING: usize = 1 << 16;
 /// Errors kept for threads that have not waited since another thread's wait found them.
 const MAX_FOUND: usize = 64;
 
 /// What a checked launch refuses, to build its error when the device reports it.
 enum Refusal {
-    /// An index outside `0..bound` in the indices of `what` (their shape, dtype).
+    /// An index outside `0..bound` (`what`) among `count` indices of dtype `from`.
     Index {
-        indices: String,
+        count: u64,
+        from: DType,
         bound: usize,
         what: &'static str,
     },
@@ -271,15 +272,16 @@ impl Pending {
         );
         match self.refusal {
             Refusal::Index {
-                indices,
+                count,
+                from,
                 bound,
                 what,
             } => Error::InvalidArgument {
                 op: self.op,
                 at: self.at,
                 reason: format!(
-                    "the index at flat position {position} of {indices} is out of range: it \
-                     must be at least 0 and below {what}, {bound} {found}"
+                    "the index at flat position {position} of the {count} {from} indices is out \
+                     of range: it must be at least 0 and below {what}, {bound} {found}"
                 ),
             },
             Refusal::Zero(Error::InvalidArgument { op, at, reason }) => Error::InvalidArgument {
@@ -1830,7 +1832,8 @@ pub(crate) fn one_hot(
     }
     let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
     let refusal = || Refusal::Index {
-        indices: format!("the {count} {from} indices"),
+        count,
+        from,
         bound: depth,
         what: "the depth",
     };
@@ -1864,7 +1867,8 @@ pub(crate) fn pick(
     }
     let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
     let refusal = || Refusal::Index {
-        indices: format!("the {count} {from} indices"),
+        count,
+        from,
         bound: n,
         what: "the size of the axis",
     };
