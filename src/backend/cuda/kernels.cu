@@ -666,21 +666,35 @@ template <typename T> __device__ __forceinline__ Best<T> better(Best<T> a, Best<
 template <typename T> struct Better {
     __device__ Best<T> operator()(Best<T> a, Best<T> b) const { return better(a, b); }
 };
-// argmax along the middle axis of [outer, n, inner], with the launch shapes of `fold` (no
-// chunks): `tpr` threads per row for inner == 1, 32 columns per block otherwise.
+// argmax along the middle axis of [outer, n, inner], with the launch shapes of `fold`: `tpr`
+// threads per row segment for inner == 1, 32 columns per block otherwise. With chunks > 1
+// (inner == 1, few long rows) segment b = (row, slice) writes its best value and index to
+// part_v[b], part_i[b], and `argmax_parts` reduces those.
 #define ARGMAX(T)                                                                                  \
     extern "C" __global__ void argmax_##T(const T* x, i64* out, u64 outer, u64 n, u64 inner,      \
-                                          u32 tpr) {                                               \
+                                          u32 tpr, u64 chunks, T* part_v, i64* part_i) {          \
         __shared__ Best<T> shared[256];                                                            \
         if (inner == 1) {                                                                          \
             u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
-            for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {  \
-                u64 row = base + slot;                                                             \
+            u64 segments = outer * chunks, len = (n + chunks - 1) / chunks;                        \
+            for (u64 base = (u64)blockIdx.x * per; base < segments; base += (u64)gridDim.x * per) { \
+                u64 b = base + slot;                                                               \
                 Best<T> best = {(T)0, -1};                                                         \
-                if (row < outer)                                                                   \
-                    for (u64 i = lane; i < n; i += tpr) best = better(best, Best<T>{x[row * n + i], (i64)i}); \
+                if (b < segments) {                                                                \
+                    u64 row = b / chunks, c = b % chunks;                                          \
+                    u64 begin = c * len, end = begin + len < n ? begin + len : n;                  \
+                    for (u64 i = begin + lane; i < end; i += tpr)                                  \
+                        best = better(best, Best<T>{x[row * n + i], (i64)i});                      \
+                }                                                                                  \
                 best = group_reduce(best, shared, tpr, Better<T>());                               \
-                if (lane == 0 && row < outer) out[row] = best.i;                                   \
+                if (lane == 0 && b < segments) {                                                   \
+                    if (chunks == 1) {                                                             \
+                        out[b] = best.i;                                                           \
+                    } else {                                                                       \
+                        part_v[b] = best.v;                                                        \
+                        part_i[b] = best.i;                                                        \
+                    }                                                                              \
+                }                                                                                  \
             }                                                                                      \
         } else {                                                                                   \
             u64 columns = outer * inner;                                                           \
@@ -698,6 +712,25 @@ template <typename T> struct Better {
         }                                                                                          \
     }
 FOR_ALL(ARGMAX)
+
+// The second pass of a split argmax: out[row] = the index of the best of the `chunks` partial
+// results of the row (an empty slice's index is -1 and loses).
+#define ARGMAX_PARTS(T)                                                                            \
+    extern "C" __global__ void argmax_parts_##T(const T* part_v, const i64* part_i, i64* out,     \
+                                                u64 outer, u64 chunks, u32 tpr) {                  \
+        __shared__ Best<T> shared[256];                                                            \
+        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;      \
+        for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {      \
+            u64 row = base + slot;                                                                 \
+            Best<T> best = {(T)0, -1};                                                             \
+            if (row < outer)                                                                       \
+                for (u64 c = lane; c < chunks; c += tpr)                                           \
+                    best = better(best, Best<T>{part_v[row * chunks + c], part_i[row * chunks + c]}); \
+            best = group_reduce(best, shared, tpr, Better<T>());                                   \
+            if (lane == 0 && row < outer) out[row] = best.i;                                       \
+        }                                                                                          \
+    }
+FOR_ALL(ARGMAX_PARTS)
 
 // ---- neural-network ops ----
 

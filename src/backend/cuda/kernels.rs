@@ -95,6 +95,7 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("div_checked_inplace", Types::Int),
     ("max", Types::All),
     ("argmax", Types::All),
+    ("argmax_parts", Types::All),
     ("softmax", Types::Float),
     ("matmul", Types::Int),
 ];

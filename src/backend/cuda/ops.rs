@@ -1392,12 +1392,50 @@ pub(crate) fn argmax_axis(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, "argmax", dtype)?;
-    let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
-    // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr); locked
-    // storage of `gpu`.
+    let pass = Pass { outer, n, inner };
+    // Few long rows are split into slices (inner == 1 only): partial (value, index) pairs in
+    // scratch, then `argmax_parts`.
+    let chunks = if inner == 1 { chunks_for(gpu, pass) } else { 1 };
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
+    if chunks == 1 {
+        // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr,
+        // u64 chunks, T* part_v, i64* part_i); locked storage of `gpu`; with one chunk the
+        // partial arrays are not touched (`out` stands in for them).
+        return unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
+                i = inner as u64, t = tpr, parts = 1u64, pv = out.ptr(), pi = out.ptr())
+        };
+    }
+    let segments = outer * chunks;
+    let elem = dtype.size_in_bytes();
+    let mut scratch = gpu.scratch();
+    // The indices first (8-byte aligned), then the values.
+    let part_i = scratch.ensure(ctx, gpu, segments * (8 + elem))?;
+    let part_v = part_i + (segments * 8) as u64;
+    // SAFETY: as above; `part_v` and `part_i` are scratch of `gpu` (held under its lock) with
+    // room for `outer · chunks` values and indices.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+            t = tpr, parts = chunks as u64, pv = part_v, pi = part_i)?
+    };
+    let g = gpu.kernels.one(ctx, "argmax_parts", dtype)?;
+    let (cfg, tpr) = fold_config(
+        gpu,
+        Pass {
+            outer,
+            n: chunks,
+            inner: 1,
+        },
+        1,
+    );
+    // SAFETY: argmax_parts_<T>(const T* part_v, const i64* part_i, i64* out, u64 outer,
+    // u64 chunks, u32 tpr); the scratch written just before (stream order) and `out`, locked
+    // storage of `gpu` with `outer` indices.
+    unsafe {
+        launch!(ctx, gpu, g, cfg;
+            pv = part_v, pi = part_i, po = out.ptr(), o = outer as u64, c = chunks as u64,
             t = tpr)
     }
 }
