@@ -803,6 +803,60 @@ struct ColumnReduce {
     }
 FOR_FLOAT(SOFTMAX)
 
+// Softmax of few long rows (inner == 1), split into `chunks` slices per row over the device, in
+// three launches of one kernel: phase 0 writes each slice's maximum to part_m; phase 1 takes
+// the row's maximum m from those and writes each slice's sum of exp(x - m) (f64) to part_s
+// (and exp(x - m) to out unless `log_`); phase 2 takes m and the row's sum s (the slices' sums
+// added in order) and writes the result as `softmax_line` does. One segment (row, slice) per
+// block at a time, 1-d blocks.
+template <typename T>
+__device__ __forceinline__ T row_max(const T* part_m, u64 row, u64 chunks) {
+    T m = lowest((T)0);
+    for (u64 c = 0; c < chunks; ++c) m = op_max(m, part_m[row * chunks + c]);
+    return m;
+}
+#define SOFTMAX_SPLIT(T)                                                                           \
+    extern "C" __global__ void softmax_split_##T(const T* x, T* out, u64 outer, u64 n, u64 chunks, \
+                                                 int log_, int phase, T* part_m, f64* part_s) {   \
+        __shared__ T smax[256];                                                                    \
+        __shared__ f64 ssum[256];                                                                  \
+        u64 len = (n + chunks - 1) / chunks;                                                       \
+        for (u64 b = blockIdx.x; b < outer * chunks; b += gridDim.x) {                             \
+            u64 row = b / chunks, c = b % chunks;                                                  \
+            u64 begin = c * len, end = begin + len < n ? begin + len : n;                          \
+            const T* p = x + row * n;                                                              \
+            T* q = out + row * n;                                                                  \
+            if (phase == 0) {                                                                      \
+                T m = lowest((T)0);                                                                \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) m = op_max(m, p[i]);  \
+                m = block_reduce(m, smax, MaxOf<T>());                                             \
+                if (threadIdx.x == 0) part_m[b] = m;                                               \
+            } else if (phase == 1) {                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) {                      \
+                    T e = e_exp(p[i] - m);                                                         \
+                    if (!log_) q[i] = e;                                                           \
+                    s += (f64)e;                                                                   \
+                }                                                                                  \
+                s = block_reduce(s, ssum, AddF());                                                 \
+                if (threadIdx.x == 0) part_s[b] = s;                                               \
+            } else {                                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 k = 0; k < chunks; ++k) s += part_s[row * chunks + k];                    \
+                if (log_) {                                                                        \
+                    T shift = m + (T)log(s);                                                       \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = p[i] - shift; \
+                } else {                                                                           \
+                    T scale = (T)(1.0 / s);                                                        \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = q[i] * scale; \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+FOR_FLOAT(SOFTMAX_SPLIT)
+
 // out[p, c] = (idx[p] == c) for out of [count, depth]; an index outside the range gives a row of
 // zeros and is reported (`report_bad`, position p).
 #define ONE_HOT(I, T)                                                                              \

@@ -97,6 +97,7 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("argmax", Types::All),
     ("argmax_parts", Types::All),
     ("softmax", Types::Float),
+    ("softmax_split", Types::Float),
     ("matmul", Types::Int),
 ];
 

@@ -1807,6 +1807,41 @@ pub(crate) fn sgd_dense(
 
 // ---- neural-network ops ----
 
+/// Softmax of few long rows, each split into `chunks` slices over the device: three launches
+/// of `softmax_split` (slice maxima, slice sums of exponentials, the result) with the partial
+/// results in scratch.
+fn softmax_split(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (a, out): (&DeviceBuffer, &mut DeviceBuffer),
+    (outer, n, chunks): (usize, usize, usize),
+    log: bool,
+) -> Result<()> {
+    let f = gpu.kernels.one(ctx, "softmax_split", dtype)?;
+    let segments = outer * chunks;
+    let mut scratch = gpu.scratch();
+    // The f64 sums first (8-byte aligned), then the maxima.
+    let part_s = scratch.ensure(ctx, gpu, segments * (8 + dtype.size_in_bytes()))?;
+    let part_m = part_s + (segments * 8) as u64;
+    let cfg = Config {
+        blocks: blocks(gpu, segments as u64, 1),
+        threads: (THREADS, 1),
+    };
+    for phase in 0..3i32 {
+        // SAFETY: softmax_split_<T>(const T* x, T* out, u64 outer, u64 n, u64 chunks, int log,
+        // int phase, T* part_m, f64* part_s); `a` and `out` are locked storage of `gpu` with
+        // outer·n elements; `part_m`/`part_s` scratch of `gpu` (under its lock) with room for
+        // outer·chunks values each; the phases run in stream order.
+        unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
+                c = chunks as u64, lg = i32::from(log), ph = phase, pm = part_m, ps = part_s)?
+        };
+    }
+    Ok(())
+}
+
 pub(crate) fn softmax(
     ctx: &Ctx,
     dtype: DType,
@@ -1819,6 +1854,12 @@ pub(crate) fn softmax(
     let columns = (outer * inner) as u64;
     if columns == 0 || n == 0 {
         return Ok(());
+    }
+    if inner == 1 {
+        let chunks = chunks_for(gpu, Pass { outer, n, inner });
+        if chunks > 1 {
+            return softmax_split(ctx, gpu, dtype, (a, out), (outer, n, chunks), log);
+        }
     }
     let f = gpu.kernels.one(ctx, "softmax", dtype)?;
     let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
