@@ -25,7 +25,6 @@ const LAYERS: &[(&str, u32)] = &[
     ("device", 0),
     ("host", 0),
     // Per-device accounting, limits and counters.
-    ("arena::memory", 1),
     ("memory", 1),
     // Memory and kernels: host and device storage, blocks, the op families.
     ("backend", 2),
@@ -52,7 +51,7 @@ const LAYERS: &[(&str, u32)] = &[
 
 /// Upward imports that stand today (`from -> to`, files relative to `src/`). May only shrink.
 const KNOWN_UPWARD: &[(&str, &str)] = &[
-    ("arena/memory.rs", "timeline/mod.rs"),
+    ("memory.rs", "timeline/mod.rs"),
     ("arena/mod.rs", "timeline/mod.rs"),
     ("arena/mod.rs", "workspace/mod.rs"),
     ("backend/block.rs", "timeline/mod.rs"),
@@ -78,7 +77,6 @@ const KNOWN_UPWARD: &[(&str, &str)] = &[
 
 /// Cycles that stand today (the files of each). A cycle found must lie inside one of these.
 const KNOWN_CYCLES: &[&[&str]] = &[&[
-    "arena/memory.rs",
     "arena/mod.rs",
     "backend/block.rs",
     "backend/cpu/buffer.rs",
@@ -105,6 +103,7 @@ const KNOWN_CYCLES: &[&[&str]] = &[&[
     "manager/mod.rs",
     "manager/ownership.rs",
     "manager/scope.rs",
+    "memory.rs",
     "ndarray/exec.rs",
     "ndarray/list.rs",
     "ndarray/mod.rs",

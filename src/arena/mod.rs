@@ -24,8 +24,6 @@
 //! bytes (it spills instead: see `WorkspaceEntry::plan`), so no new array is ever written where
 //! a kernel still reads an old one.
 
-pub(crate) mod memory;
-
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, OnceLock};
@@ -36,6 +34,7 @@ use slotmap::SlotMap;
 pub(crate) use crate::backend::Storage;
 
 use crate::error::{Ctx, Site};
+use crate::memory;
 use crate::workspace::WorkspaceEntry;
 use crate::{DType, Device, Error, Result, Shape};
 

@@ -18,8 +18,8 @@ use parking_lot::Mutex;
 use super::cpu::buffer::{HostBuffer, STORAGE_ALIGN};
 use super::cuda::{DeviceMemory, PinnedMemory};
 use super::Storage;
-use crate::arena::memory;
 use crate::error::Ctx;
+use crate::memory;
 use crate::{Device, Error, Result};
 
 /// One contiguous block. Freed (and its reservation released) when the last `Arc` drops: the

@@ -12,9 +12,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{Data, MemoryEvent, Slot, NO_MANAGER};
-use crate::arena::{memory, ArrayInner, ManagerShared, State};
+use crate::arena::{ArrayInner, ManagerShared, State};
 use crate::backend::Storage;
 use crate::error::Site;
+use crate::memory;
 use crate::Device;
 
 /// Hashes the process-unique ids (arrays, managers, blocks) the maps are keyed by: a multiply

@@ -174,7 +174,7 @@ pub(super) fn block_allocated(ws: &WorkspaceEntry, old: usize) {
 
 /// An allocation of `bytes` (aligned) at `site` spilled, in the cycle whose scope is `scope`.
 pub(super) fn spilled(ws: &WorkspaceEntry, scope: Option<u64>, bytes: usize, site: Site) {
-    crate::arena::memory::spilled(ws.device);
+    crate::memory::spilled(ws.device);
     if timeline::on() {
         let scope = scope.unwrap_or(NO_MANAGER);
         timeline::spilled(&ws.shared.name, scope, ws.device, bytes, site);

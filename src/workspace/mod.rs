@@ -464,7 +464,7 @@ impl WorkspaceEntry {
             let grown = self.grow_to(ctx, self.max_cycle_bytes);
             if matches!(grown, Ok(true)) {
                 self.reallocations += 1;
-                crate::arena::memory::reallocated(self.device);
+                crate::memory::reallocated(self.device);
             }
             events::reallocated(self, old_capacity, &grown);
         }
