@@ -13,6 +13,7 @@ mod layer_workspace;
 mod manager;
 mod memory;
 mod ndarray;
+mod observe;
 mod persist;
 mod prefetch;
 mod print;

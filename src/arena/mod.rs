@@ -35,6 +35,7 @@ pub(crate) use crate::backend::Storage;
 
 use crate::error::{Ctx, Site};
 use crate::memory;
+use crate::observe::{self, Event, Slot, NO_MANAGER};
 use crate::workspace::WorkspaceEntry;
 use crate::{DType, Device, Error, Result, Shape};
 
@@ -216,6 +217,18 @@ pub(crate) enum Place {
         len: usize,
         block: u64,
     },
+}
+
+impl Place {
+    /// The block slot of a workspace-block place, as memory events give it.
+    pub fn slot(self) -> Option<Slot> {
+        match self {
+            Place::Heap => None,
+            Place::Block {
+                offset, len, block, ..
+            } => Some(Slot { block, offset, len }),
+        }
+    }
 }
 
 /// An owner an array was borrowed from, to give it back to.
@@ -437,7 +450,7 @@ impl State {
             workspaces: Vec::new(),
         });
         let system = Arc::clone(&managers[system_key].shared);
-        crate::timeline::start_from_env(&system);
+        observe::arena_created(Arc::clone(&system) as observe::Handle);
         State {
             arrays: SlotMap::with_key(),
             managers,
@@ -487,6 +500,15 @@ impl State {
     pub fn manager(&self, shared: &ManagerShared, ctx: &Ctx) -> Result<&ManagerEntry> {
         self.live_manager(shared)
             .ok_or_else(|| manager_closed(shared, ctx))
+    }
+
+    /// The id of the manager `owner` names, or `NO_MANAGER` (detached, or no longer in the
+    /// arena): how memory events name owners.
+    pub fn owner_id(&self, owner: Owner) -> u64 {
+        match owner {
+            Owner::Manager(key) => self.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
+            Owner::Detached => NO_MANAGER,
+        }
     }
 
     /// `'name' (m12)` of a live manager key.
@@ -547,8 +569,16 @@ impl State {
         self.unlink(key);
         self.arrays[key].owner = owner;
         self.link(key);
-        if crate::timeline::on() {
-            crate::timeline::array_attached(self, key);
+        if observe::on() {
+            let entry = &self.arrays[key];
+            let inner = &entry.inner;
+            observe::emit(Event::ArrayAttached {
+                array: inner.id,
+                site: inner.created_at,
+                device: inner.device,
+                bytes: inner.nbytes(),
+                manager: self.owner_id(owner),
+            });
         }
     }
 
@@ -591,8 +621,21 @@ impl State {
                 ws.note_block_array(key, place);
             }
         }
-        if crate::timeline::on() {
-            crate::timeline::array_allocated(self, key);
+        if observe::on() {
+            let inner = &self.arrays[key].inner;
+            let address = inner
+                .data
+                .try_read()
+                .and_then(|data| data.as_ref().map(Storage::address))
+                .unwrap_or(0);
+            observe::emit(Event::ArrayAllocated {
+                array: Arc::clone(inner) as observe::Handle,
+                device,
+                bytes: inner.nbytes(),
+                manager: self.owner_id(owner),
+                address,
+                slot: place.slot(),
+            });
         }
         Arc::clone(&self.arrays[key].inner)
     }
@@ -613,8 +656,16 @@ impl State {
         memory::array_closed(entry.inner.device, entry.inner.nbytes());
         // The reason is set exactly once: the key was live until now.
         let _ = entry.inner.closed.set(reason);
-        if crate::timeline::on() {
-            crate::timeline::array_freed(self, &entry);
+        if observe::on() {
+            let inner = &entry.inner;
+            observe::emit(Event::ArrayFreed {
+                array: inner.id,
+                site: inner.created_at,
+                device: inner.device,
+                bytes: inner.nbytes(),
+                manager: self.owner_id(entry.owner),
+                slot: entry.place.slot(),
+            });
         }
         self.free_storage(entry.inner);
     }

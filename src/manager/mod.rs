@@ -19,9 +19,10 @@ pub use scope::{ActiveScope, Scope};
 
 use crate::arena::{self, ManagerShared, Owner};
 use crate::error::Ctx;
+use crate::observe::{self, Event};
 use crate::report::{self, ManagerReport};
 use crate::workspace::{Workspace, WorkspaceConfig};
-use crate::{Device, NDArray, NDList, Result};
+use crate::{Device, Error, NDArray, NDList, Result};
 
 /// A manager's process-unique id, shown as `m12`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -329,5 +330,27 @@ impl Manager {
     pub fn workspace(&self, name: &str, config: WorkspaceConfig) -> Result<Workspace> {
         let ctx = Ctx::new("Manager::workspace");
         arena::lock().workspace(&ctx, self, name, config)
+    }
+}
+
+/// The `Capped` error for an array refused by the capped manager `shared` (`what` says what was
+/// refused): built where the cap is decided, logged (debug) and emitted as a memory event.
+pub(crate) fn capped(ctx: &Ctx, shared: &ManagerShared, what: String) -> Error {
+    let described = shared.describe();
+    tracing::debug!(target: "ndscope::manager", manager = %described, op = ctx.op, at = %ctx.at, "capped manager refused an array: {what}");
+    if observe::on() {
+        observe::emit(Event::Capped {
+            site: ctx.at,
+            op: ctx.op,
+            what: &what,
+            device: shared.device,
+            manager: shared.id,
+        });
+    }
+    Error::Capped {
+        op: ctx.op,
+        at: ctx.at,
+        manager: described,
+        what,
     }
 }

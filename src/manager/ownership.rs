@@ -13,6 +13,7 @@ use crate::arena::{
 };
 use crate::backend;
 use crate::error::Ctx;
+use crate::observe::{self, Event};
 use crate::workspace::{Allocation, ResetPolicy};
 use crate::Result;
 
@@ -95,7 +96,7 @@ impl State {
                 Move::Attach | Move::Ret => {
                     if let (true, Some(shared)) = (capped, target_shared) {
                         let what = format!("array {} would be attached to it", inner.describe());
-                        return Err(crate::timeline::capped(ctx, shared, what));
+                        return Err(super::capped(ctx, shared, what));
                     }
                     Step::Own
                 }
@@ -201,8 +202,19 @@ impl State {
                 ws.note_block_array(key, place);
             }
         }
-        if crate::timeline::on() {
-            crate::timeline::array_relocated(self, key, old_place, to.address());
+        if observe::on() {
+            let entry = &self.arrays[key];
+            let inner = &entry.inner;
+            observe::emit(Event::ArrayRelocated {
+                array: inner.id,
+                site: inner.created_at,
+                device: inner.device,
+                bytes: inner.nbytes(),
+                manager: self.owner_id(entry.owner),
+                address: to.address(),
+                from: old_place.slot(),
+                to: entry.place.slot(),
+            });
         }
         let seq = inner.moves.fetch_add(1, Ordering::AcqRel) + 1;
         let Some(mut data) = inner.data.try_write() else {

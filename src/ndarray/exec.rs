@@ -104,11 +104,7 @@ pub(crate) fn new_array(
         }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
-        return Err(crate::timeline::capped(
-            ctx,
-            &state.managers[m].shared,
-            what,
-        ));
+        return Err(crate::manager::capped(ctx, &state.managers[m].shared, what));
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
     let dirty = allocation.buffer.may_be_stale();
@@ -138,7 +134,7 @@ pub(crate) fn adopt(
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {
         let what = format!("a new {dtype} array of shape {shape} would be created in it");
-        return Err(crate::timeline::capped(ctx, &m.0, what));
+        return Err(crate::manager::capped(ctx, &m.0, what));
     }
     let inner = state.insert_array(
         shape,

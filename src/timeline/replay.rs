@@ -175,8 +175,8 @@ impl Replay {
                 .data
                 .try_read()
                 .and_then(|data| data.as_ref().map(Storage::address));
-            let owner = super::manager_id(state, entry.owner);
-            let slot = Slot::of(entry.place);
+            let owner = state.owner_id(entry.owner);
+            let slot = entry.place.slot();
             if let (Some(slot), Some(address)) = (slot, address) {
                 // A block replaced by a larger one lives on while arrays are in it.
                 let top = r.top(owner);

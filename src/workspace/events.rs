@@ -1,12 +1,12 @@
 //! What a workspace tells the outside about its cycles: `tracing` events (debug for cycles and
 //! blocks, info for learning decisions, warnings for spills past a threshold and blocks that
-//! could not be allocated) and the memory recorder's events.
+//! could not be allocated) and the memory events (see `crate::observe`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::WorkspaceEntry;
 use crate::error::{Bytes, Site};
-use crate::timeline::{self, CycleEnd, NO_MANAGER};
+use crate::observe::{self, CycleEnd, Event, NO_MANAGER};
 use crate::Result;
 
 /// Bytes a learned cycle may spill before a warning; see [`set_spill_warning_threshold`].
@@ -44,8 +44,13 @@ pub(super) fn cycle_opened(ws: &WorkspaceEntry, scope: u64) {
         ws.shared.name,
         ws.generation
     );
-    if timeline::on() {
-        timeline::cycle_opened(&ws.shared.name, ws.generation, scope, ws.device);
+    if observe::on() {
+        observe::emit(Event::CycleOpened {
+            workspace: &ws.shared.name,
+            cycle: ws.generation,
+            scope,
+            device: ws.device,
+        });
     }
 }
 
@@ -89,7 +94,7 @@ pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
             Bytes(spilled_bytes)
         );
     }
-    if timeline::on() {
+    if observe::on() {
         let end = CycleEnd {
             cycle,
             scope,
@@ -99,7 +104,10 @@ pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
             spilled_count,
             capacity,
         };
-        timeline::cycle_closed(name, end);
+        observe::emit(Event::CycleClosed {
+            workspace: name,
+            end,
+        });
     }
 }
 
@@ -167,16 +175,28 @@ pub(super) fn block_allocated(ws: &WorkspaceEntry, old: usize) {
         Bytes(block.capacity()),
         block.memory_device()
     );
-    if timeline::on() {
-        timeline::block_allocated(&ws.shared.name, ws.shared.owner.0.id, block);
+    if observe::on() {
+        observe::emit(Event::BlockAllocated {
+            workspace: &ws.shared.name,
+            owner: ws.shared.owner.0.id,
+            block: block.id(),
+            address: block.address(),
+            device: block.memory_device(),
+            capacity: block.capacity(),
+        });
     }
 }
 
 /// An allocation of `bytes` (aligned) at `site` spilled, in the cycle whose scope is `scope`.
 pub(super) fn spilled(ws: &WorkspaceEntry, scope: Option<u64>, bytes: usize, site: Site) {
     crate::memory::spilled(ws.device);
-    if timeline::on() {
-        let scope = scope.unwrap_or(NO_MANAGER);
-        timeline::spilled(&ws.shared.name, scope, ws.device, bytes, site);
+    if observe::on() {
+        observe::emit(Event::Spilled {
+            workspace: &ws.shared.name,
+            scope: scope.unwrap_or(NO_MANAGER),
+            device: ws.device,
+            bytes,
+            site,
+        });
     }
 }

@@ -757,14 +757,14 @@ impl State {
     /// Ends the cycle of workspace `ws` whose scope has just closed.
     pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
         // The scope's id is only recorded: looked up only while recording.
-        let scope = if crate::timeline::on() {
+        let scope = if crate::observe::on() {
             self.workspaces
                 .get(ws)
                 .and_then(|w| w.open)
                 .and_then(|tag| self.managers.get(tag.scope))
-                .map_or(crate::timeline::NO_MANAGER, |m| m.shared.id)
+                .map_or(crate::observe::NO_MANAGER, |m| m.shared.id)
         } else {
-            crate::timeline::NO_MANAGER
+            crate::observe::NO_MANAGER
         };
         if let Some(ws) = self.workspaces.get_mut(ws) {
             ws.end_cycle(ctx, scope);
@@ -883,7 +883,7 @@ impl State {
                     ws.commit(slot, aligned);
                     if slot == Slot::Spill {
                         // The scope's id is only recorded: looked up only while recording.
-                        let scope = crate::timeline::on()
+                        let scope = crate::observe::on()
                             .then(|| self.managers.get(cycle.scope).map(|m| m.shared.id))
                             .flatten();
                         events::spilled(ws, scope, aligned, ctx.at);
