@@ -10,6 +10,7 @@ mod error;
 mod host;
 mod inference;
 mod layer_workspace;
+mod locks;
 mod manager;
 mod memory;
 mod ndarray;

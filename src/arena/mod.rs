@@ -34,6 +34,7 @@ use slotmap::SlotMap;
 pub(crate) use crate::backend::Storage;
 
 use crate::error::{Ctx, Site};
+use crate::locks::{self, Held, Rank};
 use crate::memory;
 use crate::observe::{self, Event, Slot, NO_MANAGER};
 use crate::workspace::WorkspaceEntry;
@@ -326,6 +327,8 @@ pub(crate) static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(St
 /// copying arrays moved out of a workspace while a kernel used them.
 pub(crate) struct Arena {
     guard: MutexGuard<'static, State>,
+    /// The arena lock's place in the lock order (dropped after the guard).
+    held: Held,
 }
 
 impl std::ops::Deref for Arena {
@@ -349,6 +352,8 @@ impl Drop for Arena {
             return;
         }
         let pending = std::mem::take(&mut self.guard.pending);
+        // The deferred work runs with the arena lock released (it waits for data locks).
+        self.held.release();
         MutexGuard::unlocked(&mut self.guard, || {
             for work in pending {
                 work.finish();
@@ -357,11 +362,14 @@ impl Drop for Arena {
     }
 }
 
-/// Locks the arena.
+/// Locks the arena (first in the lock order: see `crate::locks`).
 #[inline]
+#[track_caller]
 pub(crate) fn lock() -> Arena {
+    let held = locks::acquire(Rank::Arena, 0);
     Arena {
         guard: ARENA.lock(),
+        held,
     }
 }
 
@@ -383,7 +391,9 @@ impl Deferred {
     fn finish(self) {
         match self {
             Deferred::Free(inner) => {
+                let held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
                 let storage = inner.data.write().take();
+                drop(held);
                 drop(storage);
             }
             Deferred::Relocate {
@@ -393,6 +403,7 @@ impl Deferred {
                 ctx,
             } => {
                 let failed = {
+                    let _held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
                     let mut data = inner.data.write();
                     if inner.moves.load(Ordering::Acquire) != seq {
                         return;

@@ -51,6 +51,7 @@ use parking_lot::Mutex;
 
 use crate::arena::{self, ArrayInner, ManagerShared};
 use crate::error::{Ctx, Site};
+use crate::locks::{self, Held, Rank};
 use crate::observe::{self, Event, Handle};
 use crate::{ArrayId, Device, Error, ManagerId, Result};
 
@@ -58,6 +59,14 @@ use replay::Replay;
 
 /// The recording in progress.
 static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+/// Locks the recorder (after the arena and data locks in the lock order: see `crate::locks`).
+/// The order mark is returned first, so it is dropped after the guard.
+#[track_caller]
+fn lock_recorder() -> (Held, parking_lot::MutexGuard<'static, Option<Recorder>>) {
+    let held = locks::acquire(Rank::Recorder, 0);
+    (held, RECORDER.lock())
+}
 
 /// Whether a recording is on: the core's memory events are wanted (see [`crate::observe`]).
 #[inline(always)]
@@ -461,7 +470,7 @@ fn install(slot: &mut Option<Recorder>, options: &RecordOptions, base: Replay, t
 /// Records one event, timed under the recorder's lock so the buffer stays in time order.
 fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     let thread = thread_index();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     let Some(recorder) = guard.as_mut() else {
         return;
     };
@@ -672,7 +681,7 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
     // The arena lock first (the order every hook keeps), so no event is missed or counted twice
     // between the starting state and the first event.
     let state = arena::lock();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     if guard.is_some() {
         return Err(ctx.invalid(
             "a memory recording is already running (started by start_recording or \
@@ -693,7 +702,7 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
 
 /// Stops recording and returns what was recorded; `None` if no recording was running.
 pub fn stop_recording() -> Option<Recording> {
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     observe::set_on(false);
     let recorder = guard.take()?;
     drop(guard);
@@ -705,7 +714,8 @@ pub fn stop_recording() -> Option<Recording> {
 /// A copy of what has been recorded so far, while the recording goes on; `None` if no recording
 /// is running. Like PyTorch's `torch.cuda.memory._snapshot()`.
 pub fn recording_snapshot() -> Option<Recording> {
-    RECORDER.lock().as_ref().map(Recorder::recording)
+    let (_held, guard) = lock_recorder();
+    guard.as_ref().map(Recorder::recording)
 }
 
 /// Whether a recording is running.
@@ -736,7 +746,7 @@ fn start_from_env(system: &Arc<ManagerShared>) {
         }
     }
     let thread = thread_index();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     if guard.is_some() {
         return;
     }
