@@ -35,14 +35,9 @@ pub(crate) struct Held {
 }
 
 #[cfg(debug_assertions)]
-mod held {
-    use super::Rank;
-    use std::cell::RefCell;
-
-    thread_local! {
-        /// The ranks (and addresses, for data locks) this thread holds, in taking order.
-        pub static HELD: RefCell<Vec<(Rank, usize)>> = const { RefCell::new(Vec::new()) };
-    }
+thread_local! {
+    /// The ranks (and addresses, for data locks) this thread holds, in taking order.
+    static HELD: std::cell::RefCell<Vec<(Rank, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Checks that this thread may now wait for a lock of `rank` (at `address`, for data locks; 0
@@ -53,7 +48,7 @@ mod held {
 pub(crate) fn acquire(rank: Rank, address: usize) -> Held {
     #[cfg(debug_assertions)]
     {
-        held::HELD.with(|held| {
+        HELD.with(|held| {
             let mut held = held.borrow_mut();
             if let Some(&(top_rank, top_address)) = held.iter().max() {
                 let in_order = top_rank < rank || (rank == Rank::Data && top_rank == Rank::Data && top_address < address);
@@ -83,7 +78,7 @@ impl Held {
         #[cfg(debug_assertions)]
         if let Some(entry) = self.entry.take() {
             // The thread-local is gone only while the thread exits: nothing to check then.
-            let _ = held::HELD.try_with(|held| {
+            let _ = HELD.try_with(|held| {
                 let mut held = held.borrow_mut();
                 if let Some(at) = held.iter().rposition(|&e| e == entry) {
                     held.remove(at);
@@ -100,8 +95,11 @@ impl Drop for Held {
     }
 }
 
-#[cfg(all(test, debug_assertions))]
+#[cfg(test)]
 mod tests {
+    // The checks exist in debug builds only (`cargo test` without `--release`).
+    #![cfg(debug_assertions)]
+
     use super::*;
 
     #[test]

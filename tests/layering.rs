@@ -24,6 +24,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("shape", 0),
     ("device", 0),
     ("host", 0),
+    // The lock order (ranks checked in debug builds).
+    ("locks", 0),
     // Per-device accounting, limits and counters.
     ("memory", 1),
     // The memory events the core emits, and the switch that says whether anyone listens.

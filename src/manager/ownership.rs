@@ -14,7 +14,7 @@ use crate::arena::{
 use crate::backend;
 use crate::error::Ctx;
 use crate::observe::{self, Event};
-use crate::workspace::{Allocation, ResetPolicy};
+use crate::workspace::{Allocation, Checkpoint};
 use crate::Result;
 
 /// The kinds of move.
@@ -51,14 +51,12 @@ impl State {
             return false;
         };
         if ws.open != Some(cycle) {
-            return ws.shared.config.reset() == ResetPolicy::EndOfBuffer
-                && ws.block.as_ref().is_some_and(|b| b.id() == block);
+            return ws.survivor_must_move(block);
         }
         match target {
             Owner::Detached => true,
             Owner::Manager(m) => {
-                !(self.is_within(m, cycle.scope)
-                    || (kind == Move::Ret && ws.shared.config.reset() == ResetPolicy::EndOfBuffer))
+                !(self.is_within(m, cycle.scope) || (kind == Move::Ret && ws.ret_in_place()))
             }
         }
     }
@@ -160,7 +158,7 @@ impl State {
         Ok(())
     }
 
-    fn target_checkpoint(&self, target: Owner) -> Option<crate::workspace::Checkpoint> {
+    fn target_checkpoint(&self, target: Owner) -> Option<Checkpoint> {
         let Owner::Manager(m) = target else {
             return None;
         };
@@ -168,7 +166,7 @@ impl State {
         Some(self.workspaces.get(cycle.ws)?.checkpoint())
     }
 
-    fn restore_target(&mut self, target: Owner, checkpoint: Option<crate::workspace::Checkpoint>) {
+    fn restore_target(&mut self, target: Owner, checkpoint: Option<Checkpoint>) {
         let (Owner::Manager(m), Some(checkpoint)) = (target, checkpoint) else {
             return;
         };

@@ -524,8 +524,11 @@ pub(crate) fn inplace2_with2(
     })
 }
 
-#[cfg(all(test, debug_assertions))]
+#[cfg(test)]
 mod lock_order_tests {
+    // The checks exist in debug builds only (`cargo test` without `--release`).
+    #![cfg(debug_assertions)]
+
     use super::*;
 
     /// The lock order is checked where the locks are taken: a thread that holds an array's data

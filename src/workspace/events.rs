@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::alloc::CycleFigures;
 use super::WorkspaceEntry;
 use crate::error::{Bytes, Site};
 use crate::observe::{self, CycleEnd, Event, NO_MANAGER};
@@ -54,18 +55,18 @@ pub(super) fn cycle_opened(ws: &WorkspaceEntry, scope: u64) {
     }
 }
 
-/// Cycle `cycle` (scope `scope`) ended: its figures are in `last_cycle_bytes` and the spill
-/// counters; the block is not yet learned or grown for the next one.
-pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
-    let spilled_bytes = ws.spilled_bytes.saturating_sub(ws.spilled_at_open.0);
-    let spilled_count = ws.spilled_count.saturating_sub(ws.spilled_at_open.1);
+/// Cycle `cycle` (scope `scope`) ended with `figures` (the block is not yet learned or grown for
+/// the next one); the allocator decided whether its spills deserve a warning.
+pub(super) fn cycle_ended(ws: &WorkspaceEntry, cycle: u64, scope: u64, figures: CycleFigures) {
+    let CycleFigures {
+        bytes,
+        spilled_bytes,
+        spilled_count,
+        warn,
+    } = figures;
     let capacity = ws.capacity();
     let name = &ws.shared.name;
-    if ws.block.is_some()
-        && spilled_bytes > spill_warning_threshold()
-        && spilled_bytes > ws.warned_spill
-    {
-        ws.warned_spill = spilled_bytes;
+    if warn {
         tracing::warn!(
             target: "ndscope::workspace",
             workspace = &**name,
@@ -87,10 +88,10 @@ pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
             target: "ndscope::workspace",
             workspace = &**name,
             cycle,
-            bytes = ws.last_cycle_bytes,
+            bytes,
             spilled_bytes,
             "workspace '{name}': cycle {cycle} ended: {} ({} spilled in {spilled_count} allocations)",
-            Bytes(ws.last_cycle_bytes),
+            Bytes(bytes),
             Bytes(spilled_bytes)
         );
     }
@@ -99,7 +100,7 @@ pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
             cycle,
             scope,
             device: ws.device,
-            bytes: ws.last_cycle_bytes,
+            bytes,
             spilled_bytes,
             spilled_count,
             capacity,
@@ -121,7 +122,7 @@ pub(super) fn learned(ws: &WorkspaceEntry, demand: usize, grown: &Result<bool>) 
             demand,
             capacity = ws.capacity(),
             "workspace '{name}': learned its block after {} cycles ({:?}): {} for a cycle of {} ({:?})",
-            ws.cycles,
+            ws.alloc.cycles(),
             ws.config().learning(),
             Bytes(ws.capacity()),
             Bytes(demand),
@@ -148,7 +149,7 @@ pub(super) fn reallocated(ws: &WorkspaceEntry, old: usize, grown: &Result<bool>)
             "workspace '{name}': block grew from {} to {} for a cycle of {} (Reallocate)",
             Bytes(old),
             Bytes(ws.capacity()),
-            Bytes(ws.max_cycle_bytes)
+            Bytes(ws.alloc.max_cycle_bytes())
         ),
         Ok(false) => {}
         Err(e) => tracing::warn!(

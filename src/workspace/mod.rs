@@ -22,6 +22,7 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod alloc;
 mod config;
 mod events;
 
@@ -141,27 +142,8 @@ pub(crate) struct WorkspaceShared {
     pub creator: std::thread::ThreadId,
 }
 
-/// Where one allocation goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Slot {
-    /// `[offset, offset + aligned)` of the block; `wrap` when a circular workspace wraps to 0.
-    Block { offset: usize, wrap: bool },
-    /// Its own buffer, counted as a spill.
-    Spill,
-    /// Its own buffer, not counted (debug bypass).
-    Bypass,
-}
-
-/// The counters an allocation changes, saved so a batch of allocations can be undone.
-#[derive(Clone, Copy)]
-pub(crate) struct Checkpoint {
-    offset: usize,
-    wrapped: bool,
-    cycle_bytes: usize,
-    spilled_bytes: usize,
-    spilled_count: u64,
-    block_live: usize,
-}
+pub(crate) use alloc::Checkpoint;
+use alloc::{Allocator, BlockState, Growth, Policy, Slot};
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
 pub(crate) struct WorkspaceEntry {
@@ -173,33 +155,17 @@ pub(crate) struct WorkspaceEntry {
     /// host memory the block is.
     pinned_for: Option<usize>,
     pub block: Option<Arc<Block>>,
-    offset: usize,
-    /// Circular workspaces: the offset when the current cycle opened, and whether the cycle has
-    /// wrapped past the end since. The open cycle's arrays occupy `[cycle_start, offset)`, or
-    /// `[cycle_start, capacity) ∪ [0, offset)` once wrapped; nothing may be placed there.
-    cycle_start: usize,
-    wrapped: bool,
     pub open: Option<CycleTag>,
     generation: u64,
-    cycles: u64,
-    cycle_bytes: usize,
-    max_cycle_bytes: usize,
-    last_cycle_bytes: usize,
-    spilled_bytes: usize,
-    spilled_count: u64,
-    reallocations: u64,
+    /// Where allocations go in the block, and the cycle's counters. Its count of live slices is
+    /// the storage carved from the current block for arrays that are open (or being created or
+    /// moved in). Every such storage holds a reference to the block, so more references than
+    /// `1 + live` mean a closed array's bytes are still in use by a kernel (their free waits for
+    /// it): then no part of the block may be handed out.
+    alloc: Allocator,
     /// Circular workspaces only: open arrays whose bytes are in the block, by offset, so a wrap
     /// can close the ones it overwrites.
     block_arrays: BTreeMap<usize, (ArrayKey, usize)>,
-    /// Storage carved from the current block for arrays that are open (or being created or
-    /// moved in). Every such storage holds a reference to the block, so more references than
-    /// `1 + block_live` mean a closed array's bytes are still in use by a kernel (their free
-    /// waits for it): then no part of the block may be handed out.
-    block_live: usize,
-    /// `(spilled_bytes, spilled_count)` when the open cycle opened, for its own spills.
-    spilled_at_open: (usize, u64),
-    /// The most a learned cycle spilled so far, to warn once per new maximum, not every cycle.
-    warned_spill: usize,
 }
 
 impl WorkspaceEntry {
@@ -214,120 +180,86 @@ impl WorkspaceEntry {
     pub fn stats(&self) -> WorkspaceStats {
         WorkspaceStats {
             capacity: self.capacity(),
-            used: self.offset,
-            cycles: self.cycles,
-            max_cycle_bytes: self.max_cycle_bytes,
-            last_cycle_bytes: self.last_cycle_bytes,
-            spilled_bytes: self.spilled_bytes,
-            spilled_count: self.spilled_count,
-            reallocations: self.reallocations,
+            used: self.alloc.offset(),
+            cycles: self.alloc.cycles(),
+            max_cycle_bytes: self.alloc.max_cycle_bytes(),
+            last_cycle_bytes: self.alloc.last_cycle_bytes(),
+            spilled_bytes: self.alloc.spilled_bytes(),
+            spilled_count: self.alloc.spilled_count(),
+            reallocations: self.alloc.reallocations(),
             generation: self.generation,
             initialized: self.block.is_some(),
         }
     }
 
-    /// Decides where `aligned` bytes go in the open cycle, changing nothing.
+    /// The allocator's policies, from the configuration.
+    fn policy(&self) -> Policy {
+        let config = self.config();
+        Policy {
+            reset: config.reset(),
+            spill: config.spill(),
+            learning: config.learning(),
+            cycles_before_initialization: config.cycles_before_initialization() as u64,
+        }
+    }
+
+    /// Decides where `aligned` bytes go in the open cycle, changing nothing (the allocator
+    /// decides; the debug mode overrides it). `WorkspaceFull` under `SpillPolicy::Fail`.
     pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Slot> {
         match debug_mode() {
             Some(DebugMode::Bypass) => return Ok(Slot::Bypass),
             Some(DebugMode::SpillEverything) => return Ok(Slot::Spill),
             None => {}
         }
-        // Before the block exists every allocation spills, whatever the policy: that is how the
-        // first cycle is measured.
-        let Some(block) = &self.block else {
-            return Ok(Slot::Spill);
+        let block = match &self.block {
+            None => BlockState::None,
+            // An array closed while a kernel used it still holds its bytes (its free waits for
+            // the kernel): see `alloc`.
+            Some(block) if Arc::strong_count(block) > 1 + self.alloc.live() => BlockState::Held {
+                capacity: block.capacity(),
+            },
+            Some(block) => BlockState::Free {
+                capacity: block.capacity(),
+            },
         };
-        // An array closed while a kernel used it still holds its bytes (its free waits for the
-        // kernel): the block is handed out again only once they are freed. Until then
-        // allocations spill, whatever the policy: this is a moment of a race between threads,
-        // not a cycle that outgrew the block.
-        if Arc::strong_count(block) > 1 + self.block_live {
-            return Ok(Slot::Spill);
-        }
-        let capacity = block.capacity();
-        let fits = |start: usize, end_limit: usize| {
-            start
-                .checked_add(aligned)
-                .is_some_and(|end| end <= end_limit)
-        };
-        let slot = match self.config().reset() {
-            ResetPolicy::BlockLeft => fits(self.offset, capacity).then_some(Slot::Block {
-                offset: self.offset,
-                wrap: false,
-            }),
-            ResetPolicy::EndOfBuffer if !self.wrapped => {
-                if fits(self.offset, capacity) {
-                    Some(Slot::Block {
-                        offset: self.offset,
-                        wrap: false,
-                    })
-                } else if fits(0, self.cycle_start) {
-                    Some(Slot::Block {
-                        offset: 0,
-                        wrap: true,
-                    })
-                } else {
-                    None
-                }
-            }
-            ResetPolicy::EndOfBuffer => {
-                fits(self.offset, self.cycle_start).then_some(Slot::Block {
-                    offset: self.offset,
-                    wrap: false,
-                })
-            }
-        };
-        match (slot, self.config().spill()) {
-            (Some(slot), _) => Ok(slot),
-            (None, SpillPolicy::External | SpillPolicy::Reallocate) => Ok(Slot::Spill),
-            (None, SpillPolicy::Fail) => Err(Error::WorkspaceFull {
+        self.alloc
+            .plan(&self.policy(), block, aligned)
+            .map_err(|full| Error::WorkspaceFull {
                 op: ctx.op,
                 at: ctx.at,
                 workspace: self.shared.name.to_string(),
-                requested: aligned,
-                used: self.offset,
-                capacity,
-            }),
-        }
+                requested: full.requested,
+                used: full.used,
+                capacity: full.capacity,
+            })
     }
 
     /// Records an allocation planned by [`plan`](Self::plan).
     pub fn commit(&mut self, slot: Slot, aligned: usize) {
-        match slot {
-            Slot::Block { offset, wrap } => {
-                self.wrapped |= wrap;
-                self.offset = offset + aligned;
-                self.cycle_bytes += aligned;
-            }
-            Slot::Spill => {
-                self.cycle_bytes += aligned;
-                self.spilled_bytes += aligned;
-                self.spilled_count += 1;
-            }
-            Slot::Bypass => {}
-        }
+        self.alloc.commit(slot, aligned);
     }
 
+    /// The allocator's counters now, to undo a batch of allocations.
     pub fn checkpoint(&self) -> Checkpoint {
-        Checkpoint {
-            offset: self.offset,
-            wrapped: self.wrapped,
-            cycle_bytes: self.cycle_bytes,
-            spilled_bytes: self.spilled_bytes,
-            spilled_count: self.spilled_count,
-            block_live: self.block_live,
-        }
+        self.alloc.checkpoint()
     }
 
     /// Undoes the allocations made since `c` (their storage is dropped by the caller).
     pub fn restore(&mut self, c: Checkpoint) {
-        self.offset = c.offset;
-        self.wrapped = c.wrapped;
-        self.cycle_bytes = c.cycle_bytes;
-        self.spilled_bytes = c.spilled_bytes;
-        self.spilled_count = c.spilled_count;
-        self.block_live = c.block_live;
+        self.alloc.restore(c);
+    }
+
+    /// Whether moving the array at `place` (in this workspace's cycle `cycle`, which is not open
+    /// any more) to another owner must copy its bytes out: it survives in the current block of a
+    /// circular workspace, which overwrites it when the buffer comes round.
+    pub fn survivor_must_move(&self, block: u64) -> bool {
+        alloc::survivors_overwritten(self.config().reset())
+            && self.block.as_ref().is_some_and(|b| b.id() == block)
+    }
+
+    /// Whether `ret` out of the open cycle keeps the bytes in place (no copy).
+    pub fn ret_in_place(&self) -> bool {
+        alloc::ret_in_place(self.config().reset())
     }
 
     /// Whether `place` is in the current block.
@@ -371,7 +303,7 @@ impl WorkspaceEntry {
         if !self.in_current_block(place) {
             return;
         }
-        self.block_live = self.block_live.saturating_sub(1);
+        self.alloc.release();
         if let Some(&(k, _)) = self.block_arrays.get(&offset) {
             if k == key {
                 self.block_arrays.remove(&offset);
@@ -401,10 +333,7 @@ impl WorkspaceEntry {
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
         // new block starts empty.
         self.block_arrays.clear();
-        self.block_live = 0;
-        self.offset = 0;
-        self.cycle_start = 0;
-        self.wrapped = false;
+        self.alloc.block_replaced();
         Ok(replaced)
     }
 
@@ -414,11 +343,7 @@ impl WorkspaceEntry {
         if self.block.is_some() {
             return Ok(());
         }
-        let demand = if self.config().initial_size() > 0 {
-            self.config().initial_size()
-        } else {
-            self.max_cycle_bytes
-        };
+        let demand = self.alloc.initial_demand(self.config().initial_size());
         if self.config().block_size_for(demand) == 0 {
             return Err(ctx.invalid(format!(
                 "workspace '{}' has nothing to size its block from: initial_size is 0 and no cycle has allocated yet",
@@ -433,40 +358,31 @@ impl WorkspaceEntry {
     fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
         let generation = self.open.map_or(self.generation, |tag| tag.generation);
         self.open = None;
-        self.cycles += 1;
-        self.last_cycle_bytes = self.cycle_bytes;
-        self.max_cycle_bytes = self.max_cycle_bytes.max(self.cycle_bytes);
-        self.cycle_bytes = 0;
-        events::cycle_ended(self, generation, scope);
-        if self.config().reset() == ResetPolicy::BlockLeft {
-            self.offset = 0;
-        }
-        self.wrapped = false;
-        if self.block.is_none() {
-            let demand = match self.config().learning() {
-                LearningPolicy::FirstLoop => self.last_cycle_bytes,
-                LearningPolicy::OverTime
-                    if self.cycles >= self.config().cycles_before_initialization() as u64 =>
-                {
-                    self.max_cycle_bytes
-                }
-                LearningPolicy::OverTime | LearningPolicy::None => 0,
-            };
-            // Learning from a cycle that allocated nothing waits for one that does.
-            if demand > 0 {
+        let policy = self.policy();
+        let figures = self.alloc.end_cycle(
+            &policy,
+            self.block.is_some(),
+            events::spill_warning_threshold(),
+        );
+        events::cycle_ended(self, generation, scope, figures);
+        match self
+            .alloc
+            .growth(&policy, self.block.as_ref().map(|b| b.capacity()))
+        {
+            Growth::Keep => {}
+            Growth::Learn { demand } => {
                 let grown = self.grow_to(ctx, demand);
                 events::learned(self, demand, &grown);
             }
-        } else if self.config().spill() == SpillPolicy::Reallocate
-            && self.max_cycle_bytes > self.capacity()
-        {
-            let old_capacity = self.capacity();
-            let grown = self.grow_to(ctx, self.max_cycle_bytes);
-            if matches!(grown, Ok(true)) {
-                self.reallocations += 1;
-                crate::memory::reallocated(self.device);
+            Growth::Reallocate { demand } => {
+                let old_capacity = self.capacity();
+                let grown = self.grow_to(ctx, demand);
+                if matches!(grown, Ok(true)) {
+                    self.alloc.reallocated();
+                    crate::memory::reallocated(self.device);
+                }
+                events::reallocated(self, old_capacity, &grown);
             }
-            events::reallocated(self, old_capacity, &grown);
         }
     }
 }
@@ -685,22 +601,10 @@ impl State {
             device,
             pinned_for,
             block: None,
-            offset: 0,
-            cycle_start: 0,
-            wrapped: false,
             open: None,
             generation: 0,
-            cycles: 0,
-            cycle_bytes: 0,
-            max_cycle_bytes: 0,
-            last_cycle_bytes: 0,
-            spilled_bytes: 0,
-            spilled_count: 0,
-            reallocations: 0,
+            alloc: Allocator::default(),
             block_arrays: BTreeMap::new(),
-            block_live: 0,
-            spilled_at_open: (0, 0),
-            warned_spill: 0,
         };
         // ND4J allocates `initial_size` at creation whatever the learning policy.
         let initial = entry.config().initial_size();
@@ -746,10 +650,7 @@ impl State {
         let ws = &mut self.workspaces[shared.key];
         ws.generation = generation;
         ws.open = Some(tag);
-        ws.cycle_start = ws.offset;
-        ws.wrapped = false;
-        ws.cycle_bytes = 0;
-        ws.spilled_at_open = (ws.spilled_bytes, ws.spilled_count);
+        ws.alloc.open_cycle();
         events::cycle_opened(ws, manager.0.id);
         Ok(manager)
     }
@@ -866,7 +767,6 @@ impl State {
                 let buffer = unsafe { block.carve(offset, bytes) }
                     .ok_or_else(|| ctx.invalid("workspace slot outside its block"))?;
                 ws.commit(Slot::Block { offset, wrap }, aligned);
-                ws.block_live += 1;
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {
