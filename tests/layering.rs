@@ -66,8 +66,6 @@ const KNOWN_UPWARD: &[(&str, &str)] = &[
     ("manager/mod.rs", "ndarray/mod.rs"),
     ("manager/mod.rs", "report.rs"),
     ("shape.rs", "backend/layout.rs"),
-    ("workspace/mod.rs", "manager/mod.rs"),
-    ("workspace/mod.rs", "manager/scope.rs"),
 ];
 
 /// Cycles that stand today (the files of each). A cycle found must lie inside one of these.
@@ -100,6 +98,10 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     ],
     &[
         "arena/mod.rs",
+        "workspace/events.rs",
+        "workspace/mod.rs",
+    ],
+    &[
         "manager/mod.rs",
         "manager/ownership.rs",
         "manager/scope.rs",
@@ -107,8 +109,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "ndarray/list.rs",
         "ndarray/mod.rs",
         "report.rs",
-        "workspace/events.rs",
-        "workspace/mod.rs",
     ],
     &[
         "timeline/chrome.rs",

@@ -7,6 +7,7 @@
 //!       └─ batch #57          (a workspace cycle: every temporary of one step lives here)
 //! ```
 
+mod cycle;
 mod ownership;
 mod scope;
 mod tree;
@@ -329,7 +330,7 @@ impl Manager {
     #[track_caller]
     pub fn workspace(&self, name: &str, config: WorkspaceConfig) -> Result<Workspace> {
         let ctx = Ctx::new("Manager::workspace");
-        arena::lock().workspace(&ctx, self, name, config)
+        arena::lock().workspace(&ctx, &self.0, name, config)
     }
 }
 

@@ -154,7 +154,7 @@ impl Replay {
         }
         for (_, ws) in state.workspaces.iter() {
             if let Some(block) = &ws.block {
-                let top = r.top(ws.shared.owner.0.id);
+                let top = r.top(ws.shared.owner.id);
                 r.blocks.insert(
                     block.id(),
                     LiveBlock {

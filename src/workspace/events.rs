@@ -179,7 +179,7 @@ pub(super) fn block_allocated(ws: &WorkspaceEntry, old: usize) {
     if observe::on() {
         observe::emit(Event::BlockAllocated {
             workspace: &ws.shared.name,
-            owner: ws.shared.owner.0.id,
+            owner: ws.shared.owner.id,
             block: block.id(),
             address: block.address(),
             device: block.memory_device(),

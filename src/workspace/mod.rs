@@ -39,12 +39,11 @@ pub use config::{
 pub use events::{set_spill_warning_threshold, spill_warning_threshold};
 
 use crate::arena::{
-    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State,
-    WorkspaceKey,
+    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, ManagerShared, Owner, Place,
+    State, WorkspaceKey,
 };
 use crate::backend::{Block, Storage};
 use crate::error::{Ctx, Site};
-use crate::manager::{Manager, Scope};
 use crate::{DType, Device, Error, Result, Shape};
 
 /// Every allocation in a workspace is rounded up to this many bytes.
@@ -135,7 +134,8 @@ pub(crate) struct WorkspaceShared {
     pub key: WorkspaceKey,
     pub name: Arc<str>,
     pub config: WorkspaceConfig,
-    pub owner: Manager,
+    /// The manager that owns it (and frees it when it closes).
+    pub owner: Arc<ManagerShared>,
     /// The stats at destruction, kept for `Workspace::stats` afterwards.
     pub final_stats: Mutex<Option<WorkspaceStats>>,
     /// The thread that created it, for [`destroy_all_workspaces_for_current_thread`].
@@ -337,6 +337,20 @@ impl WorkspaceEntry {
         Ok(replaced)
     }
 
+    /// The cycle `tag` opened, as the scope manager with id `scope` (the manager layer made it):
+    /// the allocator starts it where the last one left off.
+    pub fn cycle_opened(&mut self, tag: CycleTag, scope: u64) {
+        self.generation = tag.generation;
+        self.open = Some(tag);
+        self.alloc.open_cycle();
+        events::cycle_opened(self, scope);
+    }
+
+    /// The generation the next cycle will have.
+    pub fn next_generation(&self) -> u64 {
+        self.generation + 1
+    }
+
     /// Sizes the block now (`Workspace::initialize`): from `initial_size`, else from the largest
     /// cycle seen.
     fn initialize(&mut self, ctx: &Ctx) -> Result<()> {
@@ -395,7 +409,10 @@ impl std::fmt::Debug for Workspace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Workspace")
             .field("name", &self.0.name)
-            .field("owner", &self.0.owner)
+            .field(
+                "owner",
+                &format_args!("Manager({})", self.0.owner.describe()),
+            )
             .finish()
     }
 }
@@ -406,42 +423,9 @@ impl Workspace {
         &self.0.name
     }
 
-    /// The manager that owns the workspace (and frees it when it closes).
-    pub fn owner(&self) -> Manager {
-        self.0.owner.clone()
-    }
-
     /// The configuration.
     pub fn config(&self) -> &WorkspaceConfig {
         &self.0.config
-    }
-
-    /// Opens a cycle: a new sub-manager of the owner, named `"<name>#<generation>"`, whose arrays
-    /// allocate from the block. Closing (or dropping) the scope ends the cycle.
-    ///
-    /// The scope is not made active by this call: op results go to the owner of their first
-    /// input. Call [`Manager::activate`] on it (or use [`Workspace::cycle`]) to collect every
-    /// temporary of a step there.
-    ///
-    /// Errors: `WorkspaceBusy` while another cycle is open, `ManagerClosed` once the owner has
-    /// closed, `InvalidArgument` after [`destroy`](Self::destroy).
-    #[track_caller]
-    pub fn open(&self) -> Result<Scope> {
-        let ctx = Ctx::new("Workspace::open");
-        let manager = arena::lock().open_cycle(&ctx, &self.0)?;
-        Ok(Scope::new(manager))
-    }
-
-    /// Runs `f` in one cycle, with the cycle's scope active on this thread, and ends the cycle
-    /// afterwards (also on error or panic). Return data with `scope.ret(&x)`.
-    #[track_caller]
-    pub fn cycle<R>(&self, f: impl FnOnce(&Manager) -> Result<R>) -> Result<R> {
-        let scope = self.open()?;
-        let active = scope.activate();
-        let result = f(&scope);
-        drop(active);
-        scope.close()?;
-        result
     }
 
     /// The workspace's figures. After [`destroy`](Self::destroy), the figures at destruction.
@@ -534,7 +518,7 @@ impl State {
             .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
     }
 
-    fn workspace_mut(
+    pub(crate) fn workspace_mut(
         &mut self,
         ctx: &Ctx,
         shared: &WorkspaceShared,
@@ -542,8 +526,8 @@ impl State {
         if self.live_workspace(shared).is_some() {
             return Ok(&mut self.workspaces[shared.key]);
         }
-        if self.live_manager(&shared.owner.0).is_none() {
-            return Err(arena::manager_closed(&shared.owner.0, ctx));
+        if self.live_manager(&shared.owner).is_none() {
+            return Err(arena::manager_closed(&shared.owner, ctx));
         }
         Err(ctx.invalid(format!("workspace '{}' was destroyed", shared.name)))
     }
@@ -552,11 +536,11 @@ impl State {
     pub(crate) fn workspace(
         &mut self,
         ctx: &Ctx,
-        owner: &Manager,
+        owner: &Arc<ManagerShared>,
         name: &str,
         config: WorkspaceConfig,
     ) -> Result<Workspace> {
-        let entry = self.manager(&owner.0, ctx)?;
+        let entry = self.manager(owner, ctx)?;
         for &key in &entry.workspaces {
             let ws = &self.workspaces[key];
             if &*ws.shared.name == name {
@@ -566,23 +550,23 @@ impl State {
                 return Err(ctx.config(format!(
                     "workspace '{name}' of manager {} exists with another configuration \
                      ({:?}); asked for {:?}. Use another name, or destroy it first",
-                    owner.0.describe(),
+                    owner.describe(),
                     ws.shared.config,
                     config
                 )));
             }
         }
-        let pinned_for = match (owner.device(), config.mirroring()) {
+        let pinned_for = match (owner.device, config.mirroring()) {
             (Device::Cuda(ordinal), MirroringPolicy::HostOnly) => Some(ordinal),
             _ => None,
         };
-        let device = match (owner.device(), config.mirroring(), config.location()) {
+        let device = match (owner.device, config.mirroring(), config.location()) {
             (Device::Cpu, _, _) => Device::Cpu,
             (Device::Cuda(_), _, LocationPolicy::Mmap) => {
                 return Err(ctx.unsupported(format!(
                     "LocationPolicy::Mmap on manager {} of device {}: memory-mapped blocks are CPU only",
-                    owner.0.describe(),
-                    owner.device()
+                    owner.describe(),
+                    owner.device
                 )))
             }
             (Device::Cuda(_), MirroringPolicy::HostOnly, _) => Device::Cpu,
@@ -593,11 +577,11 @@ impl State {
                 key: WorkspaceKey::default(),
                 name: Arc::from(name),
                 config,
-                owner: owner.clone(),
+                owner: Arc::clone(owner),
                 final_stats: Mutex::new(None),
                 creator: std::thread::current().id(),
             }),
-            owner: owner.0.key,
+            owner: owner.key,
             device,
             pinned_for,
             block: None,
@@ -617,42 +601,8 @@ impl State {
             debug_assert!(shared.is_some());
             entry
         });
-        self.managers[owner.0.key].workspaces.push(key);
+        self.managers[owner.key].workspaces.push(key);
         Ok(Workspace(Arc::clone(&self.workspaces[key].shared)))
-    }
-
-    /// `Workspace::open`.
-    fn open_cycle(&mut self, ctx: &Ctx, shared: &WorkspaceShared) -> Result<Manager> {
-        let ws = self.workspace_mut(ctx, shared)?;
-        if let Some(open) = ws.open {
-            let cycle = self.describe_manager(open.scope);
-            return Err(Error::WorkspaceBusy {
-                op: ctx.op,
-                at: ctx.at,
-                workspace: shared.name.to_string(),
-                cycle,
-            });
-        }
-        let generation = ws.generation + 1;
-        let (owner, device) = (ws.owner, ws.device);
-        let name = format!("{}#{generation}", shared.name);
-        let manager = self.add_manager(ctx, owner, device)?;
-        manager.set_name(&name);
-        let key = manager.0.key;
-        let tag = CycleTag {
-            ws: shared.key,
-            generation,
-            scope: key,
-        };
-        let entry = &mut self.managers[key];
-        entry.alloc = Some(tag);
-        entry.cycle_of = Some(shared.key);
-        let ws = &mut self.workspaces[shared.key];
-        ws.generation = generation;
-        ws.open = Some(tag);
-        ws.alloc.open_cycle();
-        events::cycle_opened(ws, manager.0.id);
-        Ok(manager)
     }
 
     /// Ends the cycle of workspace `ws` whose scope has just closed.
