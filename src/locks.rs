@@ -97,56 +97,57 @@ impl Drop for Held {
 
 #[cfg(test)]
 mod tests {
-    // The checks exist in debug builds only (`cargo test` without `--release`).
-    #![cfg(debug_assertions)]
+    /// The checks exist in debug builds only (`cargo test` without `--release`).
+    #[cfg(debug_assertions)]
+    mod debug {
+        use super::super::*;
 
-    use super::*;
+        #[test]
+        fn locks_in_order_pass() {
+            let arena = acquire(Rank::Arena, 0);
+            let a = acquire(Rank::Data, 0x1000);
+            let b = acquire(Rank::Data, 0x2000);
+            let r = acquire(Rank::Recorder, 0);
+            drop((r, b, a, arena));
+            // Released out of taking order: the stack is empty again.
+            let a = acquire(Rank::Data, 0x2000);
+            drop(a);
+            let _arena = acquire(Rank::Arena, 0);
+        }
 
-    #[test]
-    fn locks_in_order_pass() {
-        let arena = acquire(Rank::Arena, 0);
-        let a = acquire(Rank::Data, 0x1000);
-        let b = acquire(Rank::Data, 0x2000);
-        let r = acquire(Rank::Recorder, 0);
-        drop((r, b, a, arena));
-        // Released out of taking order: the stack is empty again.
-        let a = acquire(Rank::Data, 0x2000);
-        drop(a);
-        let _arena = acquire(Rank::Arena, 0);
-    }
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Arena lock")]
+        fn the_arena_after_a_data_lock_panics() {
+            let _data = acquire(Rank::Data, 0x1000);
+            let _arena = acquire(Rank::Arena, 0);
+        }
 
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Arena lock")]
-    fn the_arena_after_a_data_lock_panics() {
-        let _data = acquire(Rank::Data, 0x1000);
-        let _arena = acquire(Rank::Arena, 0);
-    }
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Data lock (address 0x1000)")]
+        fn data_locks_out_of_address_order_panic() {
+            let _b = acquire(Rank::Data, 0x2000);
+            let _a = acquire(Rank::Data, 0x1000);
+        }
 
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Data lock (address 0x1000)")]
-    fn data_locks_out_of_address_order_panic() {
-        let _b = acquire(Rank::Data, 0x2000);
-        let _a = acquire(Rank::Data, 0x1000);
-    }
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Arena lock")]
+        fn the_arena_twice_panics() {
+            let _a = acquire(Rank::Arena, 0);
+            let _b = acquire(Rank::Arena, 0);
+        }
 
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Arena lock")]
-    fn the_arena_twice_panics() {
-        let _a = acquire(Rank::Arena, 0);
-        let _b = acquire(Rank::Arena, 0);
-    }
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Data lock")]
+        fn a_data_lock_under_the_recorder_panics() {
+            let _r = acquire(Rank::Recorder, 0);
+            let _d = acquire(Rank::Data, 0x1000);
+        }
 
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Data lock")]
-    fn a_data_lock_under_the_recorder_panics() {
-        let _r = acquire(Rank::Recorder, 0);
-        let _d = acquire(Rank::Data, 0x1000);
-    }
-
-    #[test]
-    fn a_released_lock_no_longer_counts() {
-        let mut data = acquire(Rank::Data, 0x1000);
-        data.release();
-        let _arena = acquire(Rank::Arena, 0);
+        #[test]
+        fn a_released_lock_no_longer_counts() {
+            let mut data = acquire(Rank::Data, 0x1000);
+            data.release();
+            let _arena = acquire(Rank::Arena, 0);
+        }
     }
 }

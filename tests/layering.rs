@@ -96,11 +96,7 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "memory.rs",
         "observe.rs",
     ],
-    &[
-        "arena/mod.rs",
-        "workspace/events.rs",
-        "workspace/mod.rs",
-    ],
+    &["arena/mod.rs", "workspace/events.rs", "workspace/mod.rs"],
     &[
         "manager/mod.rs",
         "manager/ownership.rs",

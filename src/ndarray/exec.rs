@@ -526,38 +526,39 @@ pub(crate) fn inplace2_with2(
 
 #[cfg(test)]
 mod lock_order_tests {
-    // The checks exist in debug builds only (`cargo test` without `--release`).
-    #![cfg(debug_assertions)]
+    /// The checks exist in debug builds only (`cargo test` without `--release`).
+    #[cfg(debug_assertions)]
+    mod debug {
+        use super::super::*;
 
-    use super::*;
-
-    /// The lock order is checked where the locks are taken: a thread that holds an array's data
-    /// lock and then waits for the arena lock (which could deadlock against a thread closing that
-    /// array) panics in debug builds, naming both locks.
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Arena lock")]
-    fn taking_the_arena_lock_while_holding_a_data_lock_panics() {
-        let m = Manager::new_base();
-        let a = m.zeros([4], DType::F32).expect("a small array");
-        let ctx = Ctx::new("test");
-        let _bytes = read(&ctx, &a.0).expect("open");
-        let _state = arena::lock();
-    }
-
-    /// Two data locks against address order panic; in order they pass.
-    #[test]
-    #[should_panic(expected = "lock order broken: taking the Data lock")]
-    fn data_locks_against_address_order_panic() {
-        let m = Manager::new_base();
-        let a = m.zeros([4], DType::F32).expect("a small array");
-        let b = m.zeros([4], DType::F32).expect("a small array");
-        let (low, high) = if addr(&a) < addr(&b) { (a, b) } else { (b, a) };
-        let ctx = Ctx::new("test");
-        {
-            let _low = read(&ctx, &low.0).expect("open");
-            let _high = read(&ctx, &high.0).expect("open");
+        /// The lock order is checked where the locks are taken: a thread that holds an array's data
+        /// lock and then waits for the arena lock (which could deadlock against a thread closing that
+        /// array) panics in debug builds, naming both locks.
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Arena lock")]
+        fn taking_the_arena_lock_while_holding_a_data_lock_panics() {
+            let m = Manager::new_base();
+            let a = m.zeros([4], DType::F32).expect("a small array");
+            let ctx = Ctx::new("test");
+            let _bytes = read(&ctx, &a.0).expect("open");
+            let _state = arena::lock();
         }
-        let _high = read(&ctx, &high.0).expect("open");
-        let _low = read(&ctx, &low.0).expect("open");
+
+        /// Two data locks against address order panic; in order they pass.
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Data lock")]
+        fn data_locks_against_address_order_panic() {
+            let m = Manager::new_base();
+            let a = m.zeros([4], DType::F32).expect("a small array");
+            let b = m.zeros([4], DType::F32).expect("a small array");
+            let (low, high) = if addr(&a) < addr(&b) { (a, b) } else { (b, a) };
+            let ctx = Ctx::new("test");
+            {
+                let _low = read(&ctx, &low.0).expect("open");
+                let _high = read(&ctx, &high.0).expect("open");
+            }
+            let _high = read(&ctx, &high.0).expect("open");
+            let _low = read(&ctx, &low.0).expect("open");
+        }
     }
 }
