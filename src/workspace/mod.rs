@@ -1,9 +1,10 @@
 //! Workspaces: ND4J's `MemoryWorkspace` policies, mapped onto manager scopes.
 //!
 //! A workspace is one memory block owned by a manager. Each cycle is a sub-manager of the owner
-//! (a [`Scope`]); arrays created in it (or in its sub-managers) bump-allocate from the block, and
-//! closing the scope ends the cycle and keeps the memory for the next one. After the block is
-//! sized (learned), a steady loop allocates nothing from the system.
+//! (a [`Scope`](crate::Scope)); arrays created in it (or in its sub-managers) bump-allocate from
+//! the block, and closing the scope ends the cycle and keeps the memory for the next one. After
+//! the block is sized (learned), a steady loop allocates nothing from the system. The cycle's
+//! scope is made in the manager layer (`manager/cycle.rs`); the allocator is `alloc.rs`.
 //!
 //! ```
 //! use ndscope::{DType, Manager, WorkspaceConfig};
