@@ -15,6 +15,9 @@
 //! 3. Several data locks are taken in address order ([`crate::ndarray`] does this), so two
 //!    in-place ops on crossed arrays cannot deadlock.
 //!
+//! Debug builds check 1 and 3 where the locks are taken: `crate::locks` gives each lock a rank
+//! (arena, then data locks by address, then the recorder's) and panics on a wait out of order.
+//!
 //! Closing an array removes it from the arena (under the arena lock) and then frees its bytes:
 //! at once if its data lock is free, else later, by the closing thread, after it has released
 //! the arena lock ([`Arena`]'s drop waits for the kernel, then frees). Moving an array out of a
