@@ -44,7 +44,6 @@ thread_local! {
 /// else), and counts it as held until the returned [`Held`] drops. Panics in debug builds if the
 /// order would be broken.
 #[inline]
-#[track_caller]
 pub(crate) fn acquire(rank: Rank, address: usize) -> Held {
     #[cfg(debug_assertions)]
     {

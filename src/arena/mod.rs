@@ -367,7 +367,6 @@ impl Drop for Arena {
 
 /// Locks the arena (first in the lock order: see `crate::locks`).
 #[inline]
-#[track_caller]
 pub(crate) fn lock() -> Arena {
     let held = locks::acquire(Rank::Arena, 0);
     Arena {
@@ -584,15 +583,7 @@ impl State {
         self.arrays[key].owner = owner;
         self.link(key);
         if observe::on() {
-            let entry = &self.arrays[key];
-            let inner = &entry.inner;
-            observe::emit(Event::ArrayAttached {
-                array: inner.id,
-                site: inner.created_at,
-                device: inner.device,
-                bytes: inner.nbytes(),
-                manager: self.owner_id(owner),
-            });
+            self.emit_attached(key);
         }
     }
 
@@ -636,20 +627,7 @@ impl State {
             }
         }
         if observe::on() {
-            let inner = &self.arrays[key].inner;
-            let address = inner
-                .data
-                .try_read()
-                .and_then(|data| data.as_ref().map(Storage::address))
-                .unwrap_or(0);
-            observe::emit(Event::ArrayAllocated {
-                array: Arc::clone(inner) as observe::Handle,
-                device,
-                bytes: inner.nbytes(),
-                manager: self.owner_id(owner),
-                address,
-                slot: place.slot(),
-            });
+            self.emit_allocated(key);
         }
         Arc::clone(&self.arrays[key].inner)
     }
@@ -671,17 +649,61 @@ impl State {
         // The reason is set exactly once: the key was live until now.
         let _ = entry.inner.closed.set(reason);
         if observe::on() {
-            let inner = &entry.inner;
-            observe::emit(Event::ArrayFreed {
-                array: inner.id,
-                site: inner.created_at,
-                device: inner.device,
-                bytes: inner.nbytes(),
-                manager: self.owner_id(entry.owner),
-                slot: entry.place.slot(),
-            });
+            self.emit_freed(&entry);
         }
         self.free_storage(entry.inner);
+    }
+
+    /// The memory event of the array `key` just created (off the hot path: called only while
+    /// events are on).
+    #[cold]
+    #[inline(never)]
+    fn emit_allocated(&self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let inner = &entry.inner;
+        let address = inner
+            .data
+            .try_read()
+            .and_then(|data| data.as_ref().map(Storage::address))
+            .unwrap_or(0);
+        observe::emit(Event::ArrayAllocated {
+            array: Arc::clone(inner) as observe::Handle,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+            address,
+            slot: entry.place.slot(),
+        });
+    }
+
+    /// The memory event of `entry`, just taken out of the arena.
+    #[cold]
+    #[inline(never)]
+    fn emit_freed(&self, entry: &ArrayEntry) {
+        let inner = &entry.inner;
+        observe::emit(Event::ArrayFreed {
+            array: inner.id,
+            site: inner.created_at,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+            slot: entry.place.slot(),
+        });
+    }
+
+    /// The memory event of the array `key`, which has a new owner.
+    #[cold]
+    #[inline(never)]
+    fn emit_attached(&self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let inner = &entry.inner;
+        observe::emit(Event::ArrayAttached {
+            array: inner.id,
+            site: inner.created_at,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+        });
     }
 
     /// Frees a removed array's bytes now if its data lock is free, else after the arena lock is

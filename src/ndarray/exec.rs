@@ -200,7 +200,6 @@ impl std::ops::DerefMut for WriteGuard<'_> {
 }
 
 /// Read-locks an array's bytes, or gives its `ArrayClosed` error.
-#[track_caller]
 fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
     let held = locks::acquire(Rank::Data, a as *const ArrayInner as usize);
     let guard =
@@ -209,7 +208,6 @@ fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
 }
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
-#[track_caller]
 fn write<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
     write_at(ctx, a, a as *const ArrayInner as usize)
 }
@@ -217,12 +215,11 @@ fn write<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
 /// Write-locks the bytes of an op's fresh output, after its inputs whatever its address: no other
 /// thread waits for a new array's data lock (closing it only tries), so it is counted as the
 /// last of the data locks, after which the kernel takes no other.
-#[track_caller]
 fn write_fresh<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
     write_at(ctx, a, usize::MAX)
 }
 
-#[track_caller]
+#[inline]
 fn write_at<'a>(ctx: &Ctx, a: &'a ArrayInner, address: usize) -> Result<WriteGuard<'a>> {
     let held = locks::acquire(Rank::Data, address);
     let guard = RwLockWriteGuard::try_map(a.data.write(), Option::as_mut)

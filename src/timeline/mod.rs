@@ -62,7 +62,6 @@ static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
 
 /// Locks the recorder (after the arena and data locks in the lock order: see `crate::locks`).
 /// The order mark is returned first, so it is dropped after the guard.
-#[track_caller]
 fn lock_recorder() -> (Held, parking_lot::MutexGuard<'static, Option<Recorder>>) {
     let held = locks::acquire(Rank::Recorder, 0);
     (held, RECORDER.lock())
