@@ -10,8 +10,11 @@ mod error;
 mod host;
 mod inference;
 mod layer_workspace;
+mod locks;
 mod manager;
+mod memory;
 mod ndarray;
+mod observe;
 mod persist;
 mod prefetch;
 mod print;
@@ -21,9 +24,6 @@ pub mod testing;
 mod timeline;
 pub mod workspace;
 
-pub use arena::memory::{
-    memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
-};
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
@@ -36,6 +36,9 @@ pub use layer_workspace::{
     ArrayKind, KindScope, LayerWorkspaceMgr, LayerWorkspaceMgrBuilder, Placement,
 };
 pub use manager::{ActiveScope, Manager, ManagerId, Scope};
+pub use memory::{
+    memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
+};
 pub use ndarray::{
     concat, manual_seed, stack, Activation, ArrayId, Dense, NDArray, NDList, Transpose,
 };

@@ -556,8 +556,8 @@ impl SafetensorsFile {
             .iter()
             .try_fold(0usize, |sum, t| sum.checked_add(t.len))
             .unwrap_or(usize::MAX);
-        arena::memory::reserve(ctx, device, bytes)?;
-        arena::memory::release(device, bytes);
+        crate::memory::reserve(ctx, device, bytes)?;
+        crate::memory::release(device, bytes);
         Ok(())
     }
 

@@ -15,6 +15,9 @@
 //! 3. Several data locks are taken in address order ([`crate::ndarray`] does this), so two
 //!    in-place ops on crossed arrays cannot deadlock.
 //!
+//! Debug builds check 1 and 3 where the locks are taken: `crate::locks` gives each lock a rank
+//! (arena, then data locks by address, then the recorder's) and panics on a wait out of order.
+//!
 //! Closing an array removes it from the arena (under the arena lock) and then frees its bytes:
 //! at once if its data lock is free, else later, by the closing thread, after it has released
 //! the arena lock ([`Arena`]'s drop waits for the kernel, then frees). Moving an array out of a
@@ -23,8 +26,6 @@
 //! A workspace hands out no part of its block while an array closed this way still holds its
 //! bytes (it spills instead: see `WorkspaceEntry::plan`), so no new array is ever written where
 //! a kernel still reads an old one.
-
-pub(crate) mod memory;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +37,9 @@ use slotmap::SlotMap;
 pub(crate) use crate::backend::Storage;
 
 use crate::error::{Ctx, Site};
+use crate::locks::{self, Held, Rank};
+use crate::memory;
+use crate::observe::{self, Event, Slot, NO_MANAGER};
 use crate::workspace::WorkspaceEntry;
 use crate::{DType, Device, Error, Result, Shape};
 
@@ -219,6 +223,18 @@ pub(crate) enum Place {
     },
 }
 
+impl Place {
+    /// The block slot of a workspace-block place, as memory events give it.
+    pub fn slot(self) -> Option<Slot> {
+        match self {
+            Place::Heap => None,
+            Place::Block {
+                offset, len, block, ..
+            } => Some(Slot { block, offset, len }),
+        }
+    }
+}
+
 /// An owner an array was borrowed from, to give it back to.
 #[derive(Clone)]
 pub(crate) struct Lender {
@@ -314,6 +330,8 @@ pub(crate) static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(St
 /// copying arrays moved out of a workspace while a kernel used them.
 pub(crate) struct Arena {
     guard: MutexGuard<'static, State>,
+    /// The arena lock's place in the lock order (dropped after the guard).
+    held: Held,
 }
 
 impl std::ops::Deref for Arena {
@@ -337,6 +355,8 @@ impl Drop for Arena {
             return;
         }
         let pending = std::mem::take(&mut self.guard.pending);
+        // The deferred work runs with the arena lock released (it waits for data locks).
+        self.held.release();
         MutexGuard::unlocked(&mut self.guard, || {
             for work in pending {
                 work.finish();
@@ -345,11 +365,13 @@ impl Drop for Arena {
     }
 }
 
-/// Locks the arena.
+/// Locks the arena (first in the lock order: see `crate::locks`).
 #[inline]
 pub(crate) fn lock() -> Arena {
+    let held = locks::acquire(Rank::Arena, 0);
     Arena {
         guard: ARENA.lock(),
+        held,
     }
 }
 
@@ -371,7 +393,9 @@ impl Deferred {
     fn finish(self) {
         match self {
             Deferred::Free(inner) => {
+                let held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
                 let storage = inner.data.write().take();
+                drop(held);
                 drop(storage);
             }
             Deferred::Relocate {
@@ -381,6 +405,7 @@ impl Deferred {
                 ctx,
             } => {
                 let failed = {
+                    let _held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
                     let mut data = inner.data.write();
                     if inner.moves.load(Ordering::Acquire) != seq {
                         return;
@@ -438,7 +463,7 @@ impl State {
             workspaces: Vec::new(),
         });
         let system = Arc::clone(&managers[system_key].shared);
-        crate::timeline::start_from_env(&system);
+        observe::arena_created(Arc::clone(&system) as observe::Handle);
         State {
             arrays: SlotMap::with_key(),
             managers,
@@ -488,6 +513,15 @@ impl State {
     pub fn manager(&self, shared: &ManagerShared, ctx: &Ctx) -> Result<&ManagerEntry> {
         self.live_manager(shared)
             .ok_or_else(|| manager_closed(shared, ctx))
+    }
+
+    /// The id of the manager `owner` names, or `NO_MANAGER` (detached, or no longer in the
+    /// arena): how memory events name owners.
+    pub fn owner_id(&self, owner: Owner) -> u64 {
+        match owner {
+            Owner::Manager(key) => self.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
+            Owner::Detached => NO_MANAGER,
+        }
     }
 
     /// `'name' (m12)` of a live manager key.
@@ -548,8 +582,8 @@ impl State {
         self.unlink(key);
         self.arrays[key].owner = owner;
         self.link(key);
-        if crate::timeline::on() {
-            crate::timeline::array_attached(self, key);
+        if observe::on() {
+            self.emit_attached(key);
         }
     }
 
@@ -592,8 +626,8 @@ impl State {
                 ws.note_block_array(key, place);
             }
         }
-        if crate::timeline::on() {
-            crate::timeline::array_allocated(self, key);
+        if observe::on() {
+            self.emit_allocated(key);
         }
         Arc::clone(&self.arrays[key].inner)
     }
@@ -614,10 +648,62 @@ impl State {
         memory::array_closed(entry.inner.device, entry.inner.nbytes());
         // The reason is set exactly once: the key was live until now.
         let _ = entry.inner.closed.set(reason);
-        if crate::timeline::on() {
-            crate::timeline::array_freed(self, &entry);
+        if observe::on() {
+            self.emit_freed(&entry);
         }
         self.free_storage(entry.inner);
+    }
+
+    /// The memory event of the array `key` just created (off the hot path: called only while
+    /// events are on).
+    #[cold]
+    #[inline(never)]
+    fn emit_allocated(&self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let inner = &entry.inner;
+        let address = inner
+            .data
+            .try_read()
+            .and_then(|data| data.as_ref().map(Storage::address))
+            .unwrap_or(0);
+        observe::emit(Event::ArrayAllocated {
+            array: Arc::clone(inner) as observe::Handle,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+            address,
+            slot: entry.place.slot(),
+        });
+    }
+
+    /// The memory event of `entry`, just taken out of the arena.
+    #[cold]
+    #[inline(never)]
+    fn emit_freed(&self, entry: &ArrayEntry) {
+        let inner = &entry.inner;
+        observe::emit(Event::ArrayFreed {
+            array: inner.id,
+            site: inner.created_at,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+            slot: entry.place.slot(),
+        });
+    }
+
+    /// The memory event of the array `key`, which has a new owner.
+    #[cold]
+    #[inline(never)]
+    fn emit_attached(&self, key: ArrayKey) {
+        let entry = &self.arrays[key];
+        let inner = &entry.inner;
+        observe::emit(Event::ArrayAttached {
+            array: inner.id,
+            site: inner.created_at,
+            device: inner.device,
+            bytes: inner.nbytes(),
+            manager: self.owner_id(entry.owner),
+        });
     }
 
     /// Frees a removed array's bytes now if its data lock is free, else after the arena lock is

@@ -18,8 +18,9 @@ use parking_lot::Mutex;
 use super::cpu::buffer::{HostBuffer, STORAGE_ALIGN};
 use super::cuda::{DeviceMemory, PinnedMemory};
 use super::Storage;
-use crate::arena::memory;
 use crate::error::Ctx;
+use crate::memory;
+use crate::observe::{self, Event};
 use crate::{Device, Error, Result};
 
 /// One contiguous block. Freed (and its reservation released) when the last `Arc` drops: the
@@ -356,8 +357,12 @@ impl Drop for Block {
             Kind::Pinned(_) | Kind::Device(_) => {}
         }
         memory::release(self.device, self.capacity);
-        if crate::timeline::on() {
-            crate::timeline::block_freed(self.id, self.device, self.capacity);
+        if observe::on() {
+            observe::emit(Event::BlockFreed {
+                block: self.id,
+                device: self.device,
+                capacity: self.capacity,
+            });
         }
     }
 }

@@ -7,6 +7,7 @@
 //!       └─ batch #57          (a workspace cycle: every temporary of one step lives here)
 //! ```
 
+mod cycle;
 mod ownership;
 mod scope;
 mod tree;
@@ -19,9 +20,10 @@ pub use scope::{ActiveScope, Scope};
 
 use crate::arena::{self, ManagerShared, Owner};
 use crate::error::Ctx;
+use crate::observe::{self, Event};
 use crate::report::{self, ManagerReport};
 use crate::workspace::{Workspace, WorkspaceConfig};
-use crate::{Device, NDArray, NDList, Result};
+use crate::{Device, Error, NDArray, NDList, Result};
 
 /// A manager's process-unique id, shown as `m12`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -328,6 +330,28 @@ impl Manager {
     #[track_caller]
     pub fn workspace(&self, name: &str, config: WorkspaceConfig) -> Result<Workspace> {
         let ctx = Ctx::new("Manager::workspace");
-        arena::lock().workspace(&ctx, self, name, config)
+        arena::lock().workspace(&ctx, &self.0, name, config)
+    }
+}
+
+/// The `Capped` error for an array refused by the capped manager `shared` (`what` says what was
+/// refused): built where the cap is decided, logged (debug) and emitted as a memory event.
+pub(crate) fn capped(ctx: &Ctx, shared: &ManagerShared, what: String) -> Error {
+    let described = shared.describe();
+    tracing::debug!(target: "ndscope::manager", manager = %described, op = ctx.op, at = %ctx.at, "capped manager refused an array: {what}");
+    if observe::on() {
+        observe::emit(Event::Capped {
+            site: ctx.at,
+            op: ctx.op,
+            what: &what,
+            device: shared.device,
+            manager: shared.id,
+        });
+    }
+    Error::Capped {
+        op: ctx.op,
+        at: ctx.at,
+        manager: described,
+        what,
     }
 }

@@ -13,7 +13,8 @@ use crate::arena::{
 };
 use crate::backend;
 use crate::error::Ctx;
-use crate::workspace::{Allocation, ResetPolicy};
+use crate::observe::{self, Event};
+use crate::workspace::{Allocation, Checkpoint};
 use crate::Result;
 
 /// The kinds of move.
@@ -50,14 +51,12 @@ impl State {
             return false;
         };
         if ws.open != Some(cycle) {
-            return ws.shared.config.reset() == ResetPolicy::EndOfBuffer
-                && ws.block.as_ref().is_some_and(|b| b.id() == block);
+            return ws.survivor_must_move(block);
         }
         match target {
             Owner::Detached => true,
             Owner::Manager(m) => {
-                !(self.is_within(m, cycle.scope)
-                    || (kind == Move::Ret && ws.shared.config.reset() == ResetPolicy::EndOfBuffer))
+                !(self.is_within(m, cycle.scope) || (kind == Move::Ret && ws.ret_in_place()))
             }
         }
     }
@@ -95,7 +94,7 @@ impl State {
                 Move::Attach | Move::Ret => {
                     if let (true, Some(shared)) = (capped, target_shared) {
                         let what = format!("array {} would be attached to it", inner.describe());
-                        return Err(crate::timeline::capped(ctx, shared, what));
+                        return Err(super::capped(ctx, shared, what));
                     }
                     Step::Own
                 }
@@ -159,7 +158,7 @@ impl State {
         Ok(())
     }
 
-    fn target_checkpoint(&self, target: Owner) -> Option<crate::workspace::Checkpoint> {
+    fn target_checkpoint(&self, target: Owner) -> Option<Checkpoint> {
         let Owner::Manager(m) = target else {
             return None;
         };
@@ -167,7 +166,7 @@ impl State {
         Some(self.workspaces.get(cycle.ws)?.checkpoint())
     }
 
-    fn restore_target(&mut self, target: Owner, checkpoint: Option<crate::workspace::Checkpoint>) {
+    fn restore_target(&mut self, target: Owner, checkpoint: Option<Checkpoint>) {
         let (Owner::Manager(m), Some(checkpoint)) = (target, checkpoint) else {
             return;
         };
@@ -201,8 +200,19 @@ impl State {
                 ws.note_block_array(key, place);
             }
         }
-        if crate::timeline::on() {
-            crate::timeline::array_relocated(self, key, old_place, to.address());
+        if observe::on() {
+            let entry = &self.arrays[key];
+            let inner = &entry.inner;
+            observe::emit(Event::ArrayRelocated {
+                array: inner.id,
+                site: inner.created_at,
+                device: inner.device,
+                bytes: inner.nbytes(),
+                manager: self.owner_id(entry.owner),
+                address: to.address(),
+                from: old_place.slot(),
+                to: entry.place.slot(),
+            });
         }
         let seq = inner.moves.fetch_add(1, Ordering::AcqRel) + 1;
         let Some(mut data) = inner.data.try_write() else {

@@ -8,6 +8,7 @@ use crate::arena::{
     self, ArrayList, CloseReason, Lender, ManagerEntry, ManagerKey, ManagerShared, Owner, State,
 };
 use crate::error::Ctx;
+use crate::observe::{self, Event};
 use crate::{Device, Manager, Result};
 
 impl State {
@@ -53,8 +54,12 @@ impl State {
         }
         self.managers[parent].first_child = Some(key);
         let shared = Arc::clone(&self.managers[key].shared);
-        if crate::timeline::on() {
-            crate::timeline::manager_opened(&shared);
+        if observe::on() {
+            observe::emit(Event::ManagerOpened {
+                manager: Arc::clone(&shared) as observe::Handle,
+                id: shared.id,
+                device: shared.device,
+            });
         }
         Ok(Manager(shared))
     }
@@ -179,8 +184,11 @@ impl State {
         if let Some(next) = next {
             self.managers[next].prev_sibling = prev;
         }
-        if crate::timeline::on() {
-            crate::timeline::manager_closed(&shared);
+        if observe::on() {
+            observe::emit(Event::ManagerClosed {
+                id: shared.id,
+                device: shared.device,
+            });
         }
         self.managers.remove(key);
     }

@@ -13,6 +13,7 @@ use parking_lot::{
 use crate::arena::{self, ArrayInner, CloseReason, Owner, Place};
 use crate::backend::Storage;
 use crate::error::Ctx;
+use crate::locks::{self, Held, Rank};
 use crate::manager::Manager;
 use crate::{DType, Device, Error, NDArray, Result, Shape};
 
@@ -104,11 +105,7 @@ pub(crate) fn new_array(
         }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
-        return Err(crate::timeline::capped(
-            ctx,
-            &state.managers[m].shared,
-            what,
-        ));
+        return Err(crate::manager::capped(ctx, &state.managers[m].shared, what));
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
     let dirty = allocation.buffer.may_be_stale();
@@ -138,7 +135,7 @@ pub(crate) fn adopt(
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {
         let what = format!("a new {dtype} array of shape {shape} would be created in it");
-        return Err(crate::timeline::capped(ctx, &m.0, what));
+        return Err(crate::manager::capped(ctx, &m.0, what));
     }
     let inner = state.insert_array(
         shape,
@@ -167,17 +164,67 @@ pub(crate) fn discard(array: &NDArray) {
     }
 }
 
-type ReadGuard<'a> = MappedRwLockReadGuard<'a, Storage>;
-type WriteGuard<'a> = MappedRwLockWriteGuard<'a, Storage>;
+/// An array's bytes, read-locked (and counted in the lock order, see `crate::locks`).
+struct ReadGuard<'a> {
+    guard: MappedRwLockReadGuard<'a, Storage>,
+    _held: Held,
+}
+
+/// An array's bytes, write-locked (and counted in the lock order, see `crate::locks`).
+struct WriteGuard<'a> {
+    guard: MappedRwLockWriteGuard<'a, Storage>,
+    _held: Held,
+}
+
+impl std::ops::Deref for ReadGuard<'_> {
+    type Target = Storage;
+    #[inline]
+    fn deref(&self) -> &Storage {
+        &self.guard
+    }
+}
+
+impl std::ops::Deref for WriteGuard<'_> {
+    type Target = Storage;
+    #[inline]
+    fn deref(&self) -> &Storage {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for WriteGuard<'_> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut Storage {
+        &mut self.guard
+    }
+}
 
 /// Read-locks an array's bytes, or gives its `ArrayClosed` error.
 fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
-    RwLockReadGuard::try_map(a.data.read(), Option::as_ref).map_err(|_| a.closed_error(ctx))
+    let held = locks::acquire(Rank::Data, a as *const ArrayInner as usize);
+    let guard =
+        RwLockReadGuard::try_map(a.data.read(), Option::as_ref).map_err(|_| a.closed_error(ctx))?;
+    Ok(ReadGuard { guard, _held: held })
 }
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
 fn write<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
-    RwLockWriteGuard::try_map(a.data.write(), Option::as_mut).map_err(|_| a.closed_error(ctx))
+    write_at(ctx, a, a as *const ArrayInner as usize)
+}
+
+/// Write-locks the bytes of an op's fresh output, after its inputs whatever its address: no other
+/// thread waits for a new array's data lock (closing it only tries), so it is counted as the
+/// last of the data locks, after which the kernel takes no other.
+fn write_fresh<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
+    write_at(ctx, a, usize::MAX)
+}
+
+#[inline]
+fn write_at<'a>(ctx: &Ctx, a: &'a ArrayInner, address: usize) -> Result<WriteGuard<'a>> {
+    let held = locks::acquire(Rank::Data, address);
+    let guard = RwLockWriteGuard::try_map(a.data.write(), Option::as_mut)
+        .map_err(|_| a.closed_error(ctx))?;
+    Ok(WriteGuard { guard, _held: held })
 }
 
 fn addr(a: &NDArray) -> usize {
@@ -211,7 +258,7 @@ pub(crate) fn compute<R>(
     f: impl FnOnce(&[&Storage], &mut Storage) -> Result<R>,
 ) -> Result<R> {
     let (guards, slot) = read_sorted(ctx, inputs)?;
-    let mut out_guard = write(ctx, &out.0)?;
+    let mut out_guard = write_fresh(ctx, &out.0)?;
     let buffers: Vec<&Storage> = slot.iter().map(|&j| &*guards[j]).collect();
     f(&buffers, &mut out_guard)
 }
@@ -281,7 +328,7 @@ pub(crate) fn op1_into(
     let (out, _) = new_array(ctx, target, shape, dtype, device)?;
     let result = (|| {
         let input = read(ctx, &a.0)?;
-        let mut output = write(ctx, &out.0)?;
+        let mut output = write_fresh(ctx, &out.0)?;
         kernel(&input, &mut output)
     })();
     match result {
@@ -306,7 +353,7 @@ pub(crate) fn op2(
     let result = (|| {
         if addr(a) == addr(b) {
             let input = read(ctx, &a.0)?;
-            let mut output = write(ctx, &out.0)?;
+            let mut output = write_fresh(ctx, &out.0)?;
             return kernel(&input, &input, &mut output);
         }
         let (first, second) = if addr(a) < addr(b) { (a, b) } else { (b, a) };
@@ -317,7 +364,7 @@ pub(crate) fn op2(
         } else {
             (&g2, &g1)
         };
-        let mut output = write(ctx, &out.0)?;
+        let mut output = write_fresh(ctx, &out.0)?;
         kernel(ga, gb, &mut output)
     })();
     match result {
@@ -472,4 +519,43 @@ pub(crate) fn inplace2_with2(
             _ => Err(clash(ctx)),
         }
     })
+}
+
+#[cfg(test)]
+mod lock_order_tests {
+    /// The checks exist in debug builds only (`cargo test` without `--release`).
+    #[cfg(debug_assertions)]
+    mod debug {
+        use super::super::*;
+
+        /// The lock order is checked where the locks are taken: a thread that holds an array's data
+        /// lock and then waits for the arena lock (which could deadlock against a thread closing that
+        /// array) panics in debug builds, naming both locks.
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Arena lock")]
+        fn taking_the_arena_lock_while_holding_a_data_lock_panics() {
+            let m = Manager::new_base();
+            let a = m.zeros([4], DType::F32).expect("a small array");
+            let ctx = Ctx::new("test");
+            let _bytes = read(&ctx, &a.0).expect("open");
+            let _state = arena::lock();
+        }
+
+        /// Two data locks against address order panic; in order they pass.
+        #[test]
+        #[should_panic(expected = "lock order broken: taking the Data lock")]
+        fn data_locks_against_address_order_panic() {
+            let m = Manager::new_base();
+            let a = m.zeros([4], DType::F32).expect("a small array");
+            let b = m.zeros([4], DType::F32).expect("a small array");
+            let (low, high) = if addr(&a) < addr(&b) { (a, b) } else { (b, a) };
+            let ctx = Ctx::new("test");
+            {
+                let _low = read(&ctx, &low.0).expect("open");
+                let _high = read(&ctx, &high.0).expect("open");
+            }
+            let _high = read(&ctx, &high.0).expect("open");
+            let _low = read(&ctx, &low.0).expect("open");
+        }
+    }
 }

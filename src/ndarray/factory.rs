@@ -48,7 +48,7 @@ impl Manager {
         let state = arena::lock();
         if state.manager(&self.0, ctx)?.capped {
             let what = format!("a new {dtype} array of shape {shape} would be created in it");
-            return Err(crate::timeline::capped(ctx, &self.0, what));
+            return Err(crate::manager::capped(ctx, &self.0, what));
         }
         Ok(())
     }

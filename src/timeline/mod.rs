@@ -43,29 +43,34 @@ use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 
-use crate::arena::{self, ArrayEntry, ArrayInner, ArrayKey, ManagerShared, Owner, Place, State};
-use crate::backend::{Block, Storage};
+use crate::arena::{self, ArrayInner, ManagerShared};
 use crate::error::{Ctx, Site};
+use crate::locks::{self, Held, Rank};
+use crate::observe::{self, Event, Handle};
 use crate::{ArrayId, Device, Error, ManagerId, Result};
 
 use replay::Replay;
 
-/// Whether a recording is on. Every hook checks this first: off, that is all it costs.
-static ON: AtomicBool = AtomicBool::new(false);
-
 /// The recording in progress.
 static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
 
-/// Whether a recording is on (a relaxed load: the branch every hook costs when it is off).
+/// Locks the recorder (after the arena and data locks in the lock order: see `crate::locks`).
+/// The order mark is returned first, so it is dropped after the guard.
+fn lock_recorder() -> (Held, parking_lot::MutexGuard<'static, Option<Recorder>>) {
+    let held = locks::acquire(Rank::Recorder, 0);
+    (held, RECORDER.lock())
+}
+
+/// Whether a recording is on: the core's memory events are wanted (see [`crate::observe`]).
 #[inline(always)]
-pub(crate) fn on() -> bool {
-    ON.load(Ordering::Relaxed)
+fn on() -> bool {
+    observe::on()
 }
 
 /// How to record, for [`start_recording`].
@@ -134,24 +139,7 @@ pub enum EventKind {
     OutOfMemory,
 }
 
-/// Where a workspace-block array lies: block id, offset and aligned length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Slot {
-    pub block: u64,
-    pub offset: usize,
-    pub len: usize,
-}
-
-impl Slot {
-    fn of(place: Place) -> Option<Slot> {
-        match place {
-            Place::Heap => None,
-            Place::Block {
-                offset, len, block, ..
-            } => Some(Slot { block, offset, len }),
-        }
-    }
-}
+pub(crate) use crate::observe::Slot;
 
 /// An event's own data.
 #[derive(Clone)]
@@ -231,7 +219,7 @@ fn device_code(device: Device) -> u32 {
 }
 
 /// No manager (a detached array).
-pub(crate) const NO_MANAGER: u64 = u64::MAX;
+pub(crate) use crate::observe::NO_MANAGER;
 
 /// One recorded event. Read it with its methods; a [`Recording`] holds them in time order.
 #[derive(Clone)]
@@ -475,13 +463,13 @@ fn install(slot: &mut Option<Recorder>, options: &RecordOptions, base: Replay, t
         base,
         thread,
     });
-    ON.store(true, Ordering::Relaxed);
+    observe::set_on(true);
 }
 
 /// Records one event, timed under the recorder's lock so the buffer stays in time order.
 fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     let thread = thread_index();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     let Some(recorder) = guard.as_mut() else {
         return;
     };
@@ -496,223 +484,172 @@ fn record(device: Device, manager: u64, bytes: usize, data: Data) {
     });
 }
 
-/// The id of the manager `owner` names, or `NO_MANAGER` (detached, or no longer in the arena).
-pub(super) fn manager_id(state: &State, owner: Owner) -> u64 {
-    match owner {
-        Owner::Manager(key) => state.managers.get(key).map_or(NO_MANAGER, |m| m.shared.id),
-        Owner::Detached => NO_MANAGER,
+// ----------------------------------------------------------------------------------------------
+// The observer: the core's memory events become recorded events.
+// ----------------------------------------------------------------------------------------------
+
+impl observe::Observer for observe::Recorder {
+    fn arena_created(&self, system: &Handle) {
+        if let Ok(system) = Arc::clone(system).downcast::<ManagerShared>() {
+            start_from_env(&system);
+        }
     }
-}
 
-// ----------------------------------------------------------------------------------------------
-// Hooks. Callers check `on()` first; each checks again (a recording may stop in between).
-// ----------------------------------------------------------------------------------------------
-
-/// `State::insert_array`: the array `key` was just created.
-#[cold]
-#[inline(never)]
-pub(crate) fn array_allocated(state: &State, key: ArrayKey) {
-    let Some(entry) = state.arrays.get(key) else {
-        return;
-    };
-    let inner = Arc::clone(&entry.inner);
-    let address = inner
-        .data
-        .try_read()
-        .and_then(|data| data.as_ref().map(Storage::address))
-        .unwrap_or(0);
-    let (device, bytes) = (inner.device, inner.nbytes());
-    let data = Data::Alloc {
-        array: inner,
-        address,
-        slot: Slot::of(entry.place),
-    };
-    record(device, manager_id(state, entry.owner), bytes, data);
-}
-
-/// `State::remove_array`: `entry` was just taken out of the arena.
-#[cold]
-#[inline(never)]
-pub(crate) fn array_freed(state: &State, entry: &ArrayEntry) {
-    let inner = &entry.inner;
-    let data = Data::Free {
-        array: inner.id,
-        site: inner.created_at,
-        slot: Slot::of(entry.place),
-    };
-    record(
-        inner.device,
-        manager_id(state, entry.owner),
-        inner.nbytes(),
-        data,
-    );
-}
-
-/// `State::set_owner`: the array `key` has a new owner.
-#[cold]
-#[inline(never)]
-pub(crate) fn array_attached(state: &State, key: ArrayKey) {
-    let Some(entry) = state.arrays.get(key) else {
-        return;
-    };
-    let inner = &entry.inner;
-    let data = Data::Attach {
-        array: inner.id,
-        site: inner.created_at,
-    };
-    record(
-        inner.device,
-        manager_id(state, entry.owner),
-        inner.nbytes(),
-        data,
-    );
-}
-
-/// A move of the array `key` to new storage at `address` (its place is already the new one).
-#[cold]
-#[inline(never)]
-pub(crate) fn array_relocated(state: &State, key: ArrayKey, from: Place, address: u64) {
-    let Some(entry) = state.arrays.get(key) else {
-        return;
-    };
-    let inner = &entry.inner;
-    let data = Data::Relocate(Box::new(Relocation {
-        array: inner.id,
-        site: inner.created_at,
-        address,
-        from: Slot::of(from),
-        to: Slot::of(entry.place),
-    }));
-    record(
-        inner.device,
-        manager_id(state, entry.owner),
-        inner.nbytes(),
-        data,
-    );
-}
-
-/// A manager was created.
-#[cold]
-#[inline(never)]
-pub(crate) fn manager_opened(shared: &Arc<ManagerShared>) {
-    let data = Data::ManagerOpen {
-        manager: Arc::clone(shared),
-    };
-    record(shared.device, shared.id, 0, data);
-}
-
-/// A manager is closing (its arrays are freed already).
-#[cold]
-#[inline(never)]
-pub(crate) fn manager_closed(shared: &ManagerShared) {
-    record(shared.device, shared.id, 0, Data::ManagerClose);
-}
-
-/// A cycle of `workspace` opened, as the scope manager `scope`.
-#[cold]
-#[inline(never)]
-pub(crate) fn cycle_opened(workspace: &Arc<str>, cycle: u64, scope: u64, device: Device) {
-    let data = Data::CycleOpen {
-        workspace: Arc::clone(workspace),
-        cycle,
-    };
-    record(device, scope, 0, data);
-}
-
-/// The figures of a cycle that just ended.
-pub(crate) struct CycleEnd {
-    pub cycle: u64,
-    pub scope: u64,
-    pub device: Device,
-    pub bytes: usize,
-    pub spilled_bytes: usize,
-    pub spilled_count: u64,
-    pub capacity: usize,
-}
-
-/// A cycle of `workspace` ended.
-#[cold]
-#[inline(never)]
-pub(crate) fn cycle_closed(workspace: &Arc<str>, end: CycleEnd) {
-    let data = Data::CycleClose {
-        workspace: Arc::clone(workspace),
-        cycle: end.cycle,
-        spilled_bytes: end.spilled_bytes,
-        spilled_count: end.spilled_count,
-        capacity: end.capacity,
-    };
-    record(end.device, end.scope, end.bytes, data);
-}
-
-/// `workspace` (owned by manager `owner`) allocated `block`.
-#[cold]
-#[inline(never)]
-pub(crate) fn block_allocated(workspace: &Arc<str>, owner: u64, block: &Block) {
-    let data = Data::BlockAlloc {
-        workspace: Arc::clone(workspace),
-        block: block.id(),
-        address: block.address(),
-    };
-    record(block.memory_device(), owner, block.capacity(), data);
-}
-
-/// A block was freed (its last user dropped it).
-#[cold]
-#[inline(never)]
-pub(crate) fn block_freed(block: u64, device: Device, capacity: usize) {
-    record(device, NO_MANAGER, capacity, Data::BlockFree { block });
-}
-
-/// An allocation of `bytes` (aligned) for a cycle of `workspace` (scope `scope`) spilled.
-#[cold]
-#[inline(never)]
-pub(crate) fn spilled(workspace: &Arc<str>, scope: u64, device: Device, bytes: usize, site: Site) {
-    let data = Data::Spill {
-        workspace: Arc::clone(workspace),
-        site,
-    };
-    record(device, scope, bytes, data);
-}
-
-/// Builds the `Capped` error for an array refused by the capped `manager`; records it and logs
-/// it (debug) on the way.
-pub(crate) fn capped(ctx: &Ctx, manager: &ManagerShared, what: String) -> Error {
-    let described = manager.describe();
-    tracing::debug!(target: "ndscope::manager", manager = %described, op = ctx.op, at = %ctx.at, "capped manager refused an array: {what}");
-    if on() {
-        let data = Data::Capped {
-            site: ctx.at,
-            op: ctx.op,
-            what: Arc::from(what.as_str()),
+    /// Called while `on()`; `record` checks again under the recorder's lock (a recording may
+    /// stop in between).
+    fn event(&self, event: Event<'_>) {
+        let (device, manager, bytes, data) = match event {
+            Event::ArrayAllocated {
+                array,
+                device,
+                bytes,
+                manager,
+                address,
+                slot,
+            } => {
+                let Ok(array) = array.downcast::<ArrayInner>() else {
+                    return;
+                };
+                let data = Data::Alloc {
+                    array,
+                    address,
+                    slot,
+                };
+                (device, manager, bytes, data)
+            }
+            Event::ArrayFreed {
+                array,
+                site,
+                device,
+                bytes,
+                manager,
+                slot,
+            } => (device, manager, bytes, Data::Free { array, site, slot }),
+            Event::ArrayAttached {
+                array,
+                site,
+                device,
+                bytes,
+                manager,
+            } => (device, manager, bytes, Data::Attach { array, site }),
+            Event::ArrayRelocated {
+                array,
+                site,
+                device,
+                bytes,
+                manager,
+                address,
+                from,
+                to,
+            } => {
+                let data = Data::Relocate(Box::new(Relocation {
+                    array,
+                    site,
+                    address,
+                    from,
+                    to,
+                }));
+                (device, manager, bytes, data)
+            }
+            Event::ManagerOpened {
+                manager,
+                id,
+                device,
+            } => {
+                let Ok(manager) = manager.downcast::<ManagerShared>() else {
+                    return;
+                };
+                (device, id, 0, Data::ManagerOpen { manager })
+            }
+            Event::ManagerClosed { id, device } => (device, id, 0, Data::ManagerClose),
+            Event::CycleOpened {
+                workspace,
+                cycle,
+                scope,
+                device,
+            } => {
+                let data = Data::CycleOpen {
+                    workspace: Arc::clone(workspace),
+                    cycle,
+                };
+                (device, scope, 0, data)
+            }
+            Event::CycleClosed { workspace, end } => {
+                let data = Data::CycleClose {
+                    workspace: Arc::clone(workspace),
+                    cycle: end.cycle,
+                    spilled_bytes: end.spilled_bytes,
+                    spilled_count: end.spilled_count,
+                    capacity: end.capacity,
+                };
+                (end.device, end.scope, end.bytes, data)
+            }
+            Event::BlockAllocated {
+                workspace,
+                owner,
+                block,
+                address,
+                device,
+                capacity,
+            } => {
+                let data = Data::BlockAlloc {
+                    workspace: Arc::clone(workspace),
+                    block,
+                    address,
+                };
+                (device, owner, capacity, data)
+            }
+            Event::BlockFreed {
+                block,
+                device,
+                capacity,
+            } => (device, NO_MANAGER, capacity, Data::BlockFree { block }),
+            Event::Spilled {
+                workspace,
+                scope,
+                device,
+                bytes,
+                site,
+            } => {
+                let data = Data::Spill {
+                    workspace: Arc::clone(workspace),
+                    site,
+                };
+                (device, scope, bytes, data)
+            }
+            Event::Capped {
+                site,
+                op,
+                what,
+                device,
+                manager,
+            } => {
+                let data = Data::Capped {
+                    site,
+                    op,
+                    what: Arc::from(what),
+                };
+                (device, manager, 0, data)
+            }
+            Event::OutOfMemory {
+                site,
+                op,
+                device,
+                requested,
+                in_use,
+                limit,
+            } => {
+                let data = Data::OutOfMemory {
+                    site,
+                    op,
+                    in_use,
+                    limit,
+                };
+                (device, NO_MANAGER, requested, data)
+            }
         };
-        record(manager.device, manager.id, 0, data);
+        record(device, manager, bytes, data);
     }
-    Error::Capped {
-        op: ctx.op,
-        at: ctx.at,
-        manager: described,
-        what,
-    }
-}
-
-/// An allocation of `requested` bytes on `device` was refused.
-pub(crate) fn out_of_memory(
-    ctx: &Ctx,
-    device: Device,
-    requested: usize,
-    in_use: usize,
-    limit: Option<usize>,
-) {
-    if !on() {
-        return;
-    }
-    let data = Data::OutOfMemory {
-        site: ctx.at,
-        op: ctx.op,
-        in_use,
-        limit,
-    };
-    record(device, NO_MANAGER, requested, data);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -743,7 +680,7 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
     // The arena lock first (the order every hook keeps), so no event is missed or counted twice
     // between the starting state and the first event.
     let state = arena::lock();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     if guard.is_some() {
         return Err(ctx.invalid(
             "a memory recording is already running (started by start_recording or \
@@ -764,8 +701,8 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
 
 /// Stops recording and returns what was recorded; `None` if no recording was running.
 pub fn stop_recording() -> Option<Recording> {
-    let mut guard = RECORDER.lock();
-    ON.store(false, Ordering::Relaxed);
+    let (_held, mut guard) = lock_recorder();
+    observe::set_on(false);
     let recorder = guard.take()?;
     drop(guard);
     let recording = recorder.recording();
@@ -776,7 +713,8 @@ pub fn stop_recording() -> Option<Recording> {
 /// A copy of what has been recorded so far, while the recording goes on; `None` if no recording
 /// is running. Like PyTorch's `torch.cuda.memory._snapshot()`.
 pub fn recording_snapshot() -> Option<Recording> {
-    RECORDER.lock().as_ref().map(Recorder::recording)
+    let (_held, guard) = lock_recorder();
+    guard.as_ref().map(Recorder::recording)
 }
 
 /// Whether a recording is running.
@@ -820,7 +758,7 @@ fn open_output(path: Option<PathBuf>) -> std::result::Result<Option<(PathBuf, Fi
 /// `path` as a Chrome trace if it ends in `.json`, as a PyTorch snapshot if it ends in `.pickle`
 /// or `.pkl`, else both, at `path.json` and `path.pickle`. `NDSCOPE_RECORD_MAX_ENTRIES` sets the
 /// cap on events.
-pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
+fn start_from_env(system: &Arc<ManagerShared>) {
     let Some(path) = std::env::var_os("NDSCOPE_RECORD").filter(|p| !p.is_empty()) else {
         return;
     };
@@ -855,7 +793,7 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
         }
     };
     let thread = thread_index();
-    let mut guard = RECORDER.lock();
+    let (_held, mut guard) = lock_recorder();
     if guard.is_some() {
         return;
     }
@@ -867,7 +805,7 @@ pub(crate) fn start_from_env(system: &Arc<ManagerShared>) {
     );
     drop(guard);
     *EXIT_FILES.lock() = Some(files);
-    if !crate::backend::cpu::process::at_exit(write_at_exit) {
+    if !at_exit(write_at_exit) {
         tracing::warn!(
             target: "ndscope::timeline",
             "NDSCOPE_RECORD: this platform cannot run code at exit; call ndscope::stop_recording() and write the files yourself"
@@ -890,6 +828,23 @@ pub(crate) fn env_outputs(path: &Path) -> (Option<PathBuf>, Option<PathBuf>) {
     }
 }
 
+/// Runs `f` when the process exits normally (returning from `main` or `std::process::exit`),
+/// through the C library's `atexit`. Returns `false` where that is not available.
+fn at_exit(f: extern "C" fn()) -> bool {
+    #[cfg(any(unix, windows))]
+    {
+        // SAFETY: `atexit` only stores the pointer of a plain `extern "C"` function with no
+        // arguments, which lives as long as the program; it is called once, at exit.
+        unsafe { libc::atexit(f) == 0 }
+    }
+    #[cfg(not(any(unix, windows)))]
+    {
+        let _ = f;
+        false
+    }
+}
+
+/// The exit hook `NDSCOPE_RECORD` installs: writes the recording to the asked path.
 extern "C" fn write_at_exit() {
     let Some(files) = EXIT_FILES.lock().take() else {
         return;
@@ -898,7 +853,7 @@ extern "C" fn write_at_exit() {
     // Another thread may hold the recorder's lock as the process exits: wait a little, no more.
     let recording = match RECORDER.try_lock_for(Duration::from_secs(2)) {
         Some(mut guard) => {
-            ON.store(false, Ordering::Relaxed);
+            observe::set_on(false);
             guard.take().map(|r| r.recording())
         }
         None => None,

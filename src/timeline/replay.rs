@@ -12,9 +12,10 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::{Data, MemoryEvent, Slot, NO_MANAGER};
-use crate::arena::{memory, ArrayInner, ManagerShared, State};
+use crate::arena::{ArrayInner, ManagerShared, State};
 use crate::backend::Storage;
 use crate::error::Site;
+use crate::memory;
 use crate::Device;
 
 /// Hashes the process-unique ids (arrays, managers, blocks) the maps are keyed by: a multiply
@@ -153,7 +154,7 @@ impl Replay {
         }
         for (_, ws) in state.workspaces.iter() {
             if let Some(block) = &ws.block {
-                let top = r.top(ws.shared.owner.0.id);
+                let top = r.top(ws.shared.owner.id);
                 r.blocks.insert(
                     block.id(),
                     LiveBlock {
@@ -174,8 +175,8 @@ impl Replay {
                 .data
                 .try_read()
                 .and_then(|data| data.as_ref().map(Storage::address));
-            let owner = super::manager_id(state, entry.owner);
-            let slot = Slot::of(entry.place);
+            let owner = state.owner_id(entry.owner);
+            let slot = entry.place.slot();
             if let (Some(slot), Some(address)) = (slot, address) {
                 // A block replaced by a larger one lives on while arrays are in it.
                 let top = r.top(owner);

@@ -1,12 +1,13 @@
 //! What a workspace tells the outside about its cycles: `tracing` events (debug for cycles and
 //! blocks, info for learning decisions, warnings for spills past a threshold and blocks that
-//! could not be allocated) and the memory recorder's events.
+//! could not be allocated) and the memory events (see `crate::observe`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::alloc::CycleFigures;
 use super::WorkspaceEntry;
 use crate::error::{Bytes, Site};
-use crate::timeline::{self, CycleEnd, NO_MANAGER};
+use crate::observe::{self, CycleEnd, Event, NO_MANAGER};
 use crate::Result;
 
 /// Bytes a learned cycle may spill before a warning; see [`set_spill_warning_threshold`].
@@ -44,23 +45,28 @@ pub(super) fn cycle_opened(ws: &WorkspaceEntry, scope: u64) {
         ws.shared.name,
         ws.generation
     );
-    if timeline::on() {
-        timeline::cycle_opened(&ws.shared.name, ws.generation, scope, ws.device);
+    if observe::on() {
+        observe::emit(Event::CycleOpened {
+            workspace: &ws.shared.name,
+            cycle: ws.generation,
+            scope,
+            device: ws.device,
+        });
     }
 }
 
-/// Cycle `cycle` (scope `scope`) ended: its figures are in `last_cycle_bytes` and the spill
-/// counters; the block is not yet learned or grown for the next one.
-pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
-    let spilled_bytes = ws.spilled_bytes.saturating_sub(ws.spilled_at_open.0);
-    let spilled_count = ws.spilled_count.saturating_sub(ws.spilled_at_open.1);
+/// Cycle `cycle` (scope `scope`) ended with `figures` (the block is not yet learned or grown for
+/// the next one); the allocator decided whether its spills deserve a warning.
+pub(super) fn cycle_ended(ws: &WorkspaceEntry, cycle: u64, scope: u64, figures: CycleFigures) {
+    let CycleFigures {
+        bytes,
+        spilled_bytes,
+        spilled_count,
+        warn,
+    } = figures;
     let capacity = ws.capacity();
     let name = &ws.shared.name;
-    if ws.block.is_some()
-        && spilled_bytes > spill_warning_threshold()
-        && spilled_bytes > ws.warned_spill
-    {
-        ws.warned_spill = spilled_bytes;
+    if warn {
         tracing::warn!(
             target: "ndscope::workspace",
             workspace = &**name,
@@ -82,24 +88,27 @@ pub(super) fn cycle_ended(ws: &mut WorkspaceEntry, cycle: u64, scope: u64) {
             target: "ndscope::workspace",
             workspace = &**name,
             cycle,
-            bytes = ws.last_cycle_bytes,
+            bytes,
             spilled_bytes,
             "workspace '{name}': cycle {cycle} ended: {} ({} spilled in {spilled_count} allocations)",
-            Bytes(ws.last_cycle_bytes),
+            Bytes(bytes),
             Bytes(spilled_bytes)
         );
     }
-    if timeline::on() {
+    if observe::on() {
         let end = CycleEnd {
             cycle,
             scope,
             device: ws.device,
-            bytes: ws.last_cycle_bytes,
+            bytes,
             spilled_bytes,
             spilled_count,
             capacity,
         };
-        timeline::cycle_closed(name, end);
+        observe::emit(Event::CycleClosed {
+            workspace: name,
+            end,
+        });
     }
 }
 
@@ -113,7 +122,7 @@ pub(super) fn learned(ws: &WorkspaceEntry, demand: usize, grown: &Result<bool>) 
             demand,
             capacity = ws.capacity(),
             "workspace '{name}': learned its block after {} cycles ({:?}): {} for a cycle of {} ({:?})",
-            ws.cycles,
+            ws.alloc.cycles(),
             ws.config().learning(),
             Bytes(ws.capacity()),
             Bytes(demand),
@@ -140,7 +149,7 @@ pub(super) fn reallocated(ws: &WorkspaceEntry, old: usize, grown: &Result<bool>)
             "workspace '{name}': block grew from {} to {} for a cycle of {} (Reallocate)",
             Bytes(old),
             Bytes(ws.capacity()),
-            Bytes(ws.max_cycle_bytes)
+            Bytes(ws.alloc.max_cycle_bytes())
         ),
         Ok(false) => {}
         Err(e) => tracing::warn!(
@@ -167,16 +176,28 @@ pub(super) fn block_allocated(ws: &WorkspaceEntry, old: usize) {
         Bytes(block.capacity()),
         block.memory_device()
     );
-    if timeline::on() {
-        timeline::block_allocated(&ws.shared.name, ws.shared.owner.0.id, block);
+    if observe::on() {
+        observe::emit(Event::BlockAllocated {
+            workspace: &ws.shared.name,
+            owner: ws.shared.owner.id,
+            block: block.id(),
+            address: block.address(),
+            device: block.memory_device(),
+            capacity: block.capacity(),
+        });
     }
 }
 
 /// An allocation of `bytes` (aligned) at `site` spilled, in the cycle whose scope is `scope`.
 pub(super) fn spilled(ws: &WorkspaceEntry, scope: Option<u64>, bytes: usize, site: Site) {
-    crate::arena::memory::spilled(ws.device);
-    if timeline::on() {
-        let scope = scope.unwrap_or(NO_MANAGER);
-        timeline::spilled(&ws.shared.name, scope, ws.device, bytes, site);
+    crate::memory::spilled(ws.device);
+    if observe::on() {
+        observe::emit(Event::Spilled {
+            workspace: &ws.shared.name,
+            scope: scope.unwrap_or(NO_MANAGER),
+            device: ws.device,
+            bytes,
+            site,
+        });
     }
 }

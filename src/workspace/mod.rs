@@ -1,9 +1,10 @@
 //! Workspaces: ND4J's `MemoryWorkspace` policies, mapped onto manager scopes.
 //!
 //! A workspace is one memory block owned by a manager. Each cycle is a sub-manager of the owner
-//! (a [`Scope`]); arrays created in it (or in its sub-managers) bump-allocate from the block, and
-//! closing the scope ends the cycle and keeps the memory for the next one. After the block is
-//! sized (learned), a steady loop allocates nothing from the system.
+//! (a [`Scope`](crate::Scope)); arrays created in it (or in its sub-managers) bump-allocate from
+//! the block, and closing the scope ends the cycle and keeps the memory for the next one. After
+//! the block is sized (learned), a steady loop allocates nothing from the system. The cycle's
+//! scope is made in the manager layer (`manager/cycle.rs`); the allocator is `alloc.rs`.
 //!
 //! ```
 //! use ndscope::{DType, Manager, WorkspaceConfig};
@@ -22,6 +23,7 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod alloc;
 mod config;
 mod events;
 
@@ -38,12 +40,11 @@ pub use config::{
 pub use events::{set_spill_warning_threshold, spill_warning_threshold};
 
 use crate::arena::{
-    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, Owner, Place, State,
-    WorkspaceKey,
+    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, ManagerShared, Owner, Place,
+    State, WorkspaceKey,
 };
 use crate::backend::{Block, Storage};
 use crate::error::{Ctx, Site};
-use crate::manager::{Manager, Scope};
 use crate::{DType, Device, Error, Result, Shape};
 
 /// Every allocation in a workspace is rounded up to this many bytes.
@@ -138,34 +139,16 @@ pub(crate) struct WorkspaceShared {
     pub key: WorkspaceKey,
     pub name: Arc<str>,
     pub config: WorkspaceConfig,
-    pub owner: Manager,
+    /// The manager that owns it (and frees it when it closes).
+    pub owner: Arc<ManagerShared>,
     /// The stats at destruction, kept for `Workspace::stats` afterwards.
     pub final_stats: Mutex<Option<WorkspaceStats>>,
     /// The thread that created it, for [`destroy_all_workspaces_for_current_thread`].
     pub creator: std::thread::ThreadId,
 }
 
-/// Where one allocation goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Slot {
-    /// `[offset, offset + aligned)` of the block; `wrap` when a circular workspace wraps to 0.
-    Block { offset: usize, wrap: bool },
-    /// Its own buffer, counted as a spill.
-    Spill,
-    /// Its own buffer, not counted (debug bypass).
-    Bypass,
-}
-
-/// The counters an allocation changes, saved so a batch of allocations can be undone.
-#[derive(Clone, Copy)]
-pub(crate) struct Checkpoint {
-    offset: usize,
-    wrapped: bool,
-    cycle_bytes: usize,
-    spilled_bytes: usize,
-    spilled_count: u64,
-    block_live: usize,
-}
+pub(crate) use alloc::Checkpoint;
+use alloc::{Allocator, BlockState, Growth, Policy, Slot};
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
 pub(crate) struct WorkspaceEntry {
@@ -177,36 +160,18 @@ pub(crate) struct WorkspaceEntry {
     /// host memory the block is.
     pinned_for: Option<usize>,
     pub block: Option<Arc<Block>>,
-    offset: usize,
-    /// Circular workspaces: the offset when the current cycle opened, and whether the cycle has
-    /// wrapped past the end since. The open cycle's arrays occupy `[cycle_start, offset)`, or
-    /// `[cycle_start, capacity) ∪ [0, offset)` once wrapped; nothing may be placed there.
-    cycle_start: usize,
-    wrapped: bool,
     pub open: Option<CycleTag>,
     generation: u64,
-    cycles: u64,
-    cycle_bytes: usize,
-    max_cycle_bytes: usize,
-    last_cycle_bytes: usize,
-    spilled_bytes: usize,
-    spilled_count: u64,
-    reallocations: u64,
+    /// Where allocations go in the block, and the cycle's counters. Its count of live slices is
+    /// the storage carved from the current block for arrays that are open (or being created or
+    /// moved in). Every such storage holds a reference to the block, so more references than
+    /// `1 + live` mean a closed array's bytes are still in use by a kernel (their free waits for
+    /// it): then no part of the block may be handed out.
+    alloc: Allocator,
     /// Circular workspaces only: open arrays whose bytes are in the block, by offset, so a wrap
     /// can close the ones it overwrites.
     block_arrays: BTreeMap<usize, (ArrayKey, usize)>,
-    /// Storage carved from the current block for arrays that are open (or being created or
-    /// moved in). Every such storage holds a reference to the block, so more references than
-    /// `1 + block_live` mean a closed array's bytes are still in use by a kernel (their free
-    /// waits for it): then no part of the block may be handed out.
-    block_live: usize,
-    /// `(spilled_bytes, spilled_count)` when the open cycle opened, for its own spills.
-    spilled_at_open: (usize, u64),
-    /// The most a learned cycle spilled so far, to warn once per new maximum, not every cycle.
-    warned_spill: usize,
-    /// Circular workspaces only (the prefetcher's ring): an allocation never overwrites an
-    /// open array of an earlier cycle; it spills instead, and at the end of the cycle the block
-    /// grows to the policy's size for the largest cycle when that is larger than the block.
+    /// Circular workspaces only (the prefetcher's ring): see [`Policy::keep_open`].
     keep_open: bool,
 }
 
@@ -222,120 +187,87 @@ impl WorkspaceEntry {
     pub fn stats(&self) -> WorkspaceStats {
         WorkspaceStats {
             capacity: self.capacity(),
-            used: self.offset,
-            cycles: self.cycles,
-            max_cycle_bytes: self.max_cycle_bytes,
-            last_cycle_bytes: self.last_cycle_bytes,
-            spilled_bytes: self.spilled_bytes,
-            spilled_count: self.spilled_count,
-            reallocations: self.reallocations,
+            used: self.alloc.offset(),
+            cycles: self.alloc.cycles(),
+            max_cycle_bytes: self.alloc.max_cycle_bytes(),
+            last_cycle_bytes: self.alloc.last_cycle_bytes(),
+            spilled_bytes: self.alloc.spilled_bytes(),
+            spilled_count: self.alloc.spilled_count(),
+            reallocations: self.alloc.reallocations(),
             generation: self.generation,
             initialized: self.block.is_some(),
         }
     }
 
-    /// Decides where `aligned` bytes go in the open cycle, changing nothing.
+    /// The allocator's policies, from the configuration.
+    fn policy(&self) -> Policy {
+        let config = self.config();
+        Policy {
+            reset: config.reset(),
+            spill: config.spill(),
+            learning: config.learning(),
+            cycles_before_initialization: config.cycles_before_initialization() as u64,
+            keep_open: self.keep_open,
+        }
+    }
+
+    /// Decides where `aligned` bytes go in the open cycle, changing nothing (the allocator
+    /// decides; the debug mode overrides it). `WorkspaceFull` under `SpillPolicy::Fail`.
     pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Slot> {
         match debug_mode() {
             Some(DebugMode::Bypass) => return Ok(Slot::Bypass),
             Some(DebugMode::SpillEverything) => return Ok(Slot::Spill),
             None => {}
         }
-        // Before the block exists every allocation spills, whatever the policy: that is how the
-        // first cycle is measured.
-        let Some(block) = &self.block else {
-            return Ok(Slot::Spill);
+        let block = match &self.block {
+            None => BlockState::None,
+            // An array closed while a kernel used it still holds its bytes (its free waits for
+            // the kernel): see `alloc`.
+            Some(block) if Arc::strong_count(block) > 1 + self.alloc.live() => BlockState::Held {
+                capacity: block.capacity(),
+            },
+            Some(block) => BlockState::Free {
+                capacity: block.capacity(),
+            },
         };
-        // An array closed while a kernel used it still holds its bytes (its free waits for the
-        // kernel): the block is handed out again only once they are freed. Until then
-        // allocations spill, whatever the policy: this is a moment of a race between threads,
-        // not a cycle that outgrew the block.
-        if Arc::strong_count(block) > 1 + self.block_live {
-            return Ok(Slot::Spill);
-        }
-        let capacity = block.capacity();
-        let fits = |start: usize, end_limit: usize| {
-            start
-                .checked_add(aligned)
-                .is_some_and(|end| end <= end_limit)
-        };
-        let slot = match self.config().reset() {
-            ResetPolicy::BlockLeft => fits(self.offset, capacity).then_some(Slot::Block {
-                offset: self.offset,
-                wrap: false,
-            }),
-            ResetPolicy::EndOfBuffer if !self.wrapped => {
-                if fits(self.offset, capacity) {
-                    Some(Slot::Block {
-                        offset: self.offset,
-                        wrap: false,
-                    })
-                } else if fits(0, self.cycle_start) {
-                    Some(Slot::Block {
-                        offset: 0,
-                        wrap: true,
-                    })
-                } else {
-                    None
-                }
-            }
-            ResetPolicy::EndOfBuffer => {
-                fits(self.offset, self.cycle_start).then_some(Slot::Block {
-                    offset: self.offset,
-                    wrap: false,
-                })
-            }
-        };
-        match (slot, self.config().spill()) {
-            (Some(slot), _) => Ok(slot),
-            (None, SpillPolicy::External | SpillPolicy::Reallocate) => Ok(Slot::Spill),
-            (None, SpillPolicy::Fail) => Err(Error::WorkspaceFull {
+        self.alloc
+            .plan(&self.policy(), block, aligned)
+            .map_err(|full| Error::WorkspaceFull {
                 op: ctx.op,
                 at: ctx.at,
                 workspace: self.shared.name.to_string(),
-                requested: aligned,
-                used: self.offset,
-                capacity,
-            }),
-        }
+                requested: full.requested,
+                used: full.used,
+                capacity: full.capacity,
+            })
     }
 
     /// Records an allocation planned by [`plan`](Self::plan).
     pub fn commit(&mut self, slot: Slot, aligned: usize) {
-        match slot {
-            Slot::Block { offset, wrap } => {
-                self.wrapped |= wrap;
-                self.offset = offset + aligned;
-                self.cycle_bytes += aligned;
-            }
-            Slot::Spill => {
-                self.cycle_bytes += aligned;
-                self.spilled_bytes += aligned;
-                self.spilled_count += 1;
-            }
-            Slot::Bypass => {}
-        }
+        self.alloc.commit(slot, aligned);
     }
 
+    /// The allocator's counters now, to undo a batch of allocations.
     pub fn checkpoint(&self) -> Checkpoint {
-        Checkpoint {
-            offset: self.offset,
-            wrapped: self.wrapped,
-            cycle_bytes: self.cycle_bytes,
-            spilled_bytes: self.spilled_bytes,
-            spilled_count: self.spilled_count,
-            block_live: self.block_live,
-        }
+        self.alloc.checkpoint()
     }
 
     /// Undoes the allocations made since `c` (their storage is dropped by the caller).
     pub fn restore(&mut self, c: Checkpoint) {
-        self.offset = c.offset;
-        self.wrapped = c.wrapped;
-        self.cycle_bytes = c.cycle_bytes;
-        self.spilled_bytes = c.spilled_bytes;
-        self.spilled_count = c.spilled_count;
-        self.block_live = c.block_live;
+        self.alloc.restore(c);
+    }
+
+    /// Whether moving the array at `place` (in this workspace's cycle `cycle`, which is not open
+    /// any more) to another owner must copy its bytes out: it survives in the current block of a
+    /// circular workspace, which overwrites it when the buffer comes round.
+    pub fn survivor_must_move(&self, block: u64) -> bool {
+        alloc::survivors_overwritten(self.config().reset())
+            && self.block.as_ref().is_some_and(|b| b.id() == block)
+    }
+
+    /// Whether `ret` out of the open cycle keeps the bytes in place (no copy).
+    pub fn ret_in_place(&self) -> bool {
+        alloc::ret_in_place(self.config().reset())
     }
 
     /// Whether `place` is in the current block.
@@ -379,7 +311,7 @@ impl WorkspaceEntry {
         if !self.in_current_block(place) {
             return;
         }
-        self.block_live = self.block_live.saturating_sub(1);
+        self.alloc.release();
         if let Some(&(k, _)) = self.block_arrays.get(&offset) {
             if k == key {
                 self.block_arrays.remove(&offset);
@@ -409,11 +341,22 @@ impl WorkspaceEntry {
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
         // new block starts empty.
         self.block_arrays.clear();
-        self.block_live = 0;
-        self.offset = 0;
-        self.cycle_start = 0;
-        self.wrapped = false;
+        self.alloc.block_replaced();
         Ok(replaced)
+    }
+
+    /// The cycle `tag` opened, as the scope manager with id `scope` (the manager layer made it):
+    /// the allocator starts it where the last one left off.
+    pub fn cycle_opened(&mut self, tag: CycleTag, scope: u64) {
+        self.generation = tag.generation;
+        self.open = Some(tag);
+        self.alloc.open_cycle();
+        events::cycle_opened(self, scope);
+    }
+
+    /// The generation the next cycle will have.
+    pub fn next_generation(&self) -> u64 {
+        self.generation + 1
     }
 
     /// Sizes the block now (`Workspace::initialize`): from `initial_size`, else from the largest
@@ -422,11 +365,7 @@ impl WorkspaceEntry {
         if self.block.is_some() {
             return Ok(());
         }
-        let demand = if self.config().initial_size() > 0 {
-            self.config().initial_size()
-        } else {
-            self.max_cycle_bytes
-        };
+        let demand = self.alloc.initial_demand(self.config().initial_size());
         if self.config().block_size_for(demand) == 0 {
             return Err(ctx.invalid(format!(
                 "workspace '{}' has nothing to size its block from: initial_size is 0 and no cycle has allocated yet",
@@ -441,42 +380,32 @@ impl WorkspaceEntry {
     fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
         let generation = self.open.map_or(self.generation, |tag| tag.generation);
         self.open = None;
-        self.cycles += 1;
-        self.last_cycle_bytes = self.cycle_bytes;
-        self.max_cycle_bytes = self.max_cycle_bytes.max(self.cycle_bytes);
-        self.cycle_bytes = 0;
-        events::cycle_ended(self, generation, scope);
-        if self.config().reset() == ResetPolicy::BlockLeft {
-            self.offset = 0;
-        }
-        self.wrapped = false;
-        if self.block.is_none() {
-            let demand = match self.config().learning() {
-                LearningPolicy::FirstLoop => self.last_cycle_bytes,
-                LearningPolicy::OverTime
-                    if self.cycles >= self.config().cycles_before_initialization() as u64 =>
-                {
-                    self.max_cycle_bytes
-                }
-                LearningPolicy::OverTime | LearningPolicy::None => 0,
-            };
-            // Learning from a cycle that allocated nothing waits for one that does.
-            if demand > 0 {
+        let policy = self.policy();
+        let figures = self.alloc.end_cycle(
+            &policy,
+            self.block.is_some(),
+            events::spill_warning_threshold(),
+        );
+        events::cycle_ended(self, generation, scope, figures);
+        match self.alloc.growth(
+            &policy,
+            self.block.as_ref().map(|b| b.capacity()),
+            |bytes| self.config().block_size_for(bytes),
+        ) {
+            Growth::Keep => {}
+            Growth::Learn { demand } => {
                 let grown = self.grow_to(ctx, demand);
                 events::learned(self, demand, &grown);
             }
-        } else if self.config().spill() == SpillPolicy::Reallocate
-            && (self.max_cycle_bytes > self.capacity()
-                || (self.keep_open
-                    && self.config().block_size_for(self.max_cycle_bytes) > self.capacity()))
-        {
-            let old_capacity = self.capacity();
-            let grown = self.grow_to(ctx, self.max_cycle_bytes);
-            if matches!(grown, Ok(true)) {
-                self.reallocations += 1;
-                crate::arena::memory::reallocated(self.device);
+            Growth::Reallocate { demand } => {
+                let old_capacity = self.capacity();
+                let grown = self.grow_to(ctx, demand);
+                if matches!(grown, Ok(true)) {
+                    self.alloc.reallocated();
+                    crate::memory::reallocated(self.device);
+                }
+                events::reallocated(self, old_capacity, &grown);
             }
-            events::reallocated(self, old_capacity, &grown);
         }
     }
 }
@@ -489,7 +418,10 @@ impl std::fmt::Debug for Workspace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Workspace")
             .field("name", &self.0.name)
-            .field("owner", &self.0.owner)
+            .field(
+                "owner",
+                &format_args!("Manager({})", self.0.owner.describe()),
+            )
             .finish()
     }
 }
@@ -500,42 +432,9 @@ impl Workspace {
         &self.0.name
     }
 
-    /// The manager that owns the workspace (and frees it when it closes).
-    pub fn owner(&self) -> Manager {
-        self.0.owner.clone()
-    }
-
     /// The configuration.
     pub fn config(&self) -> &WorkspaceConfig {
         &self.0.config
-    }
-
-    /// Opens a cycle: a new sub-manager of the owner, named `"<name>#<generation>"`, whose arrays
-    /// allocate from the block. Closing (or dropping) the scope ends the cycle.
-    ///
-    /// The scope is not made active by this call: op results go to the owner of their first
-    /// input. Call [`Manager::activate`] on it (or use [`Workspace::cycle`]) to collect every
-    /// temporary of a step there.
-    ///
-    /// Errors: `WorkspaceBusy` while another cycle is open, `ManagerClosed` once the owner has
-    /// closed, `InvalidArgument` after [`destroy`](Self::destroy).
-    #[track_caller]
-    pub fn open(&self) -> Result<Scope> {
-        let ctx = Ctx::new("Workspace::open");
-        let manager = arena::lock().open_cycle(&ctx, &self.0)?;
-        Ok(Scope::new(manager))
-    }
-
-    /// Runs `f` in one cycle, with the cycle's scope active on this thread, and ends the cycle
-    /// afterwards (also on error or panic). Return data with `scope.ret(&x)`.
-    #[track_caller]
-    pub fn cycle<R>(&self, f: impl FnOnce(&Manager) -> Result<R>) -> Result<R> {
-        let scope = self.open()?;
-        let active = scope.activate();
-        let result = f(&scope);
-        drop(active);
-        scope.close()?;
-        result
     }
 
     /// The workspace's figures. After [`destroy`](Self::destroy), the figures at destruction.
@@ -638,7 +537,7 @@ impl State {
             .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
     }
 
-    fn workspace_mut(
+    pub(crate) fn workspace_mut(
         &mut self,
         ctx: &Ctx,
         shared: &WorkspaceShared,
@@ -646,8 +545,8 @@ impl State {
         if self.live_workspace(shared).is_some() {
             return Ok(&mut self.workspaces[shared.key]);
         }
-        if self.live_manager(&shared.owner.0).is_none() {
-            return Err(arena::manager_closed(&shared.owner.0, ctx));
+        if self.live_manager(&shared.owner).is_none() {
+            return Err(arena::manager_closed(&shared.owner, ctx));
         }
         Err(ctx.invalid(format!("workspace '{}' was destroyed", shared.name)))
     }
@@ -656,11 +555,11 @@ impl State {
     pub(crate) fn workspace(
         &mut self,
         ctx: &Ctx,
-        owner: &Manager,
+        owner: &Arc<ManagerShared>,
         name: &str,
         config: WorkspaceConfig,
     ) -> Result<Workspace> {
-        let entry = self.manager(&owner.0, ctx)?;
+        let entry = self.manager(owner, ctx)?;
         for &key in &entry.workspaces {
             let ws = &self.workspaces[key];
             if &*ws.shared.name == name {
@@ -670,23 +569,23 @@ impl State {
                 return Err(ctx.config(format!(
                     "workspace '{name}' of manager {} exists with another configuration \
                      ({:?}); asked for {:?}. Use another name, or destroy it first",
-                    owner.0.describe(),
+                    owner.describe(),
                     ws.shared.config,
                     config
                 )));
             }
         }
-        let pinned_for = match (owner.device(), config.mirroring()) {
+        let pinned_for = match (owner.device, config.mirroring()) {
             (Device::Cuda(ordinal), MirroringPolicy::HostOnly) => Some(ordinal),
             _ => None,
         };
-        let device = match (owner.device(), config.mirroring(), config.location()) {
+        let device = match (owner.device, config.mirroring(), config.location()) {
             (Device::Cpu, _, _) => Device::Cpu,
             (Device::Cuda(_), _, LocationPolicy::Mmap) => {
                 return Err(ctx.unsupported(format!(
                     "LocationPolicy::Mmap on manager {} of device {}: memory-mapped blocks are CPU only",
-                    owner.0.describe(),
-                    owner.device()
+                    owner.describe(),
+                    owner.device
                 )))
             }
             (Device::Cuda(_), MirroringPolicy::HostOnly, _) => Device::Cpu,
@@ -697,30 +596,18 @@ impl State {
                 key: WorkspaceKey::default(),
                 name: Arc::from(name),
                 config,
-                owner: owner.clone(),
+                owner: Arc::clone(owner),
                 final_stats: Mutex::new(None),
                 creator: std::thread::current().id(),
             }),
-            owner: owner.0.key,
+            owner: owner.key,
             device,
             pinned_for,
             block: None,
-            offset: 0,
-            cycle_start: 0,
-            wrapped: false,
             open: None,
             generation: 0,
-            cycles: 0,
-            cycle_bytes: 0,
-            max_cycle_bytes: 0,
-            last_cycle_bytes: 0,
-            spilled_bytes: 0,
-            spilled_count: 0,
-            reallocations: 0,
+            alloc: Allocator::default(),
             block_arrays: BTreeMap::new(),
-            block_live: 0,
-            spilled_at_open: (0, 0),
-            warned_spill: 0,
             keep_open: false,
         };
         // ND4J allocates `initial_size` at creation whatever the learning policy.
@@ -734,58 +621,21 @@ impl State {
             debug_assert!(shared.is_some());
             entry
         });
-        self.managers[owner.0.key].workspaces.push(key);
+        self.managers[owner.key].workspaces.push(key);
         Ok(Workspace(Arc::clone(&self.workspaces[key].shared)))
-    }
-
-    /// `Workspace::open`.
-    fn open_cycle(&mut self, ctx: &Ctx, shared: &WorkspaceShared) -> Result<Manager> {
-        let ws = self.workspace_mut(ctx, shared)?;
-        if let Some(open) = ws.open {
-            let cycle = self.describe_manager(open.scope);
-            return Err(Error::WorkspaceBusy {
-                op: ctx.op,
-                at: ctx.at,
-                workspace: shared.name.to_string(),
-                cycle,
-            });
-        }
-        let generation = ws.generation + 1;
-        let (owner, device) = (ws.owner, ws.device);
-        let name = format!("{}#{generation}", shared.name);
-        let manager = self.add_manager(ctx, owner, device)?;
-        manager.set_name(&name);
-        let key = manager.0.key;
-        let tag = CycleTag {
-            ws: shared.key,
-            generation,
-            scope: key,
-        };
-        let entry = &mut self.managers[key];
-        entry.alloc = Some(tag);
-        entry.cycle_of = Some(shared.key);
-        let ws = &mut self.workspaces[shared.key];
-        ws.generation = generation;
-        ws.open = Some(tag);
-        ws.cycle_start = ws.offset;
-        ws.wrapped = false;
-        ws.cycle_bytes = 0;
-        ws.spilled_at_open = (ws.spilled_bytes, ws.spilled_count);
-        events::cycle_opened(ws, manager.0.id);
-        Ok(manager)
     }
 
     /// Ends the cycle of workspace `ws` whose scope has just closed.
     pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
         // The scope's id is only recorded: looked up only while recording.
-        let scope = if crate::timeline::on() {
+        let scope = if crate::observe::on() {
             self.workspaces
                 .get(ws)
                 .and_then(|w| w.open)
                 .and_then(|tag| self.managers.get(tag.scope))
-                .map_or(crate::timeline::NO_MANAGER, |m| m.shared.id)
+                .map_or(crate::observe::NO_MANAGER, |m| m.shared.id)
         } else {
-            crate::timeline::NO_MANAGER
+            crate::observe::NO_MANAGER
         };
         if let Some(ws) = self.workspaces.get_mut(ws) {
             ws.end_cycle(ctx, scope);
@@ -888,7 +738,6 @@ impl State {
                 let buffer = unsafe { block.carve(offset, bytes) }
                     .ok_or_else(|| ctx.invalid("workspace slot outside its block"))?;
                 ws.commit(Slot::Block { offset, wrap }, aligned);
-                ws.block_live += 1;
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {
@@ -905,7 +754,7 @@ impl State {
                     ws.commit(slot, aligned);
                     if slot == Slot::Spill {
                         // The scope's id is only recorded: looked up only while recording.
-                        let scope = crate::timeline::on()
+                        let scope = crate::observe::on()
                             .then(|| self.managers.get(cycle.scope).map(|m| m.shared.id))
                             .flatten();
                         events::spilled(ws, scope, aligned, ctx.at);

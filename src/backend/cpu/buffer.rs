@@ -10,9 +10,9 @@ use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::arena::memory;
 use crate::backend::Block;
 use crate::error::Ctx;
+use crate::memory;
 use crate::{Device, Element, Result};
 
 /// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.

@@ -10,7 +10,6 @@ pub(crate) mod num;
 pub(crate) mod ops;
 pub(crate) mod packed;
 pub(crate) mod pool;
-pub(crate) mod process;
 pub(crate) mod random;
 pub(crate) mod reduce;
 pub(crate) mod sgd;

@@ -15,9 +15,9 @@ use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::kernels::Kernels;
-use crate::arena::memory;
 use crate::backend::ALLOW_TF32;
 use crate::error::Ctx;
+use crate::memory;
 use crate::{Device, Error, Result};
 
 /// Bytes of each of the two page-locked staging buffers of a device.

@@ -21,9 +21,9 @@ use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{result, sys};
 
 use super::device::{driver_error, gpu, Gpu};
-use crate::arena::memory;
 use crate::backend::{Block, Storage};
 use crate::error::Ctx;
+use crate::memory;
 use crate::Result;
 
 /// The device memory of one array: its own allocation, or a slice of a workspace block.

@@ -21,7 +21,6 @@ use cudarc::driver::{result, CudaEvent};
 use super::device::{blas_error, driver_error, sticky, Gpu, STAGING};
 use super::kernels::Function;
 use super::memory::DeviceBuffer;
-use crate::arena::memory::MAX_CUDA_DEVICES;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
     broadcast_strides, contiguous_strides, merge_dims, reduction_passes, Pass,
@@ -29,6 +28,7 @@ use crate::backend::layout::{
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::dispatch;
 use crate::error::{Ctx, Site};
+use crate::memory::MAX_CUDA_DEVICES;
 use crate::{DType, Element, Error, Result};
 
 type Src<'a> = (&'a DeviceBuffer, &'a [usize]);

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::LazyLock;
 
 use crate::error::{Ctx, LimitSource};
+use crate::observe::{self, Event};
 use crate::{Device, Error, Result};
 
 /// CUDA ordinals with their own counters; larger ordinals cannot be created.
@@ -297,7 +298,16 @@ fn out_of_memory(
         limit_source,
     };
     tracing::warn!(target: "ndscope::memory", %device, requested, in_use, "{error}");
-    crate::timeline::out_of_memory(ctx, device, requested, in_use, limit);
+    if observe::on() {
+        observe::emit(Event::OutOfMemory {
+            site: ctx.at,
+            op: ctx.op,
+            device,
+            requested,
+            in_use,
+            limit,
+        });
+    }
     error
 }
 
