@@ -1,16 +1,19 @@
 //! The CUDA backend against the driver and cuBLAS it builds on, on device 0 (issue: CUDA).
 //! Needs `--features cuda` and a GPU; without one it prints why and measures nothing.
 //!
-//! - `alloc`: create + close of a 1 MiB array in a learned workspace cycle, against
-//!   `cuMemAlloc` + `cuMemFree` of the same bytes (the driver, synchronous) and
-//!   `cuMemAllocAsync` + `cuMemFreeAsync` (its stream-ordered pool).
+//! - `alloc`: create + close of a 1 MiB array in a learned workspace cycle, against the same
+//!   cycle on the CPU, `cuMemAlloc` + `cuMemFree` of the same bytes (the driver, synchronous)
+//!   and `cuMemAllocAsync` + `cuMemFreeAsync` (its stream-ordered pool).
 //! - `cycle`: driver allocations per learned cycle of an MLP step (printed; must be 0).
 //! - `matmul_4096_f32`: `matmul` of two 4096² f32 matrices (strict FP32), against cuBLAS's
 //!   sgemm called directly.
 //! - `mlp_step_b256`, `mlp_step_b16`: the MLP training step of `benches/training.rs`
 //!   (784→1024→1024→10, SGD with momentum) in a workspace cycle.
-//! - `h2d_256MiB`: `to_device` of 256 MiB (through page-locked staging), against a pageable
-//!   `cuMemcpyHtoD` of the same bytes.
+//! - `h2d_256MiB`: `to_device` of 256 MiB from pageable memory (double-buffered through the
+//!   page-locked staging buffers) and from page-locked memory (a `MirroringPolicy::HostOnly`
+//!   workspace's array, copied directly), against a pageable `cuMemcpyHtoD` of the same bytes.
+//! - `d2h_256MiB`: `to_device(Cpu)` of 256 MiB into pageable memory, and a page-locked round
+//!   trip (to the GPU and back into the HostOnly workspace), against a pageable `cuMemcpyDtoH`.
 //!
 //! Every timing ends with a synchronisation of the device, so it counts the GPU's work. The
 //! medians go to `target/ndscope-bench/cuda.json`, which `benches/peers/cuda_peer.py` reads to
@@ -81,6 +84,27 @@ fn alloc(c: &mut Criterion) {
         });
         drop(scope);
     });
+    // The same cycle on the CPU.
+    let cpu_owner = Manager::new_base().with_name("bench-cpu");
+    let cpu_ws = cpu_owner
+        .workspace("cycle", WorkspaceConfig::default())
+        .unwrap();
+    for _ in 0..2 {
+        cpu_ws
+            .cycle(|s| s.empty([bytes / 4], DType::F32).map(|_| ()))
+            .unwrap();
+    }
+    g.bench_function("cpu: empty + close in a learned workspace cycle", |b| {
+        let scope = cpu_ws.open().unwrap();
+        b.iter_custom(|iters| {
+            timed("alloc/cpu", iters, || {
+                let a = scope.empty([bytes / 4], DType::F32).unwrap();
+                a.close().unwrap();
+            })
+        });
+        drop(scope);
+    });
+    cpu_owner.close().unwrap();
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     g.bench_function("baseline: cuMemAlloc + cuMemFree", |b| {
@@ -288,12 +312,34 @@ fn h2d(c: &mut Criterion) {
     let src = host.zeros([bytes / 4], DType::F32).unwrap();
     let mut g = c.benchmark_group("h2d_256MiB");
     g.sample_size(10);
-    g.bench_function("ndscope to_device (page-locked staging)", |b| {
-        b.iter_custom(|iters| {
-            timed("h2d_256MiB/ndscope", iters, || {
-                src.to_device(GPU).unwrap().close().unwrap();
+    g.bench_function(
+        "ndscope to_device from pageable memory (double-buffered staging)",
+        |b| {
+            b.iter_custom(|iters| {
+                timed("h2d_256MiB/ndscope", iters, || {
+                    src.to_device(GPU).unwrap().close().unwrap();
+                })
             })
+        },
+    );
+    // Page-locked: arrays of a HostOnly workspace's block (learned in the first cycles).
+    let owner = Manager::new_base_on(GPU).unwrap().with_name("bench-pinned");
+    let pinned = WorkspaceConfig::builder()
+        .mirroring(ndscope::MirroringPolicy::HostOnly)
+        .build()
+        .unwrap();
+    let ws = owner.workspace("pinned", pinned).unwrap();
+    let upload = || {
+        ws.cycle(|c| {
+            let a = c.empty([bytes / 4], DType::F32)?;
+            a.to_device(GPU)?.close()
         })
+        .unwrap()
+    };
+    upload();
+    upload();
+    g.bench_function("ndscope to_device from page-locked memory (direct)", |b| {
+        b.iter_custom(|iters| timed("h2d_256MiB/ndscope_pinned", iters, upload))
     });
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
@@ -313,6 +359,51 @@ fn h2d(c: &mut Criterion) {
         })
     });
     g.finish();
+    let mut g = c.benchmark_group("d2h_256MiB");
+    g.sample_size(10);
+    let on_gpu = src.to_device(GPU).unwrap();
+    g.bench_function(
+        "ndscope to_device(Cpu) into pageable memory (double-buffered staging)",
+        |b| {
+            b.iter_custom(|iters| {
+                timed("d2h_256MiB/ndscope", iters, || {
+                    on_gpu.to_device(Device::Cpu).unwrap().close().unwrap();
+                })
+            })
+        },
+    );
+    let round_trip = || {
+        ws.cycle(|c| {
+            let a = c.empty([bytes / 4], DType::F32)?;
+            let g = a.to_device(GPU)?;
+            let back = g.to_device(Device::Cpu)?;
+            g.close()?;
+            back.close()
+        })
+        .unwrap()
+    };
+    round_trip();
+    round_trip();
+    g.bench_function(
+        "ndscope page-locked round trip (to the GPU and back, direct)",
+        |b| b.iter_custom(|iters| timed("d2h_256MiB/ndscope_pinned_round_trip", iters, round_trip)),
+    );
+    let mut back = vec![0u8; bytes];
+    g.bench_function("baseline: pageable cuMemcpyDtoH", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                // SAFETY: `dst` holds `bytes`; a synchronous copy to pageable memory.
+                unsafe { result::memcpy_dtoh_sync(&mut back, dst).unwrap() };
+            }
+            let elapsed = start.elapsed();
+            common::record("d2h_256MiB/pageable", elapsed, iters);
+            elapsed
+        })
+    });
+    g.finish();
+    on_gpu.close().unwrap();
+    owner.close().unwrap();
     host.close().unwrap();
 }
 
@@ -324,6 +415,11 @@ fn summary(_c: &mut Criterion) {
     common::ratio(
         "cuMemAlloc+cuMemFree / ndscope create+close",
         "alloc/cuMemAlloc+cuMemFree",
+        "alloc/ndscope",
+    );
+    common::ratio(
+        "cpu create+close / ndscope create+close (learned cycle)",
+        "alloc/cpu",
         "alloc/ndscope",
     );
     common::ratio(
@@ -340,6 +436,16 @@ fn summary(_c: &mut Criterion) {
         "pageable memcpy / ndscope to_device (256 MiB)",
         "h2d_256MiB/pageable",
         "h2d_256MiB/ndscope",
+    );
+    common::ratio(
+        "pageable memcpy / ndscope to_device from page-locked memory (256 MiB)",
+        "h2d_256MiB/pageable",
+        "h2d_256MiB/ndscope_pinned",
+    );
+    common::ratio(
+        "pageable memcpy / ndscope to_device(Cpu) (256 MiB)",
+        "d2h_256MiB/pageable",
+        "d2h_256MiB/ndscope",
     );
     common::save("cuda", &[]);
 }

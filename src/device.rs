@@ -44,7 +44,10 @@ impl Device {
     }
 
     /// Waits until all work queued on the device has finished, and reports an error an earlier
-    /// asynchronous kernel ran into as `Error::Backend`. CUDA ops return once their work is
+    /// asynchronous kernel ran into as `Error::Backend`, and bad input a kernel found since the
+    /// last wait (an index out of range in `pick`/`one_hot`, an integer divisor of 0) as the
+    /// `InvalidArgument` of the op that queued it, with its call site. The host thread sleeps
+    /// while it waits (a blocking-sync event), it does not spin. CUDA ops return once their work is
     /// queued; reads (`to_vec`, `to_scalar`) wait by themselves, so this is for timing and for
     /// checking errors at a chosen point. Does nothing for the CPU, whose ops finish before they
     /// return. `DeviceUnavailable` for an absent device.

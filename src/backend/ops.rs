@@ -520,7 +520,8 @@ pub(crate) fn softmax(
 }
 
 /// The flat position and value of the first index of `indices` (an integer dtype) outside
-/// `0..bound`, if any. On a CUDA device this reads one result back (a synchronisation).
+/// `0..bound`, if any. On a CUDA device always `None`: the kernels that use the indices check
+/// them and the next wait on the device reports a bad one (no synchronisation here).
 pub(crate) fn first_bad_index(
     ctx: &Ctx,
     dtype: DType,
@@ -535,7 +536,7 @@ pub(crate) fn first_bad_index(
 
 /// The one-hot encoding (`[len, depth]` of `to`) of integer `indices` (`from`). The host kernel
 /// checks the indices again under the lock and reports the first bad one without writing; the
-/// device kernel skips bad ones (the caller checked with [`first_bad_index`]).
+/// device kernel writes zeros for bad ones and reports them at the next wait on the device.
 pub(crate) fn one_hot(
     ctx: &Ctx,
     (from, to): (DType, DType),

@@ -393,7 +393,10 @@ impl NDArray {
 
     /// The one-hot encoding of an integer index array (`I32`, `I64` or `U8`): shape
     /// `[..., depth]` of `dtype`, 1 at each index and 0 elsewhere. An index that is negative or
-    /// not below `depth` gives `InvalidArgument` (checked before anything is written).
+    /// not below `depth` gives `InvalidArgument` (on the CPU checked before anything is written;
+    /// on a CUDA device checked by the kernel without waiting for the device, and reported by
+    /// the next wait on it, a read or `Device::synchronize`, naming `one_hot` and this call's
+    /// site).
     ///
     /// ```
     /// use ndscope::{DType, Manager};
@@ -444,7 +447,9 @@ impl NDArray {
     ///
     /// `indices` must be `I32`, `I64` or `U8` (`DTypeMismatch`) and on `self`'s device; a wrong
     /// shape gives `ShapeMismatch`, an index that is negative or not below the size of `axis`
-    /// gives `InvalidArgument`.
+    /// gives `InvalidArgument` (on a CUDA device from the next wait on the device, a read or
+    /// `Device::synchronize`, naming `pick` and this call's site: the kernel checks the indices
+    /// without waiting).
     ///
     /// ```
     /// use ndscope::Manager;

@@ -186,7 +186,10 @@ impl NDArray {
     }
 
     /// `self / other` elementwise, broadcasting. Integer division truncates toward zero; an
-    /// integer divisor containing 0 gives `InvalidArgument`.
+    /// integer divisor containing 0 gives `InvalidArgument`. On a CUDA device the kernel checks
+    /// the divisor (no wait for the device): the error comes from the next wait on that device
+    /// (a read such as `to_vec`, or `Device::synchronize`), naming `div` and this call's site,
+    /// and the quotient holds 0 where the divisor did.
     #[track_caller]
     pub fn div(&self, other: &NDArray) -> Result<NDArray> {
         self.binary(Ctx::new("div"), other, Binary::Div)

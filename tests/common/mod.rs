@@ -62,6 +62,25 @@ pub fn cuda_device() -> Option<Device> {
     }
 }
 
+/// The error of an op refused for input that only the device sees (an index out of range, an
+/// integer divisor of 0): the CPU refuses at the call; on a CUDA device the op is queued (it
+/// succeeds) and the next wait on the device, here `Device::synchronize`, gives the error.
+#[allow(dead_code)]
+pub fn refused(dev: Device, result: ndscope::Result<ndscope::NDArray>) -> Error {
+    match (dev, result) {
+        (Device::Cpu, Err(e)) => e,
+        (Device::Cpu, Ok(a)) => panic!("the CPU accepted {a:?}"),
+        (_, Err(e)) => panic!("{dev} refused at the call, not at the next wait: {e}"),
+        (_, Ok(a)) => {
+            let e = dev
+                .synchronize()
+                .expect_err("the next wait reports the bad input");
+            a.close().unwrap();
+            e
+        }
+    }
+}
+
 /// The number of elements of a shape.
 pub fn size(shape: &[usize]) -> usize {
     shape.iter().product()

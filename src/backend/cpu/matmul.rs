@@ -148,6 +148,12 @@ pub(crate) fn gemm_general<T: Num>(
     if m == 0 || n == 0 {
         return;
     }
+    // `beta = 0` does not read `out` (as BLAS does not): a NaN or ∞ there must not survive as
+    // 0·NaN. The product is then only scaled by alpha.
+    let (accumulate, alpha) = match accumulate {
+        Some((s, q)) if s == T::ZERO => (None, q),
+        other => (other, T::ONE),
+    };
     if k == 0 {
         match accumulate {
             Some((s, _)) => out.iter_mut().for_each(|o| *o = o.mul(s)),
@@ -168,13 +174,14 @@ pub(crate) fn gemm_general<T: Num>(
                 let o = &mut out[i * n + j];
                 *o = match accumulate {
                     Some((s, q)) => o.mul(s).add(acc.mul(q)),
-                    None => acc,
+                    None if alpha == T::ONE => acc,
+                    None => acc.mul(alpha),
                 };
             }
         }
         return;
     }
-    if m <= super::gemv::MAX_M && !ta && !tb && accumulate.is_none() {
+    if m <= super::gemv::MAX_M && !ta && !tb && accumulate.is_none() && alpha == T::ONE {
         if let Some((a, b, out)) = as_f32(a, b, out).filter(|_| super::gemv::available()) {
             return super::gemv::small_m(m, k, n, a, b, out);
         }
@@ -182,7 +189,7 @@ pub(crate) fn gemm_general<T: Num>(
     warm_once();
     let (read_dst, dst_scale, product_scale) = match accumulate {
         Some((s, q)) => (true, s, q),
-        None => (false, T::ZERO, T::ONE),
+        None => (false, T::ZERO, alpha),
     };
     let block = |rows: std::ops::Range<usize>, cols: std::ops::Range<usize>, out: SendPtr<T>| {
         // SAFETY: `a` holds m·k elements and (i, p) ↦ i·a_rs + p·a_cs stays inside it for i < m,

@@ -231,12 +231,6 @@ impl Gpu {
             .map_err(|e| driver_error(ctx, "making the CUDA context current", e))
     }
 
-    /// Waits for all work queued on the device; reports errors of earlier kernels.
-    pub fn synchronize(&self, ctx: &Ctx) -> Result<()> {
-        self.bind(ctx)?;
-        self.stream.synchronize().map_err(|e| sticky(ctx, self, e))
-    }
-
     pub fn blas(&self) -> MutexGuard<'_, Blas> {
         self.blas.lock()
     }
@@ -401,10 +395,12 @@ impl Staging {
             memory::driver_allocated(Device::Cuda(ordinal));
             *buf = ptr.cast();
         }
+        // Blocking-sync events: a host waiting for a staging buffer sleeps instead of spinning.
+        let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
         let events = [
-            ctx.new_event(None)
+            ctx.new_event(blocking)
                 .map_err(|e| fail("creating an event", e))?,
-            ctx.new_event(None)
+            ctx.new_event(blocking)
                 .map_err(|e| fail("creating an event", e))?,
         ];
         Ok(Staging {

@@ -6,7 +6,7 @@
 // covers any length.
 //
 // Semantics follow the CPU backend: integer arithmetic wraps (done in unsigned types, where C++
-// defines it), integer division by zero gives 0 (the front-ends refuse it first), MIN / -1 wraps
+// defines it), integer division by zero gives 0 (and is reported: `report_bad`), MIN / -1 wraps
 // to MIN, maximum/minimum let NaN win, float-to-integer conversions truncate toward zero and
 // saturate (NaN gives 0) like Rust's `as`, integer-to-integer conversions wrap.
 
@@ -75,6 +75,17 @@ __device__ __forceinline__ void operand_offsets(int mode, const Strided& s, u64 
     case MODE_STRIDED32: offsets32(s, i, oa, ob); break;
     default: offsets64(s, i, oa, ob); break;
     }
+}
+
+// ---- checks reported at the host's next wait ----
+//
+// A kernel that finds bad input (an index outside its range, an integer divisor of 0) never
+// reads or divides with it, and records where: atomicMin(flag, key + position). The host gives
+// each checked launch a key above every earlier one's positions, so the smallest value names
+// the first launch, and its first position, that failed.
+__device__ __forceinline__ void report_bad(u64* flag, u64 key, u64 position) {
+    const u64 span = 1ull << 40;
+    atomicMin(flag, key + (position < span - 1 ? position : span - 1));
 }
 
 // ---- element arithmetic ----
@@ -267,6 +278,39 @@ __device__ __forceinline__ A block_reduce(A v, A* shared, F comb) {
     return r;
 }
 
+// Reduces v over groups of `width` adjacent threads (`width` a power of two dividing
+// blockDim.x): every thread of the block calls it (barriers) and gets its group's result.
+template <typename A, typename F>
+__device__ __forceinline__ A group_reduce(A v, A* shared, u32 width, F comb) {
+    u32 t = threadIdx.x;
+    shared[t] = v;
+    __syncthreads();
+    for (u32 s = width / 2; s > 0; s /= 2) {
+        if ((t & (width - 1)) < s) shared[t] = comb(shared[t], shared[t + s]);
+        __syncthreads();
+    }
+    A r = shared[t & ~(width - 1)];
+    __syncthreads();
+    return r;
+}
+
+// Reduces v over the rows (threadIdx.y) of a 32-wide block: every thread calls it and gets its
+// column's result.
+template <typename A, typename F>
+__device__ __forceinline__ A column_reduce(A v, A* shared, F comb) {
+    shared[threadIdx.y * 32 + threadIdx.x] = v;
+    __syncthreads();
+    if (threadIdx.y == 0) {
+        A total = shared[threadIdx.x];
+        for (u32 y = 1; y < blockDim.y; ++y) total = comb(total, shared[y * 32 + threadIdx.x]);
+        shared[threadIdx.x] = total;
+    }
+    __syncthreads();
+    A r = shared[threadIdx.x];
+    __syncthreads();
+    return r;
+}
+
 // ---- kernels per dtype ----
 
 #define FOR_ALL(M) M(f32) M(f64) M(i32) M(i64) M(u8)
@@ -341,6 +385,36 @@ FOR_ALL(CAST_FROM)
     BINARY_OP(minimum, op_min, T)
 FOR_ALL(BINARY_ALL)
 
+// Integer division with the divisor checked in the kernel: a divisor of 0 gives 0 (never a
+// division by 0) and is reported (`report_bad`, the output position).
+#define DIV_CHECKED(T)                                                                           \
+    extern "C" __global__ void div_checked_##T(const T* a, const T* b, T* out, u64 n, int mode, \
+                                               Strided s, u64* flag, u64 key) {                 \
+        GRID_STRIDE(i, n) {                                                                    \
+            u64 oa, ob;                                                                        \
+            operand_offsets(mode, s, i, oa, ob);                                               \
+            T d = b[ob];                                                                       \
+            if (d == (T)0) report_bad(flag, key, i);                                           \
+            out[i] = op_div(a[oa], d);                                                         \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void div_checked_inplace_##T(T* x, const T* b, u64 n, int mode,      \
+                                                       Strided s, u64* flag, u64 key) {        \
+        GRID_STRIDE(i, n) {                                                                    \
+            u64 oa, ob;                                                                        \
+            T d;                                                                               \
+            if (mode == MODE_SELF) {                                                           \
+                d = x[i];                                                                      \
+            } else {                                                                           \
+                operand_offsets(mode, s, i, oa, ob);                                           \
+                d = b[ob];                                                                     \
+            }                                                                                  \
+            if (d == (T)0) report_bad(flag, key, i);                                           \
+            x[i] = op_div(x[i], d);                                                            \
+        }                                                                                      \
+    }
+FOR_INT(DIV_CHECKED)
+
 #define COMPARE_OP(NAME, EXPR, T)                                                                \
     extern "C" __global__ void NAME##_##T(const T* a, const T* b, u8* out, u64 n, int mode,     \
                                           Strided s) {                                          \
@@ -394,9 +468,6 @@ FOR_ALL(COMPARE_ALL)
             operand_offsets(mode, s, i, oa, ob);                            \
             x[i] = op_add(x[i], op_mul(alpha, b[ob]));                      \
         }                                                                   \
-    }                                                                       \
-    extern "C" __global__ void any_zero_##T(const T* b, u64 n, u64* flag) { \
-        GRID_STRIDE(i, n) if (b[i] == (T)0) *flag = 1;                      \
     }
 __device__ __forceinline__ f32 pow_elem(f32 x, f64 e) { return powf(x, (f32)e); }
 __device__ __forceinline__ f64 pow_elem(f64 x, f64 e) { return pow(x, e); }
@@ -480,44 +551,52 @@ GATHER(b8, u64)
 
 // ---- reductions over x seen as [outer, n, inner] ----
 //
-// inner == 1 (1-d blocks): block b handles row b / chunks, slice b % chunks of it (chunks > 1
-// writes partial results, reduced by a second launch). inner > 1 (32 × 8 blocks): each block
-// takes 32 adjacent columns, its 8 rows of threads split the reduced axis.
+// Launch shapes fill the device for short and long rows alike:
+// inner == 1 (1-d blocks of 256): `tpr` threads (a power of two) per row segment, 256 / tpr
+// segments per block; segment b is slice b % chunks of row b / chunks (chunks > 1 writes
+// partial results [outer, chunks], reduced by a second launch), so short rows share a block
+// and long rows few in number are split over many blocks.
+// inner > 1 (32 × 8 blocks): each block takes 32 adjacent columns (coalesced reads) and slice
+// b % chunks of the reduced axis, its 8 rows of threads splitting the slice; chunks > 1 writes
+// partial results [outer, chunks, inner].
 
 template <typename In, typename Acc, typename Out, typename Conv, typename Comb, typename Fin>
-__device__ void fold(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks, Acc zero,
-                     Conv conv, Comb comb, Fin fin) {
+__device__ void fold(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks, u32 tpr,
+                     Acc zero, Conv conv, Comb comb, Fin fin) {
     __shared__ Acc shared[256];
+    u64 len = (n + chunks - 1) / chunks;
     if (inner == 1) {
-        u64 len = (n + chunks - 1) / chunks;
-        for (u64 b = blockIdx.x; b < outer * chunks; b += gridDim.x) {
-            u64 row = b / chunks, c = b % chunks;
-            u64 begin = c * len, end = begin + len < n ? begin + len : n;
-            const In* p = x + row * n;
+        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;
+        u64 segments = outer * chunks;
+        for (u64 base = (u64)blockIdx.x * per; base < segments; base += (u64)gridDim.x * per) {
+            u64 b = base + slot;
             Acc acc = zero;
-            for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) acc = comb(acc, conv(p[i]));
-            acc = block_reduce(acc, shared, comb);
-            if (threadIdx.x == 0) out[b] = fin(acc);
+            if (b < segments) {
+                u64 row = b / chunks, c = b % chunks;
+                u64 begin = c * len, end = begin + len < n ? begin + len : n;
+                const In* p = x + row * n;
+                for (u64 i = begin + lane; i < end; i += tpr) acc = comb(acc, conv(p[i]));
+            }
+            acc = group_reduce(acc, shared, tpr, comb);
+            if (lane == 0 && b < segments) out[b] = fin(acc);
         }
     } else {
-        u64 columns = outer * inner;
-        u32 tid = threadIdx.y * 32 + threadIdx.x;
-        for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {
+        u64 columns = outer * inner, groups = (columns + 31) / 32;
+        for (u64 b = blockIdx.x; b < groups * chunks; b += gridDim.x) {
+            u64 g = b / chunks, c = b % chunks;
             u64 col = g * 32 + threadIdx.x;
+            u64 begin = c * len, end = begin + len < n ? begin + len : n;
             Acc acc = zero;
             if (col < columns) {
                 u64 o = col / inner, j = col % inner;
                 const In* p = x + o * n * inner + j;
-                for (u64 i = threadIdx.y; i < n; i += blockDim.y) acc = comb(acc, conv(p[i * inner]));
+                for (u64 i = begin + threadIdx.y; i < end; i += blockDim.y) acc = comb(acc, conv(p[i * inner]));
             }
-            shared[tid] = acc;
-            __syncthreads();
-            if (threadIdx.y == 0) {
-                Acc total = shared[threadIdx.x];
-                for (u32 y = 1; y < blockDim.y; ++y) total = comb(total, shared[y * 32 + threadIdx.x]);
-                if (col < columns) out[col] = fin(total);
+            acc = column_reduce(acc, shared, comb);
+            if (threadIdx.y == 0 && col < columns) {
+                u64 o = col / inner, j = col % inner;
+                out[(o * chunks + c) * inner + j] = fin(acc);
             }
-            __syncthreads();
         }
     }
 }
@@ -529,8 +608,9 @@ struct AddI { __device__ u64 operator()(u64 a, u64 b) const { return a + b; } };
 // `count` at the end.
 #define SUM(IN, OUT, ACC, ADD)                                                                    \
     extern "C" __global__ void sum_##IN##_##OUT(const IN* x, OUT* out, u64 outer, u64 n,          \
-                                               u64 inner, u64 chunks, int mean, f64 count) {      \
-        fold<IN, ACC, OUT>(x, out, outer, n, inner, chunks, (ACC)0,                               \
+                                               u64 inner, u64 chunks, int mean, f64 count,        \
+                                               u32 tpr) {                                          \
+        fold<IN, ACC, OUT>(x, out, outer, n, inner, chunks, tpr, (ACC)0,                          \
             [](IN v) { return (ACC)v; }, ADD(),                                       \
             [=](ACC a) { return sum_finish<OUT>(a, mean, count); });                  \
     }
@@ -553,9 +633,9 @@ SUM(u8, f64, u64, AddI)
 
 #define MAX(T)                                                                                     \
     extern "C" __global__ void max_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,           \
-                                       u64 chunks) {                                               \
+                                       u64 chunks, u32 tpr) {                                      \
         /* the identity: the first element of each row would do, the lowest value is simpler */   \
-        fold<T, T, T>(x, out, outer, n, inner, chunks, lowest((T)0),                               \
+        fold<T, T, T>(x, out, outer, n, inner, chunks, tpr, lowest((T)0),                          \
             [](T v) { return v; },                                                     \
             [](T a, T b) { return op_max(a, b); },                                     \
             [](T a) { return a; });                                                    \
@@ -583,91 +663,227 @@ template <typename T> __device__ __forceinline__ Best<T> better(Best<T> a, Best<
     if (!an && a.v > b.v) return a;
     return b.i < a.i ? b : a;
 }
+template <typename T> struct Better {
+    __device__ Best<T> operator()(Best<T> a, Best<T> b) const { return better(a, b); }
+};
+// argmax along the middle axis of [outer, n, inner], with the launch shapes of `fold`: `tpr`
+// threads per row segment for inner == 1, 32 columns per block otherwise. With chunks > 1
+// (inner == 1, few long rows) segment b = (row, slice) writes its best value and index to
+// part_v[b], part_i[b], and `argmax_parts` reduces those.
 #define ARGMAX(T)                                                                                  \
-    extern "C" __global__ void argmax_##T(const T* x, i64* out, u64 outer, u64 n, u64 inner) {    \
+    extern "C" __global__ void argmax_##T(const T* x, i64* out, u64 outer, u64 n, u64 inner,      \
+                                          u32 tpr, u64 chunks, T* part_v, i64* part_i) {          \
         __shared__ Best<T> shared[256];                                                            \
-        u64 columns = outer * inner;                                                               \
-        for (u64 col = blockIdx.x; col < columns; col += gridDim.x) {                              \
-            u64 o = col / inner, j = col % inner;                                                  \
-            const T* p = x + o * n * inner + j;                                                    \
-            Best<T> best = {(T)0, -1};                                                             \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) {                                   \
-                Best<T> c = {p[i * inner], (i64)i};                                                \
-                best = better(best, c);                                                            \
+        if (inner == 1) {                                                                          \
+            u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
+            u64 segments = outer * chunks, len = (n + chunks - 1) / chunks;                        \
+            for (u64 base = (u64)blockIdx.x * per; base < segments; base += (u64)gridDim.x * per) { \
+                u64 b = base + slot;                                                               \
+                Best<T> best = {(T)0, -1};                                                         \
+                if (b < segments) {                                                                \
+                    u64 row = b / chunks, c = b % chunks;                                          \
+                    u64 begin = c * len, end = begin + len < n ? begin + len : n;                  \
+                    for (u64 i = begin + lane; i < end; i += tpr)                                  \
+                        best = better(best, Best<T>{x[row * n + i], (i64)i});                      \
+                }                                                                                  \
+                best = group_reduce(best, shared, tpr, Better<T>());                               \
+                if (lane == 0 && b < segments) {                                                   \
+                    if (chunks == 1) {                                                             \
+                        out[b] = best.i;                                                           \
+                    } else {                                                                       \
+                        part_v[b] = best.v;                                                        \
+                        part_i[b] = best.i;                                                        \
+                    }                                                                              \
+                }                                                                                  \
             }                                                                                      \
-            best = block_reduce(best, shared, [](Best<T> a, Best<T> b) {              \
-                return better(a, b); });                                                           \
-            if (threadIdx.x == 0) out[col] = best.i;                                               \
+        } else {                                                                                   \
+            u64 columns = outer * inner;                                                           \
+            for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {                           \
+                u64 col = g * 32 + threadIdx.x;                                                    \
+                Best<T> best = {(T)0, -1};                                                         \
+                if (col < columns) {                                                               \
+                    const T* p = x + (col / inner) * n * inner + col % inner;                      \
+                    for (u64 i = threadIdx.y; i < n; i += blockDim.y)                              \
+                        best = better(best, Best<T>{p[i * inner], (i64)i});                        \
+                }                                                                                  \
+                best = column_reduce(best, shared, Better<T>());                                   \
+                if (threadIdx.y == 0 && col < columns) out[col] = best.i;                          \
+            }                                                                                      \
         }                                                                                          \
     }
 FOR_ALL(ARGMAX)
 
+// The second pass of a split argmax: out[row] = the index of the best of the `chunks` partial
+// results of the row (an empty slice's index is -1 and loses).
+#define ARGMAX_PARTS(T)                                                                            \
+    extern "C" __global__ void argmax_parts_##T(const T* part_v, const i64* part_i, i64* out,     \
+                                                u64 outer, u64 chunks, u32 tpr) {                  \
+        __shared__ Best<T> shared[256];                                                            \
+        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;      \
+        for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {      \
+            u64 row = base + slot;                                                                 \
+            Best<T> best = {(T)0, -1};                                                             \
+            if (row < outer)                                                                       \
+                for (u64 c = lane; c < chunks; c += tpr)                                           \
+                    best = better(best, Best<T>{part_v[row * chunks + c], part_i[row * chunks + c]}); \
+            best = group_reduce(best, shared, tpr, Better<T>());                                   \
+            if (lane == 0 && row < outer) out[row] = best.i;                                       \
+        }                                                                                          \
+    }
+FOR_ALL(ARGMAX_PARTS)
+
 // ---- neural-network ops ----
 
-// Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner]: one block per
-// (outer, inner) column. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
+// Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner], with the launch
+// shapes of `fold` (no chunks): `tpr` threads per row for inner == 1, 32 columns per block
+// otherwise. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
+template <typename T> struct MaxOf {
+    __device__ T operator()(T a, T b) const { return op_max(a, b); }
+};
+template <typename T, typename Reduce>
+__device__ __forceinline__ void softmax_line(const T* p, T* q, u64 n, u64 stride, u64 first,
+                                             u64 step, bool live, int log_, T* smax, f64* ssum,
+                                             Reduce reduce) {
+    T m = lowest((T)0);
+    if (live)
+        for (u64 i = first; i < n; i += step) m = op_max(m, p[i * stride]);
+    m = reduce(m, smax, MaxOf<T>());
+    f64 s = 0.0;
+    if (live)
+        for (u64 i = first; i < n; i += step) {
+            T e = e_exp(p[i * stride] - m);
+            if (!log_) q[i * stride] = e;
+            s += (f64)e;
+        }
+    s = reduce(s, ssum, AddF());
+    if (!live) return;
+    if (log_) {
+        T shift = m + (T)log(s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = p[i * stride] - shift;
+    } else {
+        T scale = (T)(1.0 / s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = q[i * stride] * scale;
+    }
+}
+struct GroupReduce {
+    u32 width;
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return group_reduce(v, shared, width, comb);
+    }
+};
+struct ColumnReduce {
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return column_reduce(v, shared, comb);
+    }
+};
 #define SOFTMAX(T)                                                                                 \
     extern "C" __global__ void softmax_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,       \
-                                           int log_) {                                             \
+                                           int log_, u32 tpr) {                                    \
         __shared__ T smax[256];                                                                    \
         __shared__ f64 ssum[256];                                                                  \
-        u64 columns = outer * inner;                                                               \
-        for (u64 col = blockIdx.x; col < columns; col += gridDim.x) {                              \
-            u64 o = col / inner, j = col % inner;                                                  \
-            const T* p = x + o * n * inner + j;                                                    \
-            T* q = out + o * n * inner + j;                                                        \
-            T m = lowest((T)0);                                                                    \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) m = op_max(m, p[i * inner]);        \
-            m = block_reduce(m, smax, [](T a, T b) { return op_max(a, b); });         \
-            f64 s = 0.0;                                                                           \
-            for (u64 i = threadIdx.x; i < n; i += blockDim.x) {                                   \
-                T e = e_exp(p[i * inner] - m);                                                     \
-                if (!log_) q[i * inner] = e;                                                       \
-                s += (f64)e;                                                                       \
+        if (inner == 1) {                                                                          \
+            u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
+            for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {  \
+                u64 row = base + slot;                                                             \
+                bool live = row < outer;                                                           \
+                u64 at = live ? row * n : 0;                                                       \
+                softmax_line(x + at, out + at, n, 1, lane, tpr, live, log_, smax, ssum,            \
+                             GroupReduce{tpr});                                                    \
             }                                                                                      \
-            s = block_reduce(s, ssum, AddF());                                                     \
-            if (log_) {                                                                            \
-                T shift = m + (T)log(s);                                                           \
-                for (u64 i = threadIdx.x; i < n; i += blockDim.x) q[i * inner] = p[i * inner] - shift; \
-            } else {                                                                               \
-                T scale = (T)(1.0 / s);                                                            \
-                for (u64 i = threadIdx.x; i < n; i += blockDim.x) q[i * inner] = q[i * inner] * scale; \
+        } else {                                                                                   \
+            u64 columns = outer * inner;                                                           \
+            for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {                           \
+                u64 col = g * 32 + threadIdx.x;                                                    \
+                bool live = col < columns;                                                         \
+                u64 at = live ? (col / inner) * n * inner + col % inner : 0;                       \
+                softmax_line(x + at, out + at, n, inner, threadIdx.y, blockDim.y, live, log_,      \
+                             smax, ssum, ColumnReduce());                                          \
             }                                                                                      \
         }                                                                                          \
     }
 FOR_FLOAT(SOFTMAX)
 
-// The first position of an index outside [0, bound): atomicMin into *first (set to all ones).
-#define INDICES(I)                                                                                 \
-    extern "C" __global__ void bad_index_##I(const I* idx, u64 count, u64 bound, u64* first) {    \
-        GRID_STRIDE(p, count) {                                                                    \
-            i64 v = (i64)idx[p];                                                                   \
-            if (v < 0 || (u64)v >= bound) atomicMin(first, p);                                     \
+// Softmax of few long rows (inner == 1), split into `chunks` slices per row over the device, in
+// three launches of one kernel: phase 0 writes each slice's maximum to part_m; phase 1 takes
+// the row's maximum m from those and writes each slice's sum of exp(x - m) (f64) to part_s
+// (and exp(x - m) to out unless `log_`); phase 2 takes m and the row's sum s (the slices' sums
+// added in order) and writes the result as `softmax_line` does. One segment (row, slice) per
+// block at a time, 1-d blocks.
+template <typename T>
+__device__ __forceinline__ T row_max(const T* part_m, u64 row, u64 chunks) {
+    T m = lowest((T)0);
+    for (u64 c = 0; c < chunks; ++c) m = op_max(m, part_m[row * chunks + c]);
+    return m;
+}
+#define SOFTMAX_SPLIT(T)                                                                           \
+    extern "C" __global__ void softmax_split_##T(const T* x, T* out, u64 outer, u64 n, u64 chunks, \
+                                                 int log_, int phase, T* part_m, f64* part_s) {   \
+        __shared__ T smax[256];                                                                    \
+        __shared__ f64 ssum[256];                                                                  \
+        u64 len = (n + chunks - 1) / chunks;                                                       \
+        for (u64 b = blockIdx.x; b < outer * chunks; b += gridDim.x) {                             \
+            u64 row = b / chunks, c = b % chunks;                                                  \
+            u64 begin = c * len, end = begin + len < n ? begin + len : n;                          \
+            const T* p = x + row * n;                                                              \
+            T* q = out + row * n;                                                                  \
+            if (phase == 0) {                                                                      \
+                T m = lowest((T)0);                                                                \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) m = op_max(m, p[i]);  \
+                m = block_reduce(m, smax, MaxOf<T>());                                             \
+                if (threadIdx.x == 0) part_m[b] = m;                                               \
+            } else if (phase == 1) {                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) {                      \
+                    T e = e_exp(p[i] - m);                                                         \
+                    if (!log_) q[i] = e;                                                           \
+                    s += (f64)e;                                                                   \
+                }                                                                                  \
+                s = block_reduce(s, ssum, AddF());                                                 \
+                if (threadIdx.x == 0) part_s[b] = s;                                               \
+            } else {                                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 k = 0; k < chunks; ++k) s += part_s[row * chunks + k];                    \
+                if (log_) {                                                                        \
+                    T shift = m + (T)log(s);                                                       \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = p[i] - shift; \
+                } else {                                                                           \
+                    T scale = (T)(1.0 / s);                                                        \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = q[i] * scale; \
+                }                                                                                  \
+            }                                                                                      \
         }                                                                                          \
     }
-INDICES(i32)
-INDICES(i64)
-INDICES(u8)
+FOR_FLOAT(SOFTMAX_SPLIT)
 
 // out[p, c] = (idx[p] == c) for out of [count, depth]; an index outside the range gives a row of
-// zeros (the front-end refused such indices first).
+// zeros and is reported (`report_bad`, position p).
 #define ONE_HOT(I, T)                                                                              \
-    extern "C" __global__ void one_hot_##I##_##T(const I* idx, T* out, u64 count, u64 depth) {    \
-        GRID_STRIDE(q, count * depth) out[q] = ((i64)idx[q / depth] == (i64)(q % depth)) ? (T)1 : (T)0; \
+    extern "C" __global__ void one_hot_##I##_##T(const I* idx, T* out, u64 count, u64 depth,      \
+                                                 u64* flag, u64 key) {                             \
+        GRID_STRIDE(q, count * depth) {                                                            \
+            i64 v = (i64)idx[q / depth];                                                           \
+            if (q % depth == 0 && (v < 0 || (u64)v >= depth)) report_bad(flag, key, q / depth);    \
+            out[q] = (v == (i64)(q % depth)) ? (T)1 : (T)0;                                        \
+        }                                                                                          \
     }
 #define ONE_HOT_TO(I) ONE_HOT(I, f32) ONE_HOT(I, f64) ONE_HOT(I, i32) ONE_HOT(I, i64) ONE_HOT(I, u8)
 ONE_HOT_TO(i32)
 ONE_HOT_TO(i64)
 ONE_HOT_TO(u8)
 
-// out[o, j] = x[o, idx[o, j], j] for x of [outer, n, inner]; an index outside gives 0.
+// out[o, j] = x[o, idx[o, j], j] for x of [outer, n, inner]; an index outside gives 0 and is
+// reported (`report_bad`, position p).
 #define PICK(T, I)                                                                                 \
     extern "C" __global__ void pick_##T##_##I(const T* x, const I* idx, T* out, u64 count, u64 n, \
-                                              u64 inner) {                                        \
+                                              u64 inner, u64* flag, u64 key) {                    \
         GRID_STRIDE(p, count) {                                                                    \
             i64 v = (i64)idx[p];                                                                   \
             u64 o = p / inner, j = p % inner;                                                      \
-            out[p] = (v >= 0 && (u64)v < n) ? x[(o * n + (u64)v) * inner + j] : (T)0;             \
+            bool ok = v >= 0 && (u64)v < n;                                                        \
+            if (!ok) report_bad(flag, key, p);                                                     \
+            out[p] = ok ? x[(o * n + (u64)v) * inner + j] : (T)0;                                  \
         }                                                                                          \
     }
 #define PICK_OF(T) PICK(T, i32) PICK(T, i64) PICK(T, u8)

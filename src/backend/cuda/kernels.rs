@@ -91,11 +91,13 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("pow", Types::All),
     ("scale", Types::All),
     ("axpy", Types::All),
-    ("any_zero", Types::Int),
+    ("div_checked", Types::Int),
+    ("div_checked_inplace", Types::Int),
     ("max", Types::All),
     ("argmax", Types::All),
+    ("argmax_parts", Types::All),
     ("softmax", Types::Float),
-    ("bad_index", Types::Index),
+    ("softmax_split", Types::Float),
     ("matmul", Types::Int),
 ];
 

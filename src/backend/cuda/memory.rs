@@ -3,9 +3,19 @@
 //! An array's own device memory comes from the stream-ordered allocator
 //! (`cuMemAllocAsync`) and goes back with `cuMemFreeAsync`, never `cuMemFree`, which would
 //! synchronise the whole device. A workspace block is one such allocation, carved by offset.
+//!
+//! Memory of arrays that close is kept in a small per-device cache of freed allocations
+//! ([`Cache`]) and handed to the next array of the same rounded size without asking the
+//! driver: an array that spills from a learned workspace cycle, or a temporary made and closed
+//! each step, costs no driver call once it has been seen. Reuse is safe without events because
+//! every piece of work of a device runs on its one stream, in order. The cache holds at most
+//! [`CACHE_ENTRIES`] allocations and [`CACHE_BYTES`] bytes per device, none larger than
+//! [`CACHE_LARGEST`]; an allocation the driver refuses for lack of memory empties it and retries.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{result, sys};
@@ -47,7 +57,7 @@ impl DeviceBuffer {
             });
         }
         memory::reserve(ctx, gpu.device(), bytes)?;
-        match DeviceMemory::on(ctx, gpu, bytes) {
+        match DeviceMemory::reused(ctx, gpu, bytes) {
             Ok(memory) => Ok(DeviceBuffer {
                 ptr: memory.ptr,
                 bytes,
@@ -91,11 +101,15 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// One allocation of device memory, freed in stream order when dropped. Accounting against the
-/// memory limit is its owner's business.
+/// One allocation of device memory, freed in stream order when dropped (or, for an array's
+/// own memory, given to the device's [`Cache`]). Accounting against the memory limit is its
+/// owner's business.
 pub(crate) struct DeviceMemory {
     ptr: CUdeviceptr,
     gpu: &'static Gpu,
+    /// Bytes allocated (the size class, for the cache), and whether it goes back to the cache.
+    size: usize,
+    cached: bool,
 }
 
 impl DeviceMemory {
@@ -106,8 +120,30 @@ impl DeviceMemory {
 
     fn on(ctx: &Ctx, gpu: &'static Gpu, bytes: usize) -> Result<DeviceMemory> {
         Ok(DeviceMemory {
-            ptr: gpu.malloc(ctx, bytes)?,
+            ptr: malloc_or_release_cached(ctx, gpu, bytes)?,
             gpu,
+            size: bytes,
+            cached: false,
+        })
+    }
+
+    /// An array's own memory of at least `bytes`: from the device's cache if it holds an
+    /// allocation of the same size class (no driver call), else from the driver. It goes back
+    /// to the cache when dropped.
+    fn reused(ctx: &Ctx, gpu: &'static Gpu, bytes: usize) -> Result<DeviceMemory> {
+        let size = size_class(bytes);
+        if size > CACHE_LARGEST {
+            return DeviceMemory::on(ctx, gpu, bytes);
+        }
+        let ptr = match cache(gpu).lock().take(size) {
+            Some(ptr) => ptr,
+            None => malloc_or_release_cached(ctx, gpu, size)?,
+        };
+        Ok(DeviceMemory {
+            ptr,
+            gpu,
+            size,
+            cached: true,
         })
     }
 
@@ -134,7 +170,113 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        self.gpu.free(self.ptr);
+        if self.cached {
+            let evicted = cache(self.gpu).lock().put(self.size, self.ptr);
+            for ptr in evicted {
+                self.gpu.free(ptr);
+            }
+        } else {
+            self.gpu.free(self.ptr);
+        }
+    }
+}
+
+/// Most allocations a device's cache keeps.
+pub(crate) const CACHE_ENTRIES: usize = 64;
+/// Most bytes a device's cache keeps.
+pub(crate) const CACHE_BYTES: usize = 256 << 20;
+/// The largest allocation the cache keeps (larger ones go back to the driver at once).
+pub(crate) const CACHE_LARGEST: usize = 64 << 20;
+
+/// The size an array's own allocation of `bytes` is rounded up to, so arrays of nearly the
+/// same size share allocations: 512 bytes up to 64 KiB, then a quarter of the power of two
+/// below (at most 25 % more than asked).
+fn size_class(bytes: usize) -> usize {
+    if bytes <= 64 << 10 {
+        return bytes.div_ceil(512) * 512;
+    }
+    let step = (1usize << (usize::BITS - 1 - bytes.leading_zeros())) / 4;
+    bytes.div_ceil(step).saturating_mul(step)
+}
+
+/// Freed device allocations of arrays of one device, by size class, oldest first. Held under
+/// its mutex; the pointers belong to the device's context and are free for reuse (everything
+/// queued before their free runs before whatever is queued after their reuse: one stream).
+pub(crate) struct Cache {
+    free: Vec<(usize, CUdeviceptr)>,
+    bytes: usize,
+}
+
+impl Cache {
+    const fn new() -> Cache {
+        Cache {
+            free: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    /// An allocation of exactly `size`, if one is kept (the most recently freed).
+    fn take(&mut self, size: usize) -> Option<CUdeviceptr> {
+        let at = self.free.iter().rposition(|&(s, _)| s == size)?;
+        let (_, ptr) = self.free.remove(at);
+        self.bytes -= size;
+        Some(ptr)
+    }
+
+    /// Keeps `ptr` (of `size`); returns the allocations to free now: the oldest ones while the
+    /// cache is over its limits.
+    fn put(&mut self, size: usize, ptr: CUdeviceptr) -> Vec<CUdeviceptr> {
+        self.free.push((size, ptr));
+        self.bytes += size;
+        let mut evicted = Vec::new();
+        while self.free.len() > CACHE_ENTRIES || self.bytes > CACHE_BYTES {
+            let (s, p) = self.free.remove(0);
+            self.bytes -= s;
+            evicted.push(p);
+        }
+        evicted
+    }
+
+    /// Everything kept, emptying the cache.
+    fn drain(&mut self) -> Vec<CUdeviceptr> {
+        self.bytes = 0;
+        self.free.drain(..).map(|(_, p)| p).collect()
+    }
+}
+
+static CACHES: [Mutex<Cache>; memory::MAX_CUDA_DEVICES] =
+    [const { Mutex::new(Cache::new()) }; memory::MAX_CUDA_DEVICES];
+
+fn cache(gpu: &Gpu) -> &'static Mutex<Cache> {
+    &CACHES[gpu.ordinal.min(memory::MAX_CUDA_DEVICES - 1)]
+}
+
+/// Bytes of freed array memory the cache of device `ordinal` keeps for reuse (memory the
+/// backend holds that no array uses).
+#[allow(dead_code)]
+pub(crate) fn cached_bytes(ordinal: usize) -> usize {
+    CACHES.get(ordinal).map_or(0, |c| c.lock().bytes)
+}
+
+/// Gives the allocations the cache of `gpu` keeps back to the driver (in stream order);
+/// returns their bytes.
+pub(crate) fn release_cached(gpu: &Gpu) -> usize {
+    let (bytes, freed) = {
+        let mut c = cache(gpu).lock();
+        (c.bytes, c.drain())
+    };
+    for ptr in freed {
+        gpu.free(ptr);
+    }
+    bytes
+}
+
+/// `gpu.malloc`, and when the driver is out of memory, once more after the cache of freed
+/// allocations has gone back to it.
+fn malloc_or_release_cached(ctx: &Ctx, gpu: &Gpu, bytes: usize) -> Result<CUdeviceptr> {
+    match gpu.malloc(ctx, bytes) {
+        Err(crate::Error::OutOfMemory { .. }) if release_cached(gpu) > 0 => gpu.malloc(ctx, bytes),
+        other => other,
     }
 }
 

@@ -2,26 +2,33 @@
 //! products, driver copies, and host↔device transfers through page-locked staging memory.
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
-//! stream. What must reach the host first synchronises: reads (`to_vec`, `to_scalar`), and the
-//! checks that refuse bad input before writing (integer division by zero, out-of-range
-//! indices), which read one flag back.
+//! stream. Only reads (`to_vec`, `to_scalar`, `to_device(Cpu)`) and `Device::synchronize` wait,
+//! for the events of their own copies. Input that only the device sees (an index outside its
+//! range in `pick`/`one_hot`, an integer divisor of 0) is checked by the kernel itself, which
+//! never uses it and records where it was ([`Checks`]); the next wait on that device reports it
+//! as an error naming the op and the call site that queued it. No op waits for the device.
 
 use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::thread::ThreadId;
+
+use parking_lot::Mutex;
 
 use cudarc::cublas::sys as blas;
-use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::{result, CudaEvent};
 
-use super::device::{blas_error, driver_error, Gpu, STAGING};
+use super::device::{blas_error, driver_error, sticky, Gpu, STAGING};
 use super::kernels::Function;
 use super::memory::DeviceBuffer;
+use crate::arena::memory::MAX_CUDA_DEVICES;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
     broadcast_strides, contiguous_strides, merge_dims, reduction_passes, Pass,
 };
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::dispatch;
-use crate::error::Ctx;
+use crate::error::{Ctx, Site};
 use crate::{DType, Element, Error, Result};
 
 type Src<'a> = (&'a DeviceBuffer, &'a [usize]);
@@ -227,11 +234,246 @@ fn elements(buffer: &DeviceBuffer, dtype: DType) -> u64 {
     (buffer.bytes() / dtype.size_in_bytes()) as u64
 }
 
+// ---- checks reported at the next wait ----
+
+/// Bits of a check key that hold the position (kernels.cu's `report_bad`).
+const POSITION_BITS: u32 = 40;
+/// Checked launches a device may queue between two waits before one is forced.
+const MAX_PENDING: usize = 1 << 16;
+/// Errors kept for threads that have not waited since another thread's wait found them.
+const MAX_FOUND: usize = 64;
+
+/// What a checked launch refuses, to build its error when the device reports it.
+enum Refusal {
+    /// An index outside `0..bound` (`what`) among `count` indices of dtype `from`.
+    Index {
+        count: u64,
+        from: DType,
+        bound: usize,
+        what: &'static str,
+    },
+    /// An integer division whose divisor held 0: the front-end's error.
+    Zero(Error),
+}
+
+/// One checked launch queued since the last wait.
+struct Pending {
+    op: &'static str,
+    at: Site,
+    /// The thread that queued it: its error goes to that thread's next wait.
+    thread: ThreadId,
+    refusal: Refusal,
+}
+
+impl Pending {
+    fn error(self, ordinal: usize, position: u64) -> Error {
+        let found = format!(
+            "(found by the kernel on cuda:{ordinal}, reported at the next wait for the device)"
+        );
+        match self.refusal {
+            Refusal::Index {
+                count,
+                from,
+                bound,
+                what,
+            } => Error::InvalidArgument {
+                op: self.op,
+                at: self.at,
+                reason: format!(
+                    "the index at flat position {position} of the {count} {from} indices is out \
+                     of range: it must be at least 0 and below {what}, {bound} {found}"
+                ),
+            },
+            Refusal::Zero(Error::InvalidArgument { op, at, reason }) => Error::InvalidArgument {
+                op,
+                at,
+                reason: format!("{reason} (at flat position {position} of the result) {found}"),
+            },
+            Refusal::Zero(e) => e,
+        }
+    }
+}
+
+/// The device-side flag of a device's checked launches: one word of device memory, all ones
+/// while no kernel found bad input, else the smallest `key + position` reported; a page-locked
+/// word it is copied to before each wait; and what each key stands for.
+struct Checks {
+    word: CUdeviceptr,
+    host: NonNull<u64>,
+    pending: Vec<Pending>,
+    /// Errors found by another thread's wait, for the thread that queued the op.
+    found: Vec<(ThreadId, Error)>,
+}
+
+// SAFETY: `host` is page-locked memory owned by this struct, used under its mutex.
+unsafe impl Send for Checks {}
+
+static CHECKS: [Mutex<Option<Checks>>; MAX_CUDA_DEVICES] =
+    [const { Mutex::new(None) }; MAX_CUDA_DEVICES];
+
+fn checks_of(gpu: &Gpu) -> &'static Mutex<Option<Checks>> {
+    &CHECKS[gpu.ordinal.min(MAX_CUDA_DEVICES - 1)]
+}
+
+impl Checks {
+    /// The flag of `gpu`, set to all ones (in stream order).
+    fn new(ctx: &Ctx, gpu: &Gpu) -> Result<Checks> {
+        let word = gpu.malloc(ctx, 8)?;
+        // SAFETY: the context is current (`malloc` bound it); 8 bytes, freed never (the
+        // struct lives as long as the device).
+        let host = match unsafe { result::malloc_host(8, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+            Ok(p) => NonNull::new(p.cast::<u64>()),
+            Err(e) => {
+                gpu.free(word);
+                return Err(driver_error(ctx, "cuMemHostAlloc", e));
+            }
+        };
+        let Some(host) = host else {
+            gpu.free(word);
+            return Err(ctx.unsupported("cuMemHostAlloc returned no memory"));
+        };
+        memset(ctx, gpu, word, 0xff, 8)?;
+        Ok(Checks {
+            word,
+            host,
+            pending: Vec::new(),
+            found: Vec::new(),
+        })
+    }
+}
+
+/// Queues a checked launch on `gpu`: `launch(flag, key)` runs the kernel, which reports bad
+/// input into `flag` with `key`; `refusal` says what the error will be. Forces a wait (the
+/// only one) when `MAX_PENDING` checked launches are queued without one.
+fn checked_launch(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    refusal: impl FnOnce() -> Refusal,
+    launch: impl FnOnce(CUdeviceptr, u64) -> Result<()>,
+) -> Result<()> {
+    if checks_of(gpu)
+        .lock()
+        .as_ref()
+        .is_some_and(|c| c.pending.len() >= MAX_PENDING)
+    {
+        synchronize(ctx, gpu.ordinal)?;
+    }
+    let mut guard = checks_of(gpu).lock();
+    if guard.is_none() {
+        *guard = Some(Checks::new(ctx, gpu)?);
+    }
+    let Some(checks) = guard.as_mut() else {
+        return Err(ctx.unsupported("the check flag of the device vanished"));
+    };
+    let key = (checks.pending.len() as u64) << POSITION_BITS;
+    launch(checks.word, key)?;
+    checks.pending.push(Pending {
+        op: ctx.op,
+        at: ctx.at,
+        thread: std::thread::current().id(),
+        refusal: refusal(),
+    });
+    Ok(())
+}
+
+/// Runs `wait` (which waits for everything queued on `gpu` so far, or at least for work queued
+/// after this call's copy) and then reports the first bad input that a checked launch queued
+/// before it found, as that launch's error, to the thread that queued it: to this one now, to
+/// another at its next wait. Costs one 8-byte copy when checked launches are pending, nothing
+/// otherwise.
+fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Result<R> {
+    let mut guard = checks_of(gpu).lock();
+    let Some(checks) = guard
+        .as_mut()
+        .filter(|c| !c.pending.is_empty() || !c.found.is_empty())
+    else {
+        drop(guard);
+        return wait();
+    };
+    let me = std::thread::current().id();
+    let copied = !checks.pending.is_empty();
+    if copied {
+        gpu.bind(ctx)?;
+        // SAFETY: `host` is 8 bytes of page-locked memory of this struct, read only after
+        // `wait` (below) has waited for work queued after this copy; `word` is 8 bytes of
+        // device memory.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(checks.host.as_ptr().cast(), checks.word, 8, gpu.cu_stream())
+        }
+        .result()
+        .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+    }
+    let value = wait()?;
+    if copied {
+        // SAFETY: the copy into `host` has completed (`wait`); nothing else writes it.
+        let word = unsafe { std::ptr::read_volatile(checks.host.as_ptr()) };
+        let pending = std::mem::take(&mut checks.pending);
+        if word != u64::MAX {
+            memset(ctx, gpu, checks.word, 0xff, 8)?;
+            let index = (word >> POSITION_BITS) as usize;
+            let position = word & ((1 << POSITION_BITS) - 1);
+            let (thread, error) = match pending.into_iter().nth(index) {
+                Some(p) => (p.thread, p.error(gpu.ordinal, position)),
+                None => (
+                    me,
+                    ctx.unsupported(format!(
+                        "the check flag of cuda:{} holds {word:#x}, which no queued op wrote",
+                        gpu.ordinal
+                    )),
+                ),
+            };
+            checks.found.push((thread, error));
+            // A thread that never waits again would leave its error here: keep the latest few.
+            if checks.found.len() > MAX_FOUND {
+                checks.found.remove(0);
+            }
+        }
+    }
+    match checks.found.iter().position(|(t, _)| *t == me) {
+        Some(at) => Err(checks.found.remove(at).1),
+        None => Ok(value),
+    }
+}
+
+// ---- waiting ----
+
+/// Per device, an event created with `CU_EVENT_BLOCKING_SYNC`: waiting for it puts the host
+/// thread to sleep until the device signals, where a stream synchronisation in the default
+/// scheduling mode spins a CPU core. (The context keeps its default flags: it may be the
+/// primary context another library in the process shares.)
+struct Waiter(CudaEvent);
+
+static WAITERS: [Mutex<Option<Waiter>>; MAX_CUDA_DEVICES] =
+    [const { Mutex::new(None) }; MAX_CUDA_DEVICES];
+
+/// Waits, without spinning, until everything queued on `gpu` so far has run; reports an error
+/// of an earlier asynchronous kernel.
+fn wait_all(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+    let mut waiter = WAITERS[gpu.ordinal.min(MAX_CUDA_DEVICES - 1)].lock();
+    if waiter.is_none() {
+        let event = gpu
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| driver_error(ctx, "cuEventCreate", e))?;
+        *waiter = Some(Waiter(event));
+    }
+    let Some(Waiter(event)) = waiter.as_ref() else {
+        return Err(ctx.unsupported("the wait event of the device vanished"));
+    };
+    gpu.bind(ctx)?;
+    event
+        .record(&gpu.stream)
+        .map_err(|e| driver_error(ctx, "cuEventRecord", e))?;
+    event.synchronize().map_err(|e| sticky(ctx, gpu, e))
+}
+
 // ---- transfers and copies ----
 
-/// Copies host `bytes` to device address `dst` of `gpu`. Through the staging buffers,
-/// double-buffered; from page-locked memory directly (waiting for the copy, since the source is
-/// only borrowed).
+/// Copies host `bytes` to device address `dst` of `gpu`. From pageable memory through the two
+/// staging buffers, double-buffered: chunk i+1 is copied into one buffer while chunk i goes to
+/// the device from the other, each buffer reused only after the event recorded after its last
+/// copy. From page-locked memory directly, one copy, waiting (on an event) for it since the
+/// source is only borrowed.
 fn host_to_device(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -249,7 +491,7 @@ fn host_to_device(
         // copy to finish; `dst` holds `bytes.len()` bytes of device memory of this context.
         unsafe { result::memcpy_htod_async(dst, bytes, stream) }
             .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     let mut staging = gpu.staging();
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
@@ -280,7 +522,7 @@ fn device_to_host(
     pinned: bool,
 ) -> Result<()> {
     if out.is_empty() {
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     gpu.bind(ctx)?;
     let stream = gpu.cu_stream();
@@ -289,7 +531,7 @@ fn device_to_host(
         // copy to finish; `src` holds `out.len()` bytes of device memory of this context.
         unsafe { result::memcpy_dtoh_async(out, src, stream) }
             .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
-        return gpu.synchronize(ctx);
+        return wait_all(ctx, gpu);
     }
     let len = out.len();
     let chunks = len.div_ceil(STAGING);
@@ -331,7 +573,8 @@ pub(crate) fn read<T: Element>(ctx: &Ctx, src: &DeviceBuffer, dst: &mut [T]) -> 
     // SAFETY: element types are plain numbers valid for every bit pattern; the length is in
     // bytes.
     let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
-    device_to_host(ctx, src.gpu(), src.ptr(), out, false)
+    let gpu = src.gpu();
+    reporting(ctx, gpu, || device_to_host(ctx, gpu, src.ptr(), out, false))
 }
 
 pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut DeviceBuffer, data: &[T]) -> Result<()> {
@@ -344,7 +587,10 @@ pub(crate) fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut DeviceBuffer) -> Res
 
 pub(crate) fn download(ctx: &Ctx, src: &DeviceBuffer, dst: &mut HostBuffer) -> Result<()> {
     let pinned = dst.is_pinned();
-    device_to_host(ctx, src.gpu(), src.ptr(), dst.as_bytes_mut(), pinned)
+    let gpu = src.gpu();
+    reporting(ctx, gpu, || {
+        device_to_host(ctx, gpu, src.ptr(), dst.as_bytes_mut(), pinned)
+    })
 }
 
 pub(crate) fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<()> {
@@ -413,16 +659,11 @@ pub(crate) fn convert(
     unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src.ptr(), out = dst.ptr(), count = n) }
 }
 
-/// Waits for all work queued on device `ordinal` and reports errors of earlier kernels.
+/// Waits for all work queued on device `ordinal` and reports errors of earlier kernels, and
+/// bad input that a checked launch found since the last wait.
 pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
-    super::device::gpu(ctx, ordinal)?.synchronize(ctx)
-}
-
-/// Reads the 8-byte word at device address `ptr` (a flag or index a kernel wrote).
-fn read_word(ctx: &Ctx, gpu: &Gpu, ptr: CUdeviceptr) -> Result<u64> {
-    let mut word = [0u8; 8];
-    device_to_host(ctx, gpu, ptr, &mut word, false)?;
-    Ok(u64::from_ne_bytes(word))
+    let gpu = super::device::gpu(ctx, ordinal)?;
+    reporting(ctx, gpu, || wait_all(ctx, gpu))
 }
 
 // ---- fill / random ----
@@ -565,22 +806,6 @@ fn binary_name(op: Binary) -> (&'static str, &'static str, &'static str) {
     }
 }
 
-/// Whether `divisor` (an integer array of `n` elements at `ptr`) holds a 0: one kernel and one
-/// read back.
-fn has_zero(ctx: &Ctx, gpu: &Gpu, dtype: DType, ptr: CUdeviceptr, n: u64) -> Result<bool> {
-    if n == 0 {
-        return Ok(false);
-    }
-    let f = gpu.kernels.one(ctx, "any_zero", dtype)?;
-    let mut scratch = gpu.scratch();
-    let flag = scratch.ensure(ctx, gpu, 8)?;
-    memset(ctx, gpu, flag, 0, 8)?;
-    // SAFETY: any_zero_<T>(const T* b, u64 n, u64* flag); `ptr` is locked storage of `gpu`,
-    // `flag` its scratch (held under the scratch lock).
-    unsafe { launch!(ctx, gpu, f, linear(gpu, n); b = ptr, count = n, out = flag)? };
-    Ok(read_word(ctx, gpu, flag)? != 0)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn binary(
     ctx: &Ctx,
@@ -596,11 +821,26 @@ pub(crate) fn binary(
     if n == 0 {
         return Ok(());
     }
-    if op == Binary::Div
-        && !dtype.is_float()
-        && has_zero(ctx, gpu, dtype, b.ptr(), elements(b, dtype))?
-    {
-        return Err(on_zero());
+    if op == Binary::Div && !dtype.is_float() {
+        // The divisor is checked by the kernel; a 0 is reported at the next wait.
+        let f = gpu.kernels.one(ctx, "div_checked", dtype)?;
+        let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+        return checked_launch(
+            ctx,
+            gpu,
+            || Refusal::Zero(on_zero()),
+            |flag, key| {
+                // SAFETY: div_checked_<T>(const T* a, const T* b, T* out, u64 n, int mode,
+                // Strided s, u64* flag, u64 key); the three buffers are locked storage of
+                // `gpu`, addressed within their sizes by `mode` and `s`; `flag` is the
+                // device's check word, which lives as long as the device.
+                unsafe {
+                    launch!(ctx, gpu, f, linear(gpu, n);
+                        pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode,
+                        s = strided, pf = flag, k = key)
+                }
+            },
+        );
     }
     let f = gpu.kernels.one(ctx, binary_name(op).0, dtype)?;
     launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
@@ -746,10 +986,23 @@ pub(crate) fn binary_inplace(
     }
     let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
     if op == Binary::Div && !dtype.is_float() {
-        let divisor_len = src.map_or(n, |(b, _)| elements(b, dtype));
-        if has_zero(ctx, gpu, dtype, b, divisor_len)? {
-            return Err(on_zero());
-        }
+        // The divisor is checked by the kernel; a 0 is reported at the next wait.
+        let f = gpu.kernels.one(ctx, "div_checked_inplace", dtype)?;
+        return checked_launch(
+            ctx,
+            gpu,
+            || Refusal::Zero(on_zero()),
+            |flag, key| {
+                // SAFETY: div_checked_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s,
+                // u64* flag, u64 key); locked storage of `gpu`, the source addressed within its
+                // size; `flag` is the device's check word.
+                unsafe {
+                    launch!(ctx, gpu, f, linear(gpu, n);
+                        px = x.ptr(), pb = b, count = n, m = mode, s = strided, pf = flag,
+                        k = key)
+                }
+            },
+        );
     }
     let f = gpu.kernels.one(ctx, binary_name(op).2, dtype)?;
     // SAFETY: <op>_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s); locked storage of
@@ -866,29 +1119,50 @@ pub(crate) fn assign(
 
 // ---- reductions ----
 
-/// Slices per row for a reduction of `pass` with contiguous rows: enough blocks to fill the
-/// device when there are few long rows; 1 otherwise.
+/// Slices the reduced axis of `pass` is split into, each reduced by its own blocks into a
+/// partial result (a second launch reduces those): enough blocks to fill the device when the
+/// rows (inner == 1) or the 32-column groups (inner > 1) are few and long; 1 otherwise.
 fn chunks_for(gpu: &Gpu, pass: Pass) -> usize {
     let wanted = 4 * gpu.sms as usize;
-    if pass.inner != 1 || pass.n < (1 << 16) || pass.outer >= wanted {
+    if pass.inner == 1 {
+        if pass.n < (1 << 16) || pass.outer >= wanted {
+            return 1;
+        }
+        return (pass.n / 8192).clamp(1, wanted / pass.outer.max(1)).max(1);
+    }
+    let groups = (pass.outer * pass.inner).div_ceil(32);
+    if pass.n < (1 << 12) || groups >= wanted {
         return 1;
     }
-    (pass.n / 8192).clamp(1, wanted / pass.outer.max(1)).max(1)
+    (pass.n / 1024).clamp(1, wanted / groups.max(1)).max(1)
 }
 
-/// Launch shape of a fold over `[outer, n, inner]` in `chunks` slices per row (kernels.cu's
-/// `fold`): 1-d blocks over rows, or 32 × 8 blocks over columns.
-fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> Config {
+/// Threads per row (a power of two, at most a block) for rows of `len` contiguous elements:
+/// about four elements each, so short rows share a block and long ones get a whole block.
+fn threads_per_row(len: usize) -> u32 {
+    len.div_ceil(4)
+        .next_power_of_two()
+        .clamp(1, THREADS as usize) as u32
+}
+
+/// Launch shape of a kernel over `[outer, n, inner]` in `chunks` slices per row (kernels.cu's
+/// `fold`, `argmax`, `softmax`), and the threads per row segment it uses when inner == 1:
+/// 1-d blocks of `THREADS / tpr` row segments, or 32 × 8 blocks over 32 columns.
+fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> (Config, u32) {
     if pass.inner == 1 {
-        Config {
-            blocks: blocks(gpu, (pass.outer * chunks) as u64, 1),
+        let tpr = threads_per_row(pass.n.div_ceil(chunks.max(1)));
+        let cfg = Config {
+            blocks: blocks(gpu, (pass.outer * chunks) as u64, u64::from(THREADS / tpr)),
             threads: (THREADS, 1),
-        }
+        };
+        (cfg, tpr)
     } else {
-        Config {
-            blocks: blocks(gpu, (pass.outer * pass.inner) as u64, 32),
+        let groups = (pass.outer * pass.inner).div_ceil(32) * chunks;
+        let cfg = Config {
+            blocks: blocks(gpu, groups as u64, 1),
             threads: (32, 8),
-        }
+        };
+        (cfg, 1)
     }
 }
 
@@ -904,15 +1178,15 @@ fn sum_launch(
     mean: Option<f64>,
 ) -> Result<()> {
     let f = gpu.kernels.two(ctx, "sum", from, to)?;
-    let cfg = fold_config(gpu, pass, chunks);
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
     // SAFETY: sum_<in>_<out>(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks,
-    // int mean, f64 count); `x` and `out` are locked storage or scratch of `gpu` sized for the
-    // pass.
+    // int mean, f64 count, u32 tpr); `x` and `out` are locked storage or scratch of `gpu` sized
+    // for the pass.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
             inner = pass.inner as u64, parts = chunks as u64,
-            m = i32::from(mean.is_some()), count = mean.unwrap_or(1.0))
+            m = i32::from(mean.is_some()), count = mean.unwrap_or(1.0), t = tpr)
     }
 }
 
@@ -943,10 +1217,11 @@ fn sum_pass(
     }
     let acc = accumulator(x.1);
     sum_launch(ctx, gpu, x, (partial, acc), pass, chunks, None)?;
+    // The partial sums, [outer, chunks, inner].
     let second = Pass {
         outer: pass.outer,
         n: chunks,
-        inner: 1,
+        inner: pass.inner,
     };
     sum_launch(ctx, gpu, (partial, acc), out, second, 1, mean)
 }
@@ -1006,7 +1281,7 @@ fn sum_passes(
         .unwrap_or(0);
     let partials = passes
         .iter()
-        .map(|p| p.outer * chunks_for(gpu, *p))
+        .map(|p| p.outer * p.inner * chunks_for(gpu, *p))
         .max()
         .unwrap_or(0);
     let word = acc.size_in_bytes();
@@ -1066,13 +1341,13 @@ fn max_launch(
     chunks: usize,
 ) -> Result<()> {
     let f = gpu.kernels.one(ctx, "max", dtype)?;
-    let cfg = fold_config(gpu, pass, chunks);
-    // SAFETY: max_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, u64 chunks); locked
-    // storage or scratch of `gpu` sized for the pass.
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
+    // SAFETY: max_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, u64 chunks, u32 tpr);
+    // locked storage or scratch of `gpu` sized for the pass.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = x, po = out, outer = pass.outer as u64, len = pass.n as u64,
-            inner = pass.inner as u64, parts = chunks as u64)
+            inner = pass.inner as u64, parts = chunks as u64, t = tpr)
     }
 }
 
@@ -1093,12 +1368,13 @@ pub(crate) fn max_axis(
         return max_launch(ctx, gpu, dtype, (a.ptr(), out.ptr()), pass, 1);
     }
     let mut scratch = gpu.scratch();
-    let partial = scratch.ensure(ctx, gpu, outer * chunks * dtype.size_in_bytes())?;
+    let partial = scratch.ensure(ctx, gpu, outer * chunks * inner * dtype.size_in_bytes())?;
     max_launch(ctx, gpu, dtype, (a.ptr(), partial), pass, chunks)?;
+    // The partial maxima, [outer, chunks, inner].
     let second = Pass {
         outer,
         n: chunks,
-        inner: 1,
+        inner,
     };
     max_launch(ctx, gpu, dtype, (partial, out.ptr()), second, 1)
 }
@@ -1116,15 +1392,51 @@ pub(crate) fn argmax_axis(
         return Ok(());
     }
     let f = gpu.kernels.one(ctx, "argmax", dtype)?;
-    let cfg = Config {
-        blocks: blocks(gpu, columns, 1),
-        threads: (THREADS, 1),
-    };
-    // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner); locked storage of
-    // `gpu`.
+    let pass = Pass { outer, n, inner };
+    // Few long rows are split into slices (inner == 1 only): partial (value, index) pairs in
+    // scratch, then `argmax_parts`.
+    let chunks = if inner == 1 { chunks_for(gpu, pass) } else { 1 };
+    let (cfg, tpr) = fold_config(gpu, pass, chunks);
+    if chunks == 1 {
+        // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr,
+        // u64 chunks, T* part_v, i64* part_i); locked storage of `gpu`; with one chunk the
+        // partial arrays are not touched (`out` stands in for them).
+        return unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
+                i = inner as u64, t = tpr, parts = 1u64, pv = out.ptr(), pi = out.ptr())
+        };
+    }
+    let segments = outer * chunks;
+    let elem = dtype.size_in_bytes();
+    let mut scratch = gpu.scratch();
+    // The indices first (8-byte aligned), then the values.
+    let part_i = scratch.ensure(ctx, gpu, segments * (8 + elem))?;
+    let part_v = part_i + (segments * 8) as u64;
+    // SAFETY: as above; `part_v` and `part_i` are scratch of `gpu` (held under its lock) with
+    // room for `outer · chunks` values and indices.
     unsafe {
         launch!(ctx, gpu, f, cfg;
-            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64)
+            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+            t = tpr, parts = chunks as u64, pv = part_v, pi = part_i)?
+    };
+    let g = gpu.kernels.one(ctx, "argmax_parts", dtype)?;
+    let (cfg, tpr) = fold_config(
+        gpu,
+        Pass {
+            outer,
+            n: chunks,
+            inner: 1,
+        },
+        1,
+    );
+    // SAFETY: argmax_parts_<T>(const T* part_v, const i64* part_i, i64* out, u64 outer,
+    // u64 chunks, u32 tpr); the scratch written just before (stream order) and `out`, locked
+    // storage of `gpu` with `outer` indices.
+    unsafe {
+        launch!(ctx, gpu, g, cfg;
+            pv = part_v, pi = part_i, po = out.ptr(), o = outer as u64, c = chunks as u64,
+            t = tpr)
     }
 }
 
@@ -1139,12 +1451,50 @@ fn int_dim(ctx: &Ctx, value: usize) -> Result<i32> {
     })
 }
 
-/// `c = beta·c + alpha·op(a)·op(b)` for `batch` row-major float products (`a` `[m, k]`, or
-/// `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the i-th at element offsets
-/// `i·steps`. A row-major product is the column-major product of the transposes, so cuBLAS
-/// computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+/// Most products of one strided batched cuBLAS call: cuBLAS puts the batch in a grid dimension
+/// limited to 65535 blocks, so larger batches are split into several calls.
+const MAX_BLAS_BATCH: usize = 65_535;
+
+/// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
 #[allow(clippy::too_many_arguments)]
 fn blas_gemm(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    dims: (usize, usize, usize),
+    (a, ta): (CUdeviceptr, bool),
+    (b, tb): (CUdeviceptr, bool),
+    c: CUdeviceptr,
+    scales: (f64, f64),
+    (batch, steps): (usize, (usize, usize, usize)),
+) -> Result<()> {
+    let elem = dtype.size_in_bytes() as u64;
+    let mut done = 0;
+    while done < batch {
+        let count = (batch - done).min(MAX_BLAS_BATCH);
+        let at = |base: CUdeviceptr, step: usize| base + (done * step) as u64 * elem;
+        blas_batch(
+            ctx,
+            gpu,
+            dtype,
+            dims,
+            (at(a, steps.0), ta),
+            (at(b, steps.1), tb),
+            at(c, steps.2),
+            scales,
+            (count, steps),
+        )?;
+        done += count;
+    }
+    Ok(())
+}
+
+/// `c = beta·c + alpha·op(a)·op(b)` for `batch` (at most [`MAX_BLAS_BATCH`]) row-major float
+/// products (`a` `[m, k]`, or `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the
+/// i-th at element offsets `i·steps`. A row-major product is the column-major product of the
+/// transposes, so cuBLAS computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn blas_batch(
     ctx: &Ctx,
     gpu: &Gpu,
     dtype: DType,
@@ -1319,7 +1669,8 @@ fn product(
     let (c, c_len) = c;
     if k == 0 {
         return match accumulate {
-            Some((beta, _)) => {
+            // `beta = 0` does not read `c` (a NaN there must not survive as 0·NaN).
+            Some((beta, _)) if beta != 0.0 => {
                 let f = gpu.kernels.one(ctx, "scale", dtype)?;
                 // SAFETY: scale_<T>(T* x, u64 n, T v); `c` is locked storage of `gpu` with
                 // `c_len` elements.
@@ -1328,7 +1679,7 @@ fn product(
                         px = c, count = c_len as u64, v = scalar(dtype, beta))
                 }
             }
-            None => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),
+            _ => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),
         };
     }
     if dtype.is_float() {
@@ -1456,6 +1807,41 @@ pub(crate) fn sgd_dense(
 
 // ---- neural-network ops ----
 
+/// Softmax of few long rows, each split into `chunks` slices over the device: three launches
+/// of `softmax_split` (slice maxima, slice sums of exponentials, the result) with the partial
+/// results in scratch.
+fn softmax_split(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    (a, out): (&DeviceBuffer, &mut DeviceBuffer),
+    (outer, n, chunks): (usize, usize, usize),
+    log: bool,
+) -> Result<()> {
+    let f = gpu.kernels.one(ctx, "softmax_split", dtype)?;
+    let segments = outer * chunks;
+    let mut scratch = gpu.scratch();
+    // The f64 sums first (8-byte aligned), then the maxima.
+    let part_s = scratch.ensure(ctx, gpu, segments * (8 + dtype.size_in_bytes()))?;
+    let part_m = part_s + (segments * 8) as u64;
+    let cfg = Config {
+        blocks: blocks(gpu, segments as u64, 1),
+        threads: (THREADS, 1),
+    };
+    for phase in 0..3i32 {
+        // SAFETY: softmax_split_<T>(const T* x, T* out, u64 outer, u64 n, u64 chunks, int log,
+        // int phase, T* part_m, f64* part_s); `a` and `out` are locked storage of `gpu` with
+        // outer·n elements; `part_m`/`part_s` scratch of `gpu` (under its lock) with room for
+        // outer·chunks values each; the phases run in stream order.
+        unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
+                c = chunks as u64, lg = i32::from(log), ph = phase, pm = part_m, ps = part_s)?
+        };
+    }
+    Ok(())
+}
+
 pub(crate) fn softmax(
     ctx: &Ctx,
     dtype: DType,
@@ -1469,57 +1855,41 @@ pub(crate) fn softmax(
     if columns == 0 || n == 0 {
         return Ok(());
     }
+    if inner == 1 {
+        let chunks = chunks_for(gpu, Pass { outer, n, inner });
+        if chunks > 1 {
+            return softmax_split(ctx, gpu, dtype, (a, out), (outer, n, chunks), log);
+        }
+    }
     let f = gpu.kernels.one(ctx, "softmax", dtype)?;
-    let cfg = Config {
-        blocks: blocks(gpu, columns, 1),
-        threads: (THREADS, 1),
-    };
-    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log); locked
-    // storage of `gpu`.
+    let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
+    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log, u32 tpr);
+    // locked storage of `gpu`.
     unsafe {
         launch!(ctx, gpu, f, cfg;
             px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
-            lg = i32::from(log))
+            lg = i32::from(log), t = tpr)
     }
 }
 
+/// Indices on a CUDA device are checked by the kernels that use them (`pick`, `one_hot`): a
+/// bad one is reported at the next wait for the device, with the op and its call site, so
+/// nothing is checked here and no op waits for the device.
 pub(crate) fn first_bad_index(
-    ctx: &Ctx,
-    dtype: DType,
-    indices: &DeviceBuffer,
-    bound: usize,
+    _ctx: &Ctx,
+    _dtype: DType,
+    _indices: &DeviceBuffer,
+    _bound: usize,
 ) -> Result<Option<(usize, i64)>> {
-    let gpu = indices.gpu();
-    let count = elements(indices, dtype);
-    if count == 0 {
-        return Ok(None);
-    }
-    let f = gpu.kernels.one(ctx, "bad_index", dtype)?;
-    let position = {
-        let mut scratch = gpu.scratch();
-        let first = scratch.ensure(ctx, gpu, 8)?;
-        memset(ctx, gpu, first, 0xff, 8)?;
-        // SAFETY: bad_index_<I>(const I* idx, u64 count, u64 bound, u64* first); `indices` is
-        // locked storage of `gpu`, `first` its scratch (under the scratch lock).
-        unsafe {
-            launch!(ctx, gpu, f, linear(gpu, count);
-                pi = indices.ptr(), n = count, b = bound as u64, out = first)?
-        };
-        read_word(ctx, gpu, first)?
-    };
-    if position == u64::MAX {
-        return Ok(None);
-    }
-    let mut value = [0u8; 8];
-    let elem = dtype.size_in_bytes();
-    let at = indices.ptr() + position * elem as u64;
-    device_to_host(ctx, gpu, at, &mut value[..elem], false)?;
-    let value = match dtype {
-        DType::I32 => i64::from(i32::from_ne_bytes([value[0], value[1], value[2], value[3]])),
-        DType::U8 => i64::from(value[0]),
-        _ => i64::from_ne_bytes(value),
-    };
-    Ok(Some((position as usize, value)))
+    Ok(None)
+}
+
+/// The error for indices into an empty range, which every index is outside.
+fn empty_range(ctx: &Ctx, count: u64, from: DType, what: &str) -> Error {
+    ctx.invalid(format!(
+        "the index at flat position 0 of the {count} {from} indices is out of range: it must be \
+         at least 0 and below {what}, 0"
+    ))
 }
 
 pub(crate) fn one_hot(
@@ -1532,16 +1902,30 @@ pub(crate) fn one_hot(
     let gpu = same_gpu(ctx, &[indices.gpu(), out.gpu()])?;
     let count = elements(indices, from);
     let total = count * depth as u64;
+    if depth == 0 && count > 0 {
+        // No index is below 0: known without looking.
+        return Err(empty_range(ctx, count, from, "the depth"));
+    }
     if total == 0 {
         return Ok(());
     }
     let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
-    // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth); locked storage of
-    // `gpu` (`out` holds count·depth elements).
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, total);
-            pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64)
-    }
+    let refusal = || Refusal::Index {
+        count,
+        from,
+        bound: depth,
+        what: "the depth",
+    };
+    checked_launch(ctx, gpu, refusal, |flag, key| {
+        // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth, u64* flag,
+        // u64 key); locked storage of `gpu` (`out` holds count·depth elements); `flag` is the
+        // device's check word.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, total);
+                pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64, pf = flag,
+                k = key)
+        }
+    })
 }
 
 pub(crate) fn pick(
@@ -1554,17 +1938,29 @@ pub(crate) fn pick(
 ) -> Result<()> {
     let gpu = same_gpu(ctx, &[x.gpu(), indices.gpu(), out.gpu()])?;
     let count = elements(indices, from);
+    if n == 0 && count > 0 {
+        return Err(empty_range(ctx, count, from, "the size of the axis"));
+    }
     if count == 0 || inner == 0 {
         return Ok(());
     }
     let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
-    // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner);
-    // locked storage of `gpu`; indices outside the axis read nothing.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, count);
-            px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
-            i = inner as u64)
-    }
+    let refusal = || Refusal::Index {
+        count,
+        from,
+        bound: n,
+        what: "the size of the axis",
+    };
+    checked_launch(ctx, gpu, refusal, |flag, key| {
+        // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner,
+        // u64* flag, u64 key); locked storage of `gpu`; indices outside the axis read nothing;
+        // `flag` is the device's check word.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, count);
+                px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
+                i = inner as u64, pf = flag, k = key)
+        }
+    })
 }
 
 // ---- shape / gather ----
