@@ -196,3 +196,59 @@ fn cold_setup_does_not_hold_the_arena_lock() {
         finished.len()
     );
 }
+
+/// The kernel cache files (`kernels-*.bin`) in `dir`.
+fn cache_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            name.starts_with("kernels-") && name.ends_with(".bin")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// A damaged kernel cache entry (its key intact, the compiled kernels after it overwritten) is
+/// compiled again and replaced: the device still works.
+#[test]
+fn damaged_kernel_cache_entry_is_recompiled_and_replaced() {
+    const NAME: &str = "damaged_kernel_cache_entry_is_recompiled_and_replaced";
+    if is_child(NAME) {
+        let m = Manager::new_base_on(Device::Cuda(0)).expect("the device sets up");
+        let a = m.from_slice(&[1.0f32, 2.0, 3.0], [3]).unwrap();
+        let b = a.mul(&a).unwrap();
+        assert_eq!(b.to_vec::<f32>().unwrap(), vec![1.0, 4.0, 9.0]);
+        m.close().unwrap();
+        return;
+    }
+    let cache = fresh_dir("damaged-cache");
+    let env = [("NDSCOPE_KERNEL_CACHE", cache.to_str().unwrap())];
+    // A first process compiles the kernels and writes the entry.
+    if !run_child(NAME, &env) {
+        return;
+    }
+    let files = cache_files(&cache);
+    assert_eq!(files.len(), 1, "one cache entry: {files:?}");
+    let good = std::fs::read(&files[0]).unwrap();
+    // The key is the entry's first five lines; the compiled kernels follow.
+    let key_end = good
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| **b == b'\n')
+        .nth(4)
+        .map(|(i, _)| i + 1)
+        .expect("a five-line key");
+    let mut damaged = good[..key_end].to_vec();
+    damaged.extend(std::iter::repeat_n(0x5a_u8, 4096));
+    std::fs::write(&files[0], &damaged).unwrap();
+    // A second process finds the damaged entry: it compiles again, works, and replaces it.
+    run_child(NAME, &env);
+    let now = std::fs::read(&files[0]).unwrap();
+    assert_ne!(now, damaged, "the damaged entry was replaced");
+    assert_eq!(now, good, "by the same compiled kernels");
+    assert_eq!(cache_files(&cache).len(), 1);
+    let _ = std::fs::remove_dir_all(cache);
+}
