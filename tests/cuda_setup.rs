@@ -125,7 +125,7 @@ fn failed_setup_is_reported_released_and_retried() {
         // Two page-locked staging buffers and the cuBLAS workspace were allocated and freed.
         assert!(stats["host_allocs"] >= 2, "{stats:?}");
         assert!(
-            stats["frees"] >= stats["host_allocs"] + 1,
+            stats["frees"] > stats["host_allocs"],
             "a failed setup freed what it allocated: {stats:?}"
         );
     }
