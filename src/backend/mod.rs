@@ -79,6 +79,13 @@ pub(crate) fn cuda_count() -> usize {
     cuda::device_count()
 }
 
+/// Sets up `device` on its first use (a CUDA device: context, kernels, cuBLAS), reporting why
+/// it cannot be used. Called before the arena lock, so that a slow setup (a cold kernel compile)
+/// never runs under it; a failed setup is tried again on the next call.
+pub(crate) fn prepare(ctx: &crate::error::Ctx, device: crate::Device) -> crate::Result<()> {
+    cuda::prepare(ctx, device)
+}
+
 /// Why CUDA device `ordinal` cannot be used, for `DeviceUnavailable` messages.
 pub(crate) fn cuda_unavailable_reason(ordinal: usize) -> String {
     cuda::unavailable_reason(ordinal)

@@ -94,10 +94,16 @@ impl Manager {
     }
 
     /// A new manager on `device`, child of the system manager. `DeviceUnavailable` if the
-    /// device is absent (any CUDA device without the `cuda` feature or a GPU).
+    /// device is absent (any CUDA device without the `cuda` feature or a GPU) or its setup (on
+    /// its first use: context, kernels, cuBLAS) failed, with the cause; a failed setup keeps
+    /// nothing and is tried again on the next call.
     #[track_caller]
     pub fn new_base_on(device: Device) -> Result<Manager> {
         let ctx = Ctx::new("Manager::new_base_on");
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
+        crate::backend::prepare(&ctx, device)?;
         let mut state = arena::lock();
         let system = state.system.key;
         state.add_manager(&ctx, system, device)
@@ -117,6 +123,9 @@ impl Manager {
     }
 
     fn sub_manager(&self, ctx: Ctx, device: Device) -> Result<Manager> {
+        if device.is_available() {
+            crate::backend::prepare(&ctx, device)?;
+        }
         let mut state = arena::lock();
         state.manager(&self.0, &ctx)?;
         state.add_manager(&ctx, self.0.key, device)

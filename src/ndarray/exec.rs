@@ -43,6 +43,11 @@ pub(crate) fn new_array(
         Target::ResultOf(_) => Manager::active(),
         Target::Manager(_) | Target::OwnerOf(_) => None,
     };
+    // A device's first use sets it up (seconds for a cold kernel compile): before the arena
+    // lock, so other threads are not stalled, and with the cause of a failure reported.
+    if device.is_available() {
+        crate::backend::prepare(ctx, device)?;
+    }
     let mut state = arena::lock();
     let (owner, why) = match target {
         Target::Manager(m) => {

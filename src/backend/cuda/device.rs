@@ -32,7 +32,18 @@ struct Backend {
     count: usize,
     /// Why there are none, or fewer than asked for.
     reason: String,
-    gpus: Vec<OnceLock<std::result::Result<Gpu, String>>>,
+    gpus: Vec<Slot>,
+}
+
+/// One device's setup: done once it succeeds. A failed setup is not kept: what it had created
+/// is released, its reason is remembered for messages, and the next use tries again.
+#[derive(Default)]
+struct Slot {
+    gpu: OnceLock<Gpu>,
+    /// Serialises setups of this device (a cold NVRTC compile takes seconds).
+    setup: Mutex<()>,
+    /// Why the last setup failed.
+    failed: Mutex<Option<String>>,
 }
 
 static BACKEND: OnceLock<Backend> = OnceLock::new();
@@ -65,7 +76,7 @@ fn backend() -> &'static Backend {
             count,
             reason,
             gpus: (0..count.min(memory::MAX_CUDA_DEVICES))
-                .map(|_| OnceLock::new())
+                .map(|_| Slot::default())
                 .collect(),
         }
     })
@@ -130,9 +141,13 @@ pub(crate) fn unavailable_reason(ordinal: usize) -> String {
     if ordinal >= b.count {
         return format!("this machine has {} CUDA device(s)", b.count);
     }
-    match b.gpus.get(ordinal).and_then(OnceLock::get) {
-        Some(Err(why)) => why.clone(),
-        _ => format!("ordinal {ordinal} cannot be used by ndscope"),
+    match b
+        .gpus
+        .get(ordinal)
+        .and_then(|slot| slot.failed.lock().clone())
+    {
+        Some(why) => why,
+        None => format!("ordinal {ordinal} cannot be used by ndscope"),
     }
 }
 
@@ -150,30 +165,68 @@ pub(crate) struct Gpu {
 }
 
 /// The device of `ordinal`, set up on first use. `DeviceUnavailable` if it is absent or its
-/// setup failed (the reason is kept and repeated).
+/// setup failed; a failed setup releases what it created and is tried again on the next call.
+///
+/// Callers holding the arena lock must only reach set-up devices: the lock-taking front-ends
+/// call [`prepare`] first, so a cold setup (an NVRTC compile) never stalls other threads.
 pub(crate) fn gpu(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
     let b = backend();
     let Some(slot) = b.gpus.get(ordinal) else {
         return Err(ctx.unavailable(Device::Cuda(ordinal)));
     };
-    match slot.get_or_init(|| Gpu::new(ordinal)) {
-        Ok(gpu) => Ok(gpu),
-        Err(why) => Err(Error::DeviceUnavailable {
-            op: ctx.op,
-            at: ctx.at,
-            device: Device::Cuda(ordinal),
-            reason: why.clone(),
-        }),
+    if let Some(gpu) = slot.gpu.get() {
+        return Ok(gpu);
+    }
+    let _setup = slot.setup.lock();
+    if let Some(gpu) = slot.gpu.get() {
+        return Ok(gpu);
+    }
+    match Gpu::new(ordinal) {
+        Ok(gpu) => {
+            *slot.failed.lock() = None;
+            Ok(slot.gpu.get_or_init(|| gpu))
+        }
+        Err(why) => {
+            *slot.failed.lock() = Some(why.clone());
+            Err(Error::DeviceUnavailable {
+                op: ctx.op,
+                at: ctx.at,
+                device: Device::Cuda(ordinal),
+                reason: why,
+            })
+        }
+    }
+}
+
+/// Sets up `device` if it is a CUDA device not set up yet (nothing for the CPU), reporting the
+/// cause of a failed setup. Called before the arena lock is taken.
+pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(ordinal) => gpu(ctx, ordinal).map(|_| ()),
     }
 }
 
 /// The set-up device of `ordinal`, which must exist (a buffer of it does).
 pub(crate) fn existing(ordinal: usize) -> Option<&'static Gpu> {
-    backend()
-        .gpus
-        .get(ordinal)
-        .and_then(OnceLock::get)
-        .and_then(|g| g.as_ref().ok())
+    backend().gpus.get(ordinal).and_then(|slot| slot.gpu.get())
+}
+
+/// Failed setups still to fake, from `NDSCOPE_CUDA_FAIL_SETUP` (a count; for tests of the
+/// recovery from a failed setup: each of the first N setups fails after creating everything,
+/// so all of it must be released).
+fn injected_setup_failure() -> bool {
+    use std::sync::atomic::AtomicUsize;
+    static LEFT: OnceLock<AtomicUsize> = OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        let n = std::env::var("NDSCOPE_CUDA_FAIL_SETUP")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        AtomicUsize::new(n)
+    });
+    left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
 }
 
 impl Gpu {
@@ -201,6 +254,12 @@ impl Gpu {
         let kernels = Kernels::load(&ctx, major, minor)?;
         let blas = Blas::new(&ctx, &stream, ordinal)?;
         let staging = Staging::new(&ctx, ordinal)?;
+        if injected_setup_failure() {
+            // `kernels`, `blas` and `staging` are dropped here, releasing what they hold.
+            return Err("setting up the device failed: a failure injected by \
+                        NDSCOPE_CUDA_FAIL_SETUP"
+                .into());
+        }
         Ok(Gpu {
             ordinal,
             ctx,
@@ -304,6 +363,26 @@ fn keep_freed_memory_cached(ctx: &Arc<CudaContext>) -> std::result::Result<(), D
 pub(crate) struct Blas {
     pub handle: blas::cublasHandle_t,
     tf32: bool,
+    ctx: Arc<CudaContext>,
+    stream: sys::CUstream,
+    workspace: CUdeviceptr,
+}
+
+impl Drop for Blas {
+    /// Runs only for a device whose setup failed (a set-up device lives in a static).
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: the handle and the workspace were created by `Blas::new` on this context and
+        // stream and are released once, here.
+        unsafe {
+            let _ = cudarc::cublas::result::destroy_handle(self.handle);
+            if self.workspace != 0 {
+                let _ = result::free_async(self.workspace, self.stream);
+            }
+        }
+    }
 }
 
 // SAFETY: the handle is only used under the mutex that holds this struct.
@@ -319,25 +398,31 @@ impl Blas {
             .map_err(|e| format!("binding the context failed: {}", describe(e)))?;
         let handle = cudarc::cublas::result::create_handle()
             .map_err(|e| format!("creating the cuBLAS handle failed: {e:?}"))?;
+        // Owned from here: a failure below drops it, destroying the handle and freeing the
+        // workspace.
+        let mut this = Blas {
+            handle,
+            tf32: false,
+            ctx: Arc::clone(ctx),
+            stream: stream.cu_stream(),
+            workspace: 0,
+        };
         // SAFETY: the handle was just created; the stream belongs to the current context; the
-        // workspace is device memory of that context, kept for the life of the process.
+        // workspace is device memory of that context, freed when this struct is dropped.
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _)
                 .map_err(|e| format!("setting the cuBLAS stream failed: {e:?}"))?;
-            let workspace = result::malloc_async(stream.cu_stream(), BLAS_WORKSPACE)
+            this.workspace = result::malloc_async(stream.cu_stream(), BLAS_WORKSPACE)
                 .map_err(|e| format!("allocating the cuBLAS workspace failed: {}", describe(e)))?;
             memory::driver_allocated(Device::Cuda(ordinal));
-            blas::cublasSetWorkspace_v2(handle, workspace as *mut _, BLAS_WORKSPACE)
+            blas::cublasSetWorkspace_v2(handle, this.workspace as *mut _, BLAS_WORKSPACE)
                 .result()
                 .map_err(|e| format!("setting the cuBLAS workspace failed: {e:?}"))?;
             blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH)
                 .result()
                 .map_err(|e| format!("setting the cuBLAS math mode failed: {e:?}"))?;
         }
-        Ok(Blas {
-            handle,
-            tf32: false,
-        })
+        Ok(this)
     }
 
     /// Sets the math mode to what [`ALLOW_TF32`] says, if it changed.
@@ -371,7 +456,7 @@ pub(crate) fn blas_error(ctx: &Ctx, what: &str, e: cudarc::cublas::result::Cubla
 /// Two page-locked host buffers for host↔device copies, each with an event that marks when the
 /// copy that last used it has finished.
 pub(crate) struct Staging {
-    pub bufs: [*mut u8; 2],
+    pub bufs: HostBuffers,
     pub events: [CudaEvent; 2],
     /// Whether the event of each buffer was recorded since the buffer was last waited for.
     pub pending: [bool; 2],
@@ -380,13 +465,37 @@ pub(crate) struct Staging {
 // SAFETY: the buffers are page-locked host memory owned by this struct, used under its mutex.
 unsafe impl Send for Staging {}
 
+/// The two staging buffers (null until allocated), freed on drop, which happens only for a
+/// device whose setup failed (a set-up device lives in a static).
+pub(crate) struct HostBuffers(pub [*mut u8; 2]);
+
+impl std::ops::Index<usize> for HostBuffers {
+    type Output = *mut u8;
+    fn index(&self, i: usize) -> &*mut u8 {
+        &self.0[i]
+    }
+}
+
+impl Drop for HostBuffers {
+    fn drop(&mut self) {
+        for &buf in &self.0 {
+            if !buf.is_null() {
+                // SAFETY: allocated by `cuMemHostAlloc` in `Staging::new` (whose context is
+                // current: dropped right there or in `Gpu::new` on the same thread) and freed
+                // once, here.
+                let _ = unsafe { result::free_host(buf.cast()) };
+            }
+        }
+    }
+}
+
 impl Staging {
     fn new(ctx: &Arc<CudaContext>, ordinal: usize) -> std::result::Result<Staging, String> {
         let fail = |what: &str, e: DriverError| format!("{what} failed: {}", describe(e));
         ctx.bind_to_thread()
             .map_err(|e| fail("binding the context", e))?;
-        let mut bufs = [std::ptr::null_mut(); 2];
-        for buf in &mut bufs {
+        let mut bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        for buf in &mut bufs.0 {
             // SAFETY: the context is current (bound above).
             let ptr = unsafe {
                 result::malloc_host(STAGING, sys::CU_MEMHOSTALLOC_PORTABLE)

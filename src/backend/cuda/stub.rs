@@ -29,6 +29,14 @@ pub(crate) fn unavailable_reason(_ordinal: usize) -> String {
     WHY.to_string()
 }
 
+/// Nothing to set up for the CPU; no CUDA device exists in this build.
+pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(ordinal) => Err(unavailable(ctx, ordinal)),
+    }
+}
+
 fn unavailable(ctx: &Ctx, ordinal: usize) -> Error {
     ctx.unavailable(Device::Cuda(ordinal))
 }
