@@ -4,6 +4,7 @@
 
 mod arena;
 mod backend;
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;

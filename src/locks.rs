@@ -94,6 +94,65 @@ impl Drop for Held {
     }
 }
 
+thread_local! {
+    /// Whether this thread holds the arena lock (set by `arena::lock`, cleared when it unlocks).
+    static UNDER_ARENA: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Work that must not run under the arena lock, queued by [`outside_arena`] while this
+    /// thread holds it; run by the arena guard once it has unlocked.
+    static OUTSIDE: std::cell::RefCell<Vec<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Marks this thread as holding (or no longer holding) the arena lock. Only the arena's guard
+/// calls it.
+#[inline]
+pub(crate) fn set_under_arena(on: bool) {
+    let _ = UNDER_ARENA.try_with(|u| u.set(on));
+}
+
+/// Runs `f` now, or, while this thread holds the arena lock, right after the lock is released.
+/// For work that waits for a device (freeing page-locked memory synchronises it), which must
+/// never stall every thread that needs the arena.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
+    let mut f = Some(f);
+    if UNDER_ARENA.try_with(|u| u.get()).unwrap_or(false) {
+        let queued = OUTSIDE.try_with(|q| {
+            if let Some(f) = f.take() {
+                q.borrow_mut().push(Box::new(f));
+            }
+        });
+        if queued.is_ok() {
+            return;
+        }
+    }
+    if let Some(f) = f {
+        f();
+    }
+}
+
+/// Whether work queued by [`outside_arena`] waits for the arena lock's release.
+#[inline]
+pub(crate) fn outside_work_waiting() -> bool {
+    OUTSIDE.try_with(|q| !q.borrow().is_empty()).unwrap_or(false)
+}
+
+/// Runs the work [`outside_arena`] queued (the arena lock is released), including work queued
+/// while it runs.
+pub(crate) fn run_outside_work() {
+    loop {
+        let work = OUTSIDE
+            .try_with(|q| std::mem::take(&mut *q.borrow_mut()))
+            .unwrap_or_default();
+        if work.is_empty() {
+            return;
+        }
+        for f in work {
+            f();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// The checks exist in debug builds only (`cargo test` without `--release`).

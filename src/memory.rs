@@ -97,6 +97,11 @@ pub struct DeviceUsage {
     pub reallocations: u64,
     /// Allocations refused with [`Error::OutOfMemory`] (`num_ooms`).
     pub ooms: u64,
+    /// Bytes the backend holds for reuse that no array uses, apart from `in_use` (PyTorch's
+    /// reserved minus allocated): on a CUDA device the cache of freed array memory, the
+    /// reduction scratch, the page-locked staging buffers, cuBLAS's workspace and memory the
+    /// driver's pool keeps. 0 on the CPU. `ndscope::cuda::release_cached` gives it back.
+    pub cached: usize,
 }
 
 /// The accumulated counters come in pairs: a total that only grows, and its value at the last
@@ -116,6 +121,8 @@ pub(crate) struct Counters {
     /// The totals above at the last reset, in the same order.
     at_reset: [AtomicU64; 7],
     driver_allocations: AtomicU64,
+    /// Bytes of the backend's caches (see [`DeviceUsage::cached`]), without the driver pool's.
+    cached: AtomicUsize,
     limit: AtomicUsize,
     source: AtomicU8,
     env_var: &'static str,
@@ -144,6 +151,7 @@ impl Counters {
             ooms: AtomicU64::new(0),
             at_reset: Default::default(),
             driver_allocations: AtomicU64::new(0),
+            cached: AtomicUsize::new(0),
             limit: AtomicUsize::new(limit),
             source: AtomicU8::new(source),
             env_var,
@@ -318,6 +326,37 @@ pub(crate) fn driver_allocated(device: Device) {
     }
 }
 
+/// Counts `bytes` more held by a backend cache of `device` (memory no array uses).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn cache_held(device: Device, bytes: usize) {
+    if let Some(c) = counters(device) {
+        c.cached.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Counts `bytes` no longer held by a backend cache of `device` (reused or given back).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn cache_dropped(device: Device, bytes: usize) {
+    if let Some(c) = counters(device) {
+        let _ = c
+            .cached
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(bytes))
+            });
+    }
+}
+
+/// What a backend reports of the memory its driver keeps for reuse beyond ndscope's own caches
+/// (a CUDA memory pool's reserved minus used bytes), per device; registered by the backend when
+/// it sets a device up, so this layer needs no knowledge of it.
+static POOL_PROBE: std::sync::OnceLock<fn(Device) -> usize> = std::sync::OnceLock::new();
+
+/// Registers the backend's [`POOL_PROBE`] (once; later calls change nothing).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn set_pool_probe(probe: fn(Device) -> usize) {
+    let _ = POOL_PROBE.set(probe);
+}
+
 /// Adds `n` to a counter that only the holder of the arena lock writes: a plain load and store
 /// (no locked read-modify-write), since the lock already orders the writers. Readers load it
 /// without the lock and see some recent value, as with any relaxed counter.
@@ -422,6 +461,10 @@ pub fn memory_usage(device: Device) -> DeviceUsage {
         spills: since(4),
         reallocations: since(5),
         ooms: since(6),
+        cached: c
+            .cached
+            .load(Ordering::Relaxed)
+            .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device))),
     }
 }
 

@@ -49,6 +49,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("inference", 7),
     ("layer_workspace", 7),
     ("timeline", 7),
+    ("cuda", 7),
     // The crate root re-exports everything.
     ("", 8),
 ];

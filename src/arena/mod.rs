@@ -351,16 +351,19 @@ impl std::ops::DerefMut for Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        if self.guard.pending.is_empty() {
+        locks::set_under_arena(false);
+        if self.guard.pending.is_empty() && !locks::outside_work_waiting() {
             return;
         }
         let pending = std::mem::take(&mut self.guard.pending);
-        // The deferred work runs with the arena lock released (it waits for data locks).
+        // The deferred work runs with the arena lock released (it waits for data locks, or for
+        // a device: `locks::outside_arena`).
         self.held.release();
         MutexGuard::unlocked(&mut self.guard, || {
             for work in pending {
                 work.finish();
             }
+            locks::run_outside_work();
         });
     }
 }
@@ -369,10 +372,9 @@ impl Drop for Arena {
 #[inline]
 pub(crate) fn lock() -> Arena {
     let held = locks::acquire(Rank::Arena, 0);
-    Arena {
-        guard: ARENA.lock(),
-        held,
-    }
+    let guard = ARENA.lock();
+    locks::set_under_arena(true);
+    Arena { guard, held }
 }
 
 /// Work that waits for an array's data lock, done after the arena lock is released.

@@ -86,6 +86,12 @@ pub(crate) fn prepare(ctx: &crate::error::Ctx, device: crate::Device) -> crate::
     cuda::prepare(ctx, device)
 }
 
+/// Gives back what the CUDA backend holds on device `ordinal` that no array uses; returns the
+/// bytes (0 for a device not set up).
+pub(crate) fn cuda_release_cached(ordinal: usize) -> usize {
+    cuda::release_cached(ordinal)
+}
+
 /// Why CUDA device `ordinal` cannot be used, for `DeviceUnavailable` messages.
 pub(crate) fn cuda_unavailable_reason(ordinal: usize) -> String {
     cuda::unavailable_reason(ordinal)

@@ -162,6 +162,10 @@ pub(crate) struct Gpu {
     blas: Mutex<Blas>,
     staging: Mutex<Staging>,
     scratch: Mutex<Scratch>,
+    /// The first fatal fault of the device (an illegal address, a failed device assertion, …):
+    /// the context cannot be used again, and every later call reports this, naming the op that
+    /// first failed and where it was called.
+    fault: OnceLock<String>,
 }
 
 /// The device of `ordinal`, set up on first use. `DeviceUnavailable` if it is absent or its
@@ -184,7 +188,9 @@ pub(crate) fn gpu(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
     match Gpu::new(ordinal) {
         Ok(gpu) => {
             *slot.failed.lock() = None;
-            Ok(slot.gpu.get_or_init(|| gpu))
+            let gpu = slot.gpu.get_or_init(|| gpu);
+            gpu.installed();
+            Ok(gpu)
         }
         Err(why) => {
             *slot.failed.lock() = Some(why.clone());
@@ -210,6 +216,12 @@ pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
 /// The set-up device of `ordinal`, which must exist (a buffer of it does).
 pub(crate) fn existing(ordinal: usize) -> Option<&'static Gpu> {
     backend().gpus.get(ordinal).and_then(|slot| slot.gpu.get())
+}
+
+/// Gives back what device `ordinal`'s backend holds that no array uses (nothing for a device
+/// not set up); returns the bytes.
+pub(crate) fn release_cached(ordinal: usize) -> usize {
+    existing(ordinal).map_or(0, |gpu| gpu.release_caches(true))
 }
 
 /// Failed setups still to fake, from `NDSCOPE_CUDA_FAIL_SETUP` (a count; for tests of the
@@ -253,7 +265,7 @@ impl Gpu {
         keep_freed_memory_cached(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
         let kernels = Kernels::load(&ctx, major, minor)?;
         let blas = Blas::new(&ctx, &stream, ordinal)?;
-        let staging = Staging::new(&ctx, ordinal)?;
+        let staging = Staging::new(&ctx)?;
         if injected_setup_failure() {
             // `kernels`, `blas` and `staging` are dropped here, releasing what they hold.
             return Err("setting up the device failed: a failure injected by \
@@ -272,7 +284,22 @@ impl Gpu {
                 memory: 0,
                 bytes: 0,
             }),
+            fault: OnceLock::new(),
         })
+    }
+
+    /// What the device's own setup adds, after it succeeded: the probe of the driver pool's
+    /// cached memory, and the exit hook that gives everything back.
+    fn installed(&'static self) {
+        memory::set_pool_probe(pool_cached);
+        static HOOK: std::sync::Once = std::sync::Once::new();
+        HOOK.call_once(|| {
+            // SAFETY: `atexit` only stores the pointer of a plain `extern "C"` function with no
+            // arguments, which lives as long as the program.
+            unsafe {
+                libc::atexit(release_everything_at_exit);
+            }
+        });
     }
 
     pub fn device(&self) -> Device {
@@ -283,19 +310,55 @@ impl Gpu {
         self.stream.cu_stream()
     }
 
-    /// Makes this device's context current on the calling thread.
+    /// Makes this device's context current on the calling thread; after a fatal fault, the
+    /// fault's error instead (the context is unusable: every later call reports it).
     pub fn bind(&self, ctx: &Ctx) -> Result<()> {
+        if let Some(fault) = self.fault.get() {
+            return Err(self.fault_error(ctx, fault));
+        }
         self.ctx
             .bind_to_thread()
-            .map_err(|e| driver_error(ctx, "making the CUDA context current", e))
+            .map_err(|e| self.failed(ctx, "making the CUDA context current", e))
+    }
+
+    fn fault_error(&self, ctx: &Ctx, fault: &str) -> Error {
+        Error::Backend {
+            op: ctx.op,
+            at: ctx.at,
+            reason: format!(
+                "cuda:{} is unusable after a device fault; {fault}",
+                self.ordinal
+            ),
+        }
+    }
+
+    /// The error for a failed driver call `what` of op `ctx`. A fatal fault (one that leaves
+    /// the context unusable) is remembered with the op and site that first met it, and the
+    /// same fault is returned from then on for every call on the device.
+    pub fn failed(&self, ctx: &Ctx, what: &str, e: DriverError) -> Error {
+        if !is_fatal(e) {
+            return driver_error(ctx, what, e);
+        }
+        let first = self.fault.get_or_init(|| {
+            format!(
+                "the first op to fail was {} at {}: {what} failed: {}",
+                ctx.op,
+                ctx.at,
+                describe(e)
+            )
+        });
+        self.fault_error(ctx, first)
     }
 
     pub fn blas(&self) -> MutexGuard<'_, Blas> {
         self.blas.lock()
     }
 
-    pub fn staging(&self) -> MutexGuard<'_, Staging> {
-        self.staging.lock()
+    /// The staging buffers, allocated at their first use.
+    pub fn staging(&self, ctx: &Ctx) -> Result<MutexGuard<'_, Staging>> {
+        let mut staging = self.staging.lock();
+        staging.ensure(ctx, self)?;
+        Ok(staging)
     }
 
     pub fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -315,7 +378,65 @@ impl Gpu {
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 Err(memory::driver_refused(ctx, self.device(), bytes))
             }
-            Err(e) => Err(driver_error(ctx, "cuMemAllocAsync", e)),
+            Err(e) => Err(self.failed(ctx, "cuMemAllocAsync", e)),
+        }
+    }
+
+    /// [`malloc`](Self::malloc), and when the driver is out of memory, once more after the
+    /// backend's caches (those no other thread is using this moment) and the driver pool's
+    /// unused memory have gone back, as PyTorch's caching allocator does.
+    pub fn malloc_or_release(&self, ctx: &Ctx, bytes: usize) -> Result<CUdeviceptr> {
+        match self.malloc(ctx, bytes) {
+            Err(Error::OutOfMemory { .. }) => {
+                self.release_caches(false);
+                self.malloc(ctx, bytes)
+            }
+            other => other,
+        }
+    }
+
+    /// Gives back what the backend holds for reuse on this device and no array uses: the cache
+    /// of freed array memory, the reduction scratch, the staging buffers, cuBLAS's workspace,
+    /// the check flag, and then (after the device's queued work, which may still use some of
+    /// it) what the driver's pool keeps. With `wait`, waits for each piece's lock; without (on
+    /// an allocation's out-of-memory path, where the caller may hold one of them), skips a
+    /// piece another thread holds. Returns the bytes given back (without the pool's).
+    pub fn release_caches(&self, wait: bool) -> usize {
+        fn take<T>(m: &Mutex<T>, wait: bool) -> Option<MutexGuard<'_, T>> {
+            if wait {
+                Some(m.lock())
+            } else {
+                m.try_lock()
+            }
+        }
+        let mut bytes = super::memory::release_array_cache(self, wait);
+        if let Some(mut scratch) = take(&self.scratch, wait) {
+            bytes += scratch.release(self);
+        }
+        if let Some(mut blas) = take(&self.blas, wait) {
+            bytes += blas.release_workspace(self);
+        }
+        // Page-locked host memory is no help to the device, and its free synchronises: only on
+        // an explicit release.
+        if wait {
+            bytes += self.staging.lock().release(self);
+        }
+        bytes += super::ops::release_checks(self, wait);
+        self.trim_pool();
+        bytes
+    }
+
+    /// Waits for the device's queued work (the frees just queued) and returns the driver
+    /// pool's unused memory to the system.
+    fn trim_pool(&self) {
+        if self.ctx.bind_to_thread().is_err() || self.stream.synchronize().is_err() {
+            return;
+        }
+        // SAFETY: the pool is the device's default pool, alive as long as the context.
+        unsafe {
+            if let Ok(pool) = result::device::get_default_mem_pool(self.ctx.cu_device()) {
+                let _ = sys::cuMemPoolTrimTo(pool, 0);
+            }
         }
     }
 
@@ -330,8 +451,73 @@ impl Gpu {
     }
 }
 
-/// A `Backend` error for a failure that may come from an earlier asynchronous kernel.
+/// Bytes the driver's memory pool of `device` keeps for reuse beyond what is allocated from it
+/// (0 for a device not set up, or where the driver does not say).
+fn pool_cached(device: Device) -> usize {
+    let Device::Cuda(ordinal) = device else {
+        return 0;
+    };
+    let Some(gpu) = existing(ordinal) else {
+        return 0;
+    };
+    let read = |attr| -> Option<u64> {
+        let mut value: u64 = 0;
+        // SAFETY: the pool is the default pool of a live context; both attributes are u64.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(gpu.ctx.cu_device()).ok()?;
+            sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast())
+                .result()
+                .ok()?;
+        }
+        Some(value)
+    };
+    use sys::CUmemPool_attribute::{
+        CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT as RESERVED, CU_MEMPOOL_ATTR_USED_MEM_CURRENT as USED,
+    };
+    match (read(RESERVED), read(USED)) {
+        (Some(reserved), Some(used)) => {
+            usize::try_from(reserved.saturating_sub(used)).unwrap_or(usize::MAX)
+        }
+        _ => 0,
+    }
+}
+
+/// Gives back, when the process exits, what every set-up device's backend holds that no array
+/// uses, so a leak checker run over a program finds only what the program itself kept. A lock
+/// another thread holds at exit is skipped, never waited for.
+extern "C" fn release_everything_at_exit() {
+    for slot in &backend().gpus {
+        if let Some(gpu) = slot.gpu.get() {
+            gpu.release_caches(false);
+        }
+    }
+}
+
+/// Whether `e` is a fault that leaves the context unusable (CUDA's "sticky" errors: the
+/// process must restart to use the device again).
+fn is_fatal(e: DriverError) -> bool {
+    use sys::CUresult::*;
+    matches!(
+        e.0,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
+/// A `Backend` error for a failure that may come from an earlier asynchronous kernel (a fatal
+/// fault is remembered by the device: see [`Gpu::failed`]).
 pub(crate) fn sticky(ctx: &Ctx, gpu: &Gpu, e: DriverError) -> Error {
+    if is_fatal(e) {
+        return gpu.failed(ctx, "waiting for the device", e);
+    }
     Error::Backend {
         op: ctx.op,
         at: ctx.at,
@@ -365,7 +551,10 @@ pub(crate) struct Blas {
     tf32: bool,
     ctx: Arc<CudaContext>,
     stream: sys::CUstream,
+    /// cuBLAS's workspace, allocated at the first product (0 until then, and after
+    /// [`release_workspace`](Blas::release_workspace)).
     workspace: CUdeviceptr,
+    ordinal: usize,
 }
 
 impl Drop for Blas {
@@ -374,12 +563,13 @@ impl Drop for Blas {
         if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        // SAFETY: the handle and the workspace were created by `Blas::new` on this context and
-        // stream and are released once, here.
+        // SAFETY: the handle and the workspace were created on this context and stream and are
+        // released once, here.
         unsafe {
             let _ = cudarc::cublas::result::destroy_handle(self.handle);
             if self.workspace != 0 {
                 let _ = result::free_async(self.workspace, self.stream);
+                memory::cache_dropped(Device::Cuda(self.ordinal), BLAS_WORKSPACE);
             }
         }
     }
@@ -400,24 +590,18 @@ impl Blas {
             .map_err(|e| format!("creating the cuBLAS handle failed: {e:?}"))?;
         // Owned from here: a failure below drops it, destroying the handle and freeing the
         // workspace.
-        let mut this = Blas {
+        let this = Blas {
             handle,
             tf32: false,
             ctx: Arc::clone(ctx),
             stream: stream.cu_stream(),
             workspace: 0,
+            ordinal,
         };
-        // SAFETY: the handle was just created; the stream belongs to the current context; the
-        // workspace is device memory of that context, freed when this struct is dropped.
+        // SAFETY: the handle was just created; the stream belongs to the current context.
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as _)
                 .map_err(|e| format!("setting the cuBLAS stream failed: {e:?}"))?;
-            this.workspace = result::malloc_async(stream.cu_stream(), BLAS_WORKSPACE)
-                .map_err(|e| format!("allocating the cuBLAS workspace failed: {}", describe(e)))?;
-            memory::driver_allocated(Device::Cuda(ordinal));
-            blas::cublasSetWorkspace_v2(handle, this.workspace as *mut _, BLAS_WORKSPACE)
-                .result()
-                .map_err(|e| format!("setting the cuBLAS workspace failed: {e:?}"))?;
             blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH)
                 .result()
                 .map_err(|e| format!("setting the cuBLAS math mode failed: {e:?}"))?;
@@ -425,8 +609,46 @@ impl Blas {
         Ok(this)
     }
 
+    /// Readies the handle for a product: its workspace allocated (at the first product, and
+    /// after a release) and its math mode what [`ALLOW_TF32`] says.
+    pub fn prepare(&mut self, ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+        if self.workspace == 0 {
+            let ptr = gpu.malloc_or_release(ctx, BLAS_WORKSPACE)?;
+            // SAFETY: a live handle used under its mutex; `ptr` is BLAS_WORKSPACE bytes of
+            // device memory of its context (256-byte aligned, as every allocation), kept until
+            // `release_workspace` or drop.
+            let set = unsafe {
+                blas::cublasSetWorkspace_v2(self.handle, ptr as *mut _, BLAS_WORKSPACE).result()
+            };
+            if let Err(e) = set {
+                gpu.free(ptr);
+                return Err(blas_error(ctx, "cublasSetWorkspace", e));
+            }
+            self.workspace = ptr;
+            memory::cache_held(gpu.device(), BLAS_WORKSPACE);
+        }
+        self.apply_math_mode(ctx)
+    }
+
+    /// Frees the workspace (in stream order, after the products queued so far); the next
+    /// product allocates it again. Returns the bytes given back.
+    pub fn release_workspace(&mut self, gpu: &Gpu) -> usize {
+        if self.workspace == 0 {
+            return 0;
+        }
+        // SAFETY: a live handle used under its mutex: it forgets the workspace before it is
+        // freed (the products queued before the free still run first: one stream).
+        unsafe {
+            let _ = blas::cublasSetWorkspace_v2(self.handle, std::ptr::null_mut(), 0);
+        }
+        gpu.free(self.workspace);
+        self.workspace = 0;
+        memory::cache_dropped(gpu.device(), BLAS_WORKSPACE);
+        BLAS_WORKSPACE
+    }
+
     /// Sets the math mode to what [`ALLOW_TF32`] says, if it changed.
-    pub fn apply_math_mode(&mut self, ctx: &Ctx) -> Result<()> {
+    fn apply_math_mode(&mut self, ctx: &Ctx) -> Result<()> {
         let want = ALLOW_TF32.load(Ordering::Relaxed);
         if want == self.tf32 {
             return Ok(());
@@ -453,8 +675,9 @@ pub(crate) fn blas_error(ctx: &Ctx, what: &str, e: cudarc::cublas::result::Cubla
     }
 }
 
-/// Two page-locked host buffers for host↔device copies, each with an event that marks when the
-/// copy that last used it has finished.
+/// Two page-locked host buffers for host↔device copies (allocated at the first pageable copy,
+/// given back by [`release`](Staging::release)), each with an event that marks when the copy
+/// that last used it has finished.
 pub(crate) struct Staging {
     pub bufs: HostBuffers,
     pub events: [CudaEvent; 2],
@@ -466,7 +689,7 @@ pub(crate) struct Staging {
 unsafe impl Send for Staging {}
 
 /// The two staging buffers (null until allocated), freed on drop, which happens only for a
-/// device whose setup failed (a set-up device lives in a static).
+/// device whose setup failed (a set-up device lives in a static), and on release.
 pub(crate) struct HostBuffers(pub [*mut u8; 2]);
 
 impl std::ops::Index<usize> for HostBuffers {
@@ -480,9 +703,8 @@ impl Drop for HostBuffers {
     fn drop(&mut self) {
         for &buf in &self.0 {
             if !buf.is_null() {
-                // SAFETY: allocated by `cuMemHostAlloc` in `Staging::new` (whose context is
-                // current: dropped right there or in `Gpu::new` on the same thread) and freed
-                // once, here.
+                // SAFETY: allocated by `cuMemHostAlloc` in `Staging::ensure` and freed once,
+                // here, after the copies that used it (`Staging::release` waits for them).
                 let _ = unsafe { result::free_host(buf.cast()) };
             }
         }
@@ -490,20 +712,11 @@ impl Drop for HostBuffers {
 }
 
 impl Staging {
-    fn new(ctx: &Arc<CudaContext>, ordinal: usize) -> std::result::Result<Staging, String> {
+    fn new(ctx: &Arc<CudaContext>) -> std::result::Result<Staging, String> {
         let fail = |what: &str, e: DriverError| format!("{what} failed: {}", describe(e));
         ctx.bind_to_thread()
             .map_err(|e| fail("binding the context", e))?;
-        let mut bufs = HostBuffers([std::ptr::null_mut(); 2]);
-        for buf in &mut bufs.0 {
-            // SAFETY: the context is current (bound above).
-            let ptr = unsafe {
-                result::malloc_host(STAGING, sys::CU_MEMHOSTALLOC_PORTABLE)
-                    .map_err(|e| fail("allocating page-locked staging memory", e))?
-            };
-            memory::driver_allocated(Device::Cuda(ordinal));
-            *buf = ptr.cast();
-        }
+        let bufs = HostBuffers([std::ptr::null_mut(); 2]);
         // Blocking-sync events: a host waiting for a staging buffer sleeps instead of spinning.
         let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
         let events = [
@@ -517,6 +730,41 @@ impl Staging {
             events,
             pending: [false; 2],
         })
+    }
+
+    /// Allocates the two buffers if they are not (the context is current: `gpu.bind`).
+    fn ensure(&mut self, ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+        if !self.bufs.0[0].is_null() {
+            return Ok(());
+        }
+        gpu.bind(ctx)?;
+        let mut bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        for buf in &mut bufs.0 {
+            *buf = pinned_alloc(ctx, gpu, STAGING)?.as_ptr();
+        }
+        self.bufs = bufs;
+        self.pending = [false; 2];
+        memory::cache_held(gpu.device(), 2 * STAGING);
+        Ok(())
+    }
+
+    /// Frees the two buffers after the copies that use them; the next pageable copy allocates
+    /// them again. Returns the bytes given back.
+    fn release(&mut self, gpu: &Gpu) -> usize {
+        if self.bufs.0[0].is_null() || gpu.ctx.bind_to_thread().is_err() {
+            return 0;
+        }
+        for b in 0..2 {
+            if self.pending[b] && self.events[b].synchronize().is_err() {
+                // A device fault: the copy may never finish, so the memory stays.
+                return 0;
+            }
+            self.pending[b] = false;
+        }
+        // Dropping the buffers frees them (the copies are done).
+        self.bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        memory::cache_dropped(gpu.device(), 2 * STAGING);
+        2 * STAGING
     }
 
     /// Waits until staging buffer `b` is free again.
@@ -534,15 +782,36 @@ impl Staging {
     pub fn record(&mut self, ctx: &Ctx, gpu: &Gpu, b: usize) -> Result<()> {
         self.events[b]
             .record(&gpu.stream)
-            .map_err(|e| driver_error(ctx, "cuEventRecord", e))?;
+            .map_err(|e| gpu.failed(ctx, "cuEventRecord", e))?;
         self.pending[b] = true;
         Ok(())
     }
 }
 
+/// `bytes` of page-locked host memory registered with `gpu`'s context (current), counted as a
+/// driver allocation; the driver running out of page-locked memory is `OutOfMemory` on the host.
+pub(crate) fn pinned_alloc(ctx: &Ctx, gpu: &Gpu, bytes: usize) -> Result<std::ptr::NonNull<u8>> {
+    // SAFETY: the caller made the context current; the memory is owned by the caller.
+    let ptr = match unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) } {
+        Ok(ptr) => ptr,
+        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            return Err(memory::driver_refused(ctx, Device::Cpu, bytes))
+        }
+        Err(e) => return Err(gpu.failed(ctx, "cuMemHostAlloc", e)),
+    };
+    memory::driver_allocated(gpu.device());
+    std::ptr::NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| memory::driver_refused(ctx, Device::Cpu, bytes))
+}
+
+/// The grain the reduction scratch grows by.
+pub(crate) const SCRATCH_GRAIN: usize = 4 << 10;
+
 /// Device memory that grows on demand and is reused by each op under its mutex: partial
 /// results of two-pass reductions, accumulators, flags read back to the host. Stream order
-/// makes reuse safe: the next op's kernels run after this op's.
+/// makes reuse safe: the next op's kernels run after this op's. It is a cache (counted in
+/// `DeviceUsage::cached`, not in use), sized to the largest need in [`SCRATCH_GRAIN`]s and given
+/// back by [`release`](Scratch::release).
 pub(crate) struct Scratch {
     pub memory: CUdeviceptr,
     pub bytes: usize,
@@ -552,24 +821,26 @@ impl Scratch {
     /// At least `bytes` of scratch on `gpu` (reallocated only when it grows; the old block is
     /// freed in stream order).
     pub fn ensure(&mut self, ctx: &Ctx, gpu: &Gpu, bytes: usize) -> Result<CUdeviceptr> {
-        if bytes <= self.bytes {
+        if bytes <= self.bytes && self.bytes > 0 {
             return Ok(self.memory);
         }
-        let size = bytes.next_power_of_two().max(64 << 10);
-        memory::reserve(ctx, gpu.device(), size)?;
-        let ptr = match gpu.malloc(ctx, size) {
-            Ok(ptr) => ptr,
-            Err(e) => {
-                memory::release(gpu.device(), size);
-                return Err(e);
-            }
-        };
-        if self.bytes > 0 {
-            gpu.free(self.memory);
-            memory::release(gpu.device(), self.bytes);
-        }
+        let size = bytes.max(1).div_ceil(SCRATCH_GRAIN) * SCRATCH_GRAIN;
+        self.release(gpu);
+        let ptr = gpu.malloc_or_release(ctx, size)?;
+        memory::cache_held(gpu.device(), size);
         self.memory = ptr;
         self.bytes = size;
         Ok(ptr)
+    }
+
+    /// Frees the scratch (in stream order); returns its bytes.
+    pub fn release(&mut self, gpu: &Gpu) -> usize {
+        let bytes = std::mem::take(&mut self.bytes);
+        if bytes > 0 {
+            gpu.free(self.memory);
+            self.memory = 0;
+            memory::cache_dropped(gpu.device(), bytes);
+        }
+        bytes
     }
 }

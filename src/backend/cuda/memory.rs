@@ -17,12 +17,13 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use cudarc::driver::result;
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{result, sys};
 
-use super::device::{driver_error, gpu, Gpu};
+use super::device::{gpu, pinned_alloc, Gpu};
 use crate::backend::{Block, Storage};
 use crate::error::Ctx;
+use crate::locks;
 use crate::memory;
 use crate::Result;
 
@@ -120,7 +121,7 @@ impl DeviceMemory {
 
     fn on(ctx: &Ctx, gpu: &'static Gpu, bytes: usize) -> Result<DeviceMemory> {
         Ok(DeviceMemory {
-            ptr: malloc_or_release_cached(ctx, gpu, bytes)?,
+            ptr: gpu.malloc_or_release(ctx, bytes)?,
             gpu,
             size: bytes,
             cached: false,
@@ -135,9 +136,15 @@ impl DeviceMemory {
         if size > CACHE_LARGEST {
             return DeviceMemory::on(ctx, gpu, bytes);
         }
-        let ptr = match cache(gpu).lock().take(size) {
+        // The cache's lock is released before a malloc: on out-of-memory the malloc empties
+        // the caches, this one included.
+        let kept = cache(gpu).lock().take(size);
+        if kept.is_some() {
+            memory::cache_dropped(gpu.device(), size);
+        }
+        let ptr = match kept {
             Some(ptr) => ptr,
-            None => malloc_or_release_cached(ctx, gpu, size)?,
+            None => gpu.malloc_or_release(ctx, size)?,
         };
         Ok(DeviceMemory {
             ptr,
@@ -172,7 +179,10 @@ impl Drop for DeviceMemory {
     fn drop(&mut self) {
         if self.cached {
             let evicted = cache(self.gpu).lock().put(self.size, self.ptr);
-            for ptr in evicted {
+            let device = self.gpu.device();
+            memory::cache_held(device, self.size);
+            for (size, ptr) in evicted {
+                memory::cache_dropped(device, size);
                 self.gpu.free(ptr);
             }
         } else {
@@ -225,14 +235,14 @@ impl Cache {
 
     /// Keeps `ptr` (of `size`); returns the allocations to free now: the oldest ones while the
     /// cache is over its limits.
-    fn put(&mut self, size: usize, ptr: CUdeviceptr) -> Vec<CUdeviceptr> {
+    fn put(&mut self, size: usize, ptr: CUdeviceptr) -> Vec<(usize, CUdeviceptr)> {
         self.free.push((size, ptr));
         self.bytes += size;
         let mut evicted = Vec::new();
         while self.free.len() > CACHE_ENTRIES || self.bytes > CACHE_BYTES {
             let (s, p) = self.free.remove(0);
             self.bytes -= s;
-            evicted.push(p);
+            evicted.push((s, p));
         }
         evicted
     }
@@ -251,33 +261,26 @@ fn cache(gpu: &Gpu) -> &'static Mutex<Cache> {
     &CACHES[gpu.ordinal.min(memory::MAX_CUDA_DEVICES - 1)]
 }
 
-/// Bytes of freed array memory the cache of device `ordinal` keeps for reuse (memory the
-/// backend holds that no array uses).
-#[allow(dead_code)]
-pub(crate) fn cached_bytes(ordinal: usize) -> usize {
-    CACHES.get(ordinal).map_or(0, |c| c.lock().bytes)
-}
-
 /// Gives the allocations the cache of `gpu` keeps back to the driver (in stream order);
-/// returns their bytes.
-pub(crate) fn release_cached(gpu: &Gpu) -> usize {
+/// returns their bytes. With `wait`, waits for the cache's lock; without, gives up (returning 0)
+/// when another thread holds it.
+pub(crate) fn release_array_cache(gpu: &Gpu, wait: bool) -> usize {
     let (bytes, freed) = {
-        let mut c = cache(gpu).lock();
+        let mut c = if wait {
+            cache(gpu).lock()
+        } else {
+            match cache(gpu).try_lock() {
+                Some(c) => c,
+                None => return 0,
+            }
+        };
         (c.bytes, c.drain())
     };
+    memory::cache_dropped(gpu.device(), bytes);
     for ptr in freed {
         gpu.free(ptr);
     }
     bytes
-}
-
-/// `gpu.malloc`, and when the driver is out of memory, once more after the cache of freed
-/// allocations has gone back to it.
-fn malloc_or_release_cached(ctx: &Ctx, gpu: &Gpu, bytes: usize) -> Result<CUdeviceptr> {
-    match gpu.malloc(ctx, bytes) {
-        Err(crate::Error::OutOfMemory { .. }) if release_cached(gpu) > 0 => gpu.malloc(ctx, bytes),
-        other => other,
-    }
 }
 
 /// Page-locked (pinned) host memory registered with the CUDA driver: copies to and from the
@@ -294,16 +297,11 @@ unsafe impl Sync for PinnedMemory {}
 
 impl PinnedMemory {
     /// `bytes > 0` of zeroed page-locked host memory, registered with device `ordinal`'s
-    /// driver.
+    /// driver. The driver running out of page-locked memory is `OutOfMemory` on the host.
     pub fn alloc(ctx: &Ctx, ordinal: usize, bytes: usize) -> Result<PinnedMemory> {
         let gpu = gpu(ctx, ordinal)?;
         gpu.bind(ctx)?;
-        // SAFETY: the context is current; the memory is zeroed below before anyone reads it.
-        let ptr = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| driver_error(ctx, "cuMemHostAlloc", e))?;
-        let Some(base) = NonNull::new(ptr.cast::<u8>()) else {
-            return Err(memory::driver_refused(ctx, crate::Device::Cpu, bytes));
-        };
+        let base = pinned_alloc(ctx, gpu, bytes)?;
         // SAFETY: `base` points to `bytes` writable bytes just allocated.
         unsafe { std::ptr::write_bytes(base.as_ptr(), 0, bytes) };
         Ok(PinnedMemory { base, gpu })
@@ -316,11 +314,16 @@ impl PinnedMemory {
 }
 
 impl Drop for PinnedMemory {
+    /// `cuMemFreeHost` waits for the device: never under the arena lock (where a workspace's
+    /// block may drop), so it runs once this thread has released it.
     fn drop(&mut self) {
-        if self.gpu.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by `cuMemHostAlloc` and freed once; its arrays (which keep the
-            // block alive) are gone.
-            let _ = unsafe { result::free_host(self.base.as_ptr().cast()) };
-        }
+        let (base, gpu) = (self.base.as_ptr() as usize, self.gpu);
+        locks::outside_arena(move || {
+            if gpu.ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by `cuMemHostAlloc` and freed once; its arrays (which keep
+                // the block alive) are gone.
+                let _ = unsafe { result::free_host(base as *mut std::ffi::c_void) };
+            }
+        });
     }
 }

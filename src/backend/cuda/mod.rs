@@ -18,7 +18,7 @@ mod memory;
 mod ops;
 
 #[cfg(feature = "cuda")]
-pub(crate) use device::{device_count, prepare, unavailable_reason};
+pub(crate) use device::{device_count, prepare, release_cached, unavailable_reason};
 #[cfg(feature = "cuda")]
 pub(crate) use memory::{DeviceBuffer, DeviceMemory, PinnedMemory};
 #[cfg(feature = "cuda")]

@@ -18,7 +18,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
-use super::device::{blas_error, driver_error, sticky, Gpu, STAGING};
+use super::device::{blas_error, pinned_alloc, sticky, Gpu, STAGING};
 use super::kernels::Function;
 use super::memory::DeviceBuffer;
 use crate::backend::cpu::buffer::HostBuffer;
@@ -88,7 +88,7 @@ unsafe fn launch_raw(
             params,
         )
     }
-    .map_err(|e| driver_error(ctx, "cuLaunchKernel", e))
+    .map_err(|e| gpu.failed(ctx, "cuLaunchKernel", e))
 }
 
 /// `launch!(ctx, gpu, f, cfg; name = value, ...)`: each value is kept in a local named `name`
@@ -319,20 +319,20 @@ impl Checks {
     /// The flag of `gpu`, set to all ones (in stream order).
     fn new(ctx: &Ctx, gpu: &Gpu) -> Result<Checks> {
         let word = gpu.malloc(ctx, 8)?;
-        // SAFETY: the context is current (`malloc` bound it); 8 bytes, freed never (the
-        // struct lives as long as the device).
-        let host = match unsafe { result::malloc_host(8, sys::CU_MEMHOSTALLOC_PORTABLE) } {
-            Ok(p) => NonNull::new(p.cast::<u64>()),
+        // The context is current (`malloc` bound it); 8 bytes, freed by `release_checks`.
+        let host = match pinned_alloc(ctx, gpu, 8) {
+            Ok(p) => p.cast::<u64>(),
             Err(e) => {
                 gpu.free(word);
-                return Err(driver_error(ctx, "cuMemHostAlloc", e));
+                return Err(e);
             }
         };
-        let Some(host) = host else {
+        if let Err(e) = memset(ctx, gpu, word, 0xff, 8) {
             gpu.free(word);
-            return Err(ctx.unsupported("cuMemHostAlloc returned no memory"));
-        };
-        memset(ctx, gpu, word, 0xff, 8)?;
+            // SAFETY: allocated just above by `cuMemHostAlloc`, unused.
+            let _ = unsafe { result::free_host(host.as_ptr().cast()) };
+            return Err(e);
+        }
         Ok(Checks {
             word,
             host,
@@ -340,6 +340,30 @@ impl Checks {
             found: Vec::new(),
         })
     }
+}
+
+/// Frees the check flag of `gpu` when no checked launch waits for a report (the next checked
+/// launch makes it again). Only with `wait` (an explicit release or exit): the free of its
+/// page-locked word synchronises. Returns 0: its 8 + 8 bytes are not counted as cached.
+pub(crate) fn release_checks(gpu: &Gpu, wait: bool) -> usize {
+    if !wait {
+        return 0;
+    }
+    let mut guard = checks_of(gpu).lock();
+    if guard
+        .as_ref()
+        .is_some_and(|c| c.pending.is_empty() && c.found.is_empty())
+    {
+        if let Some(checks) = guard.take() {
+            gpu.free(checks.word);
+            if gpu.ctx.bind_to_thread().is_ok() {
+                // SAFETY: allocated by `cuMemHostAlloc` in `Checks::new`; no copy into it is
+                // queued (nothing pending, and every wait read it); freed once.
+                let _ = unsafe { result::free_host(checks.host.as_ptr().cast()) };
+            }
+        }
+    }
+    0
 }
 
 /// Queues a checked launch on `gpu`: `launch(flag, key)` runs the kernel, which reports bad
@@ -401,7 +425,7 @@ fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Resul
             sys::cuMemcpyDtoHAsync_v2(checks.host.as_ptr().cast(), checks.word, 8, gpu.cu_stream())
         }
         .result()
-        .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+        .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
     }
     let value = wait()?;
     if copied {
@@ -454,7 +478,7 @@ fn wait_all(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
         let event = gpu
             .ctx
             .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-            .map_err(|e| driver_error(ctx, "cuEventCreate", e))?;
+            .map_err(|e| gpu.failed(ctx, "cuEventCreate", e))?;
         *waiter = Some(Waiter(event));
     }
     let Some(Waiter(event)) = waiter.as_ref() else {
@@ -463,7 +487,7 @@ fn wait_all(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
     gpu.bind(ctx)?;
     event
         .record(&gpu.stream)
-        .map_err(|e| driver_error(ctx, "cuEventRecord", e))?;
+        .map_err(|e| gpu.failed(ctx, "cuEventRecord", e))?;
     event.synchronize().map_err(|e| sticky(ctx, gpu, e))
 }
 
@@ -490,10 +514,10 @@ fn host_to_device(
         // SAFETY: `bytes` is page-locked host memory borrowed for this call, which waits for the
         // copy to finish; `dst` holds `bytes.len()` bytes of device memory of this context.
         unsafe { result::memcpy_htod_async(dst, bytes, stream) }
-            .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
+            .map_err(|e| gpu.failed(ctx, "cuMemcpyHtoDAsync", e))?;
         return wait_all(ctx, gpu);
     }
-    let mut staging = gpu.staging();
+    let mut staging = gpu.staging(ctx)?;
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
         let b = i % 2;
         staging.wait(ctx, gpu, b)?;
@@ -506,7 +530,7 @@ fn host_to_device(
         // SAFETY: the staged bytes stay untouched until the event recorded next completes;
         // `dst + offset` lies inside the destination.
         unsafe { result::memcpy_htod_async(dst + (i * STAGING) as u64, staged, stream) }
-            .map_err(|e| driver_error(ctx, "cuMemcpyHtoDAsync", e))?;
+            .map_err(|e| gpu.failed(ctx, "cuMemcpyHtoDAsync", e))?;
         staging.record(ctx, gpu, b)?;
     }
     Ok(())
@@ -530,12 +554,12 @@ fn device_to_host(
         // SAFETY: `out` is page-locked host memory borrowed for this call, which waits for the
         // copy to finish; `src` holds `out.len()` bytes of device memory of this context.
         unsafe { result::memcpy_dtoh_async(out, src, stream) }
-            .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+            .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
         return wait_all(ctx, gpu);
     }
     let len = out.len();
     let chunks = len.div_ceil(STAGING);
-    let mut staging = gpu.staging();
+    let mut staging = gpu.staging(ctx)?;
     for i in 0..=chunks {
         if i < chunks {
             let b = i % 2;
@@ -546,7 +570,7 @@ fn device_to_host(
             let slot = unsafe { std::slice::from_raw_parts_mut(staging.bufs[b], n) };
             // SAFETY: `src + offset` lies inside the source.
             unsafe { result::memcpy_dtoh_async(slot, src + (i * STAGING) as u64, stream) }
-                .map_err(|e| driver_error(ctx, "cuMemcpyDtoHAsync", e))?;
+                .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
             staging.record(ctx, gpu, b)?;
         }
         if i > 0 {
@@ -621,7 +645,7 @@ fn copy_bytes(
     // (callers pass their arrays' addresses and sizes).
     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, gpu.cu_stream()) }
         .result()
-        .map_err(|e| driver_error(ctx, "cuMemcpyDtoDAsync", e))
+        .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoDAsync", e))
 }
 
 /// Sets `bytes` bytes at `ptr` to `value`.
@@ -632,7 +656,7 @@ fn memset(ctx: &Ctx, gpu: &Gpu, ptr: CUdeviceptr, value: u8, bytes: usize) -> Re
     gpu.bind(ctx)?;
     // SAFETY: `ptr` holds `bytes` bytes of device memory of this context.
     unsafe { result::memset_d8_async(ptr, value, bytes, gpu.cu_stream()) }
-        .map_err(|e| driver_error(ctx, "cuMemsetD8Async", e))
+        .map_err(|e| gpu.failed(ctx, "cuMemsetD8Async", e))
 }
 
 pub(crate) fn zero(ctx: &Ctx, dst: &mut DeviceBuffer) -> Result<()> {
@@ -1520,7 +1544,7 @@ fn blas_batch(
     let (sa, sb, sc) = (steps.0 as i64, steps.1 as i64, steps.2 as i64);
     gpu.bind(ctx)?;
     let mut handle = gpu.blas();
-    handle.apply_math_mode(ctx)?;
+    handle.prepare(ctx, gpu)?;
     let h = handle.handle;
     // SAFETY: the handle is used under its lock on the device's stream; `a`, `b` and `c` are
     // locked storage of `gpu` holding the products' operands as described (cuBLAS reads within

@@ -37,6 +37,11 @@ pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
     }
 }
 
+/// No CUDA device exists in this build: nothing is held.
+pub(crate) fn release_cached(_ordinal: usize) -> usize {
+    0
+}
+
 fn unavailable(ctx: &Ctx, ordinal: usize) -> Error {
     ctx.unavailable(Device::Cuda(ordinal))
 }
