@@ -110,6 +110,12 @@ pub(crate) fn set_under_arena(on: bool) {
     let _ = UNDER_ARENA.try_with(|u| u.set(on));
 }
 
+/// Whether this thread holds the arena lock.
+#[cfg(test)]
+pub(crate) fn under_arena() -> bool {
+    UNDER_ARENA.try_with(|u| u.get()).unwrap_or(false)
+}
+
 /// Runs `f` now, or, while this thread holds the arena lock, right after the lock is released.
 /// For work that waits for a device (freeing page-locked memory synchronises it), which must
 /// never stall every thread that needs the arena.

@@ -732,6 +732,34 @@ pub(crate) fn manager_closed(shared: &ManagerShared, ctx: &Ctx) -> Error {
 mod tests {
     use super::*;
 
+    /// Work that waits for a device (freeing page-locked memory synchronises it) queued under
+    /// the arena lock runs right after the lock is released, on the same thread, never under it.
+    #[test]
+    fn work_for_outside_the_arena_lock_runs_after_it_is_released() {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        // 1: ran with the arena unlocked; 2: ran under it.
+        let seen = Arc::new(AtomicUsize::new(0));
+        let record = |seen: &Arc<AtomicUsize>| {
+            let seen = Arc::clone(seen);
+            move || {
+                let under = locks::under_arena();
+                seen.store(if under { 2 } else { 1 }, Ordering::SeqCst);
+            }
+        };
+        {
+            let _arena = lock();
+            assert!(locks::under_arena());
+            locks::outside_arena(record(&seen));
+            assert_eq!(seen.load(Ordering::SeqCst), 0, "it waits for the release");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "it ran once the lock was released");
+        // Outside the lock it runs at once.
+        seen.store(0, Ordering::SeqCst);
+        locks::outside_arena(record(&seen));
+        assert_eq!(seen.load(Ordering::SeqCst), 1);
+    }
+
     /// A handle whose key names a live entry that is not its own (what a stale handle looks
     /// like once its slot's version has wrapped around) is refused, for arrays and managers.
     #[test]

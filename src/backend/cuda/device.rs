@@ -151,6 +151,17 @@ pub(crate) fn unavailable_reason(ordinal: usize) -> String {
     }
 }
 
+/// Why the backend's caches are released ([`Gpu::release_caches`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// `ndscope::cuda::release_cached`: everything, waiting for each piece's lock.
+    Explicit,
+    /// An allocation the driver refused: device memory only, skipping pieces in use.
+    OutOfMemory,
+    /// The process exits: everything not in use by another thread.
+    Exit,
+}
+
 /// One CUDA device in use.
 pub(crate) struct Gpu {
     pub ordinal: usize,
@@ -221,7 +232,7 @@ pub(crate) fn existing(ordinal: usize) -> Option<&'static Gpu> {
 /// Gives back what device `ordinal`'s backend holds that no array uses (nothing for a device
 /// not set up); returns the bytes.
 pub(crate) fn release_cached(ordinal: usize) -> usize {
-    existing(ordinal).map_or(0, |gpu| gpu.release_caches(true))
+    existing(ordinal).map_or(0, |gpu| gpu.release_caches(Release::Explicit))
 }
 
 /// Failed setups still to fake, from `NDSCOPE_CUDA_FAIL_SETUP` (a count; for tests of the
@@ -388,7 +399,7 @@ impl Gpu {
     pub fn malloc_or_release(&self, ctx: &Ctx, bytes: usize) -> Result<CUdeviceptr> {
         match self.malloc(ctx, bytes) {
             Err(Error::OutOfMemory { .. }) => {
-                self.release_caches(false);
+                self.release_caches(Release::OutOfMemory);
                 self.malloc(ctx, bytes)
             }
             other => other,
@@ -396,12 +407,14 @@ impl Gpu {
     }
 
     /// Gives back what the backend holds for reuse on this device and no array uses: the cache
-    /// of freed array memory, the reduction scratch, the staging buffers, cuBLAS's workspace,
-    /// the check flag, and then (after the device's queued work, which may still use some of
-    /// it) what the driver's pool keeps. With `wait`, waits for each piece's lock; without (on
-    /// an allocation's out-of-memory path, where the caller may hold one of them), skips a
-    /// piece another thread holds. Returns the bytes given back (without the pool's).
-    pub fn release_caches(&self, wait: bool) -> usize {
+    /// of freed array memory, the reduction scratch, cuBLAS's workspace, the staging buffers
+    /// and the check flag (page-locked host memory: not on out-of-memory), and then (after the
+    /// device's queued work, which may still use some of it) what the driver's pool keeps.
+    /// Returns the bytes given back (without the pool's).
+    pub fn release_caches(&self, why: Release) -> usize {
+        // On out-of-memory the caller may hold one of the locks, at exit another thread may:
+        // a piece whose lock is taken is skipped then, never waited for.
+        let wait = why == Release::Explicit;
         fn take<T>(m: &Mutex<T>, wait: bool) -> Option<MutexGuard<'_, T>> {
             if wait {
                 Some(m.lock())
@@ -416,12 +429,14 @@ impl Gpu {
         if let Some(mut blas) = take(&self.blas, wait) {
             bytes += blas.release_workspace(self);
         }
-        // Page-locked host memory is no help to the device, and its free synchronises: only on
-        // an explicit release.
-        if wait {
-            bytes += self.staging.lock().release(self);
+        // Page-locked host memory is no help to the device, and its free synchronises (the
+        // caller may hold the arena lock): not on out-of-memory.
+        if why != Release::OutOfMemory {
+            if let Some(mut staging) = take(&self.staging, wait) {
+                bytes += staging.release(self);
+            }
+            super::ops::release_checks(self, wait);
         }
-        bytes += super::ops::release_checks(self, wait);
         self.trim_pool();
         bytes
     }
@@ -488,7 +503,7 @@ fn pool_cached(device: Device) -> usize {
 extern "C" fn release_everything_at_exit() {
     for slot in &backend().gpus {
         if let Some(gpu) = slot.gpu.get() {
-            gpu.release_caches(false);
+            gpu.release_caches(Release::Exit);
         }
     }
 }

@@ -343,27 +343,32 @@ impl Checks {
 }
 
 /// Frees the check flag of `gpu` when no checked launch waits for a report (the next checked
-/// launch makes it again). Only with `wait` (an explicit release or exit): the free of its
-/// page-locked word synchronises. Returns 0: its 8 + 8 bytes are not counted as cached.
-pub(crate) fn release_checks(gpu: &Gpu, wait: bool) -> usize {
-    if !wait {
-        return 0;
-    }
-    let mut guard = checks_of(gpu).lock();
+/// launch makes it again); with `wait` false, not if another thread holds it. At exit, pending
+/// reports no longer matter. The free of its page-locked word synchronises: never called on an
+/// allocation's out-of-memory path. Its 8 + 8 bytes are not counted as cached.
+pub(crate) fn release_checks(gpu: &Gpu, wait: bool) {
+    let mut guard = if wait {
+        checks_of(gpu).lock()
+    } else {
+        match checks_of(gpu).try_lock() {
+            Some(guard) => guard,
+            None => return,
+        }
+    };
+    let exiting = !wait;
     if guard
         .as_ref()
-        .is_some_and(|c| c.pending.is_empty() && c.found.is_empty())
+        .is_some_and(|c| exiting || (c.pending.is_empty() && c.found.is_empty()))
     {
         if let Some(checks) = guard.take() {
             gpu.free(checks.word);
             if gpu.ctx.bind_to_thread().is_ok() {
-                // SAFETY: allocated by `cuMemHostAlloc` in `Checks::new`; no copy into it is
-                // queued (nothing pending, and every wait read it); freed once.
+                // SAFETY: allocated by `cuMemHostAlloc` in `Checks::new`; a copy into it is
+                // queued only by `reporting`, which waits for it under this lock; freed once.
                 let _ = unsafe { result::free_host(checks.host.as_ptr().cast()) };
             }
         }
     }
-    0
 }
 
 /// Queues a checked launch on `gpu`: `launch(flag, key)` runs the kernel, which reports bad
