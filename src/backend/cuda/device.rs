@@ -126,7 +126,61 @@ fn probe() -> (usize, String) {
                 .into(),
         );
     }
+    if let Err(why) = check_driver_version() {
+        return (0, why);
+    }
     (count, String::new())
+}
+
+/// A value of `NDSCOPE_CUDA_PRETEND` (for tests: `driver=12040,cc=70,nvrtc_max=89` makes the
+/// backend see that driver version, compute capability or newest NVRTC target instead of the
+/// machine's), or `None`.
+pub(crate) fn pretend(key: &str) -> Option<i32> {
+    let text = std::env::var("NDSCOPE_CUDA_PRETEND").ok()?;
+    text.split(',').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+/// The oldest Linux driver of each CUDA major version.
+fn driver_for(cuda_major: i32) -> &'static str {
+    match cuda_major {
+        ..=11 => "450.80",
+        12 => "525.60",
+        _ => "580",
+    }
+}
+
+/// The driver must run code of NVRTC's CUDA version (its CUBINs and PTX): a CUDA 13 NVRTC needs
+/// a driver that supports CUDA 13.0 or newer.
+fn check_driver_version() -> std::result::Result<(), String> {
+    let driver = match pretend("driver") {
+        Some(v) => v,
+        None => {
+            let mut v = 0;
+            // SAFETY: one out-parameter; the driver library is loaded.
+            unsafe { sys::cuDriverGetVersion(&mut v) }
+                .result()
+                .map_err(|e| format!("reading the driver's version failed: {}", describe(e)))?;
+            v
+        }
+    };
+    let nvrtc = super::kernels::nvrtc_version()?;
+    let major: i32 = nvrtc
+        .split('.')
+        .next()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(0);
+    if driver < major * 1000 {
+        return Err(format!(
+            "the NVIDIA driver supports CUDA {}.{}, older than the CUDA {nvrtc} of NVRTC, which              compiles ndscope's kernels: update the driver (CUDA {major} needs driver {} or              newer) or use an NVRTC as old as the driver",
+            driver / 1000,
+            driver % 1000 / 10,
+            driver_for(major)
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn device_count() -> usize {
@@ -262,9 +316,19 @@ impl Gpu {
         let stream = ctx
             .new_stream()
             .map_err(|e| fail("creating the stream", e))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| fail("reading the compute capability", e))?;
+        let (major, minor) = match pretend("cc") {
+            Some(cc) => (cc / 10, cc % 10),
+            None => ctx
+                .compute_capability()
+                .map_err(|e| fail("reading the compute capability", e))?,
+        };
+        if (major, minor) < (7, 5) {
+            let name = ctx.name().unwrap_or_else(|_| "a GPU".into());
+            return Err(format!(
+                "cuda:{ordinal} ({name}) has compute capability {major}.{minor}; ndscope needs \
+                 7.5 (Turing) or newer"
+            ));
+        }
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| fail("reading the multiprocessor count", e))?;
