@@ -2085,3 +2085,88 @@ pub(crate) fn interleave(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether the loaded CUDA driver is the CPU simulator of `shared/cudasim` (it exports
+    /// `cudasim_stats`; a real driver does not).
+    fn on_the_simulator() -> bool {
+        // SAFETY: only asks whether the driver is already loaded (RTLD_NOLOAD loads nothing)
+        // and looks a symbol up in it; the handle is closed again.
+        unsafe {
+            let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
+            if lib.is_null() {
+                return false;
+            }
+            let found = !libc::dlsym(lib, c"cudasim_stats".as_ptr()).is_null();
+            libc::dlclose(lib);
+            found
+        }
+    }
+
+    /// The first f32 of device memory at `ptr`, read through the device address as a host
+    /// address (the simulator's device pointers are host addresses).
+    ///
+    /// # Safety
+    /// Only on the simulator, with `ptr` the start of a live allocation of at least 4 bytes.
+    unsafe fn peek(ptr: CUdeviceptr) -> u32 {
+        // SAFETY: per the contract; volatile, since the simulator writes it behind our back.
+        unsafe { std::ptr::read_volatile(ptr as usize as *const u32) }
+    }
+
+    /// `synchronize` waits for work queued before it. Reading values through ndscope waits
+    /// anyway, so this looks at the device memory directly, which only the simulator allows:
+    /// it runs queued work as late as CUDA permits (when the host waits), so a fill queued
+    /// and not waited for has not happened yet, and must have once `synchronize` returns.
+    #[test]
+    fn synchronize_runs_queued_work_before_returning() {
+        let ctx = Ctx::new("test");
+        let gpu = match super::super::device::gpu(&ctx, 0) {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
+                }
+                println!("skipped on cuda: {e}");
+                return;
+            }
+        };
+        if !on_the_simulator() {
+            println!("skipped: needs the CPU simulator of CUDA (host-readable device memory)");
+            return;
+        }
+        if std::env::var_os("CUDASIM_SYNC").is_some_and(|v| v == "1") {
+            println!("skipped: CUDASIM_SYNC=1 runs work at submission");
+            return;
+        }
+        let n = 1024;
+        let mut buf = DeviceBuffer::alloc(&ctx, gpu.ordinal, n * 4).unwrap();
+        synchronize(&ctx, gpu.ordinal).unwrap();
+        // SAFETY: on the simulator; `buf` is a live allocation of 4096 bytes.
+        let before = unsafe { peek(buf.ptr()) };
+        let value = if f32::from_bits(before) == 3.5 {
+            4.5f32
+        } else {
+            3.5
+        };
+        fill(&ctx, DType::F32, &mut buf, f64::from(value)).unwrap();
+        // SAFETY: as above.
+        let queued = unsafe { peek(buf.ptr()) };
+        assert_eq!(
+            queued, before,
+            "the fill ran before anything waited: the simulator runs work at submission"
+        );
+        synchronize(&ctx, gpu.ordinal).unwrap();
+        // SAFETY: as above.
+        let after = unsafe { peek(buf.ptr()) };
+        assert_eq!(
+            f32::from_bits(after),
+            value,
+            "synchronize returned before the fill queued ahead of it ran (bits {after:#x})"
+        );
+        drop(buf);
+        synchronize(&ctx, gpu.ordinal).unwrap();
+    }
+}
