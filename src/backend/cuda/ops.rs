@@ -19,7 +19,7 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
 use super::device::{blas_error, driver_error, sticky, Gpu, STAGING};
-use super::kernels::Function;
+use super::kernels::{self, Function};
 use super::memory::DeviceBuffer;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
@@ -75,7 +75,11 @@ unsafe fn launch_raw(
     f: Function,
     cfg: Config,
     params: &mut [*mut c_void],
+    sizes: &[usize],
 ) -> Result<()> {
+    if kernels::checking_launches() {
+        kernels::check_launch(ctx, f.1, sizes)?;
+    }
     gpu.bind(ctx)?;
     // SAFETY: per the contract.
     unsafe {
@@ -92,30 +96,62 @@ unsafe fn launch_raw(
 }
 
 /// `launch!(ctx, gpu, f, cfg; name = value, ...)`: each value is kept in a local named `name`
-/// and passed by address, in order. Expands to a call of the unsafe [`launch_raw`], whose
-/// contract the caller keeps (and says so in a `// SAFETY:` comment).
+/// and passed by address, in order, with the sizes of the values (checked against the
+/// kernel's parameter list where launches are checked). Expands to a call of the unsafe
+/// [`launch_raw`], whose contract the caller keeps (and says so in a `// SAFETY:` comment).
 macro_rules! launch {
     ($ctx:expr, $gpu:expr, $f:expr, $cfg:expr; $($arg:ident = $val:expr),+ $(,)?) => {{
         $(let mut $arg = $val;)+
+        let sizes = [$(Arg::bytes(&$arg)),+];
         let mut params = [$(std::ptr::addr_of_mut!($arg).cast::<c_void>()),+];
-        launch_raw($ctx, $gpu, $f, $cfg, &mut params)
+        launch_raw($ctx, $gpu, $f, $cfg, &mut params, &sizes)
     }};
+}
+
+/// A value passed to a kernel parameter.
+trait Arg {
+    /// The bytes of the parameter it fills: its size, or less for a [`Scalar`].
+    fn bytes(&self) -> usize;
+}
+
+macro_rules! arg_by_size {
+    ($($t:ty),+) => {
+        $(impl Arg for $t {
+            fn bytes(&self) -> usize {
+                std::mem::size_of::<$t>()
+            }
+        })+
+    };
+}
+arg_by_size!(u64, u32, i32, f64, Strided);
+
+impl Arg for Scalar {
+    fn bytes(&self) -> usize {
+        self.size
+    }
 }
 
 /// An element-typed kernel parameter (`T v`): the value converted as `T::from_f64`, in the
 /// first bytes of an 8-byte slot.
+/// `size` is the element's size (what the kernel reads; the launch check compares it).
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
-struct Scalar([u8; 8]);
+struct Scalar {
+    slot: [u8; 8],
+    size: usize,
+}
 
 fn scalar(dtype: DType, value: f64) -> Scalar {
-    let mut slot = Scalar([0; 8]);
+    let mut scalar = Scalar {
+        slot: [0; 8],
+        size: dtype.size_in_bytes(),
+    };
     dispatch!(dtype, T => {
         let v = T::from_f64(value);
         // SAFETY: every element type is at most 8 bytes; the write is unaligned-safe.
-        unsafe { std::ptr::write_unaligned(slot.0.as_mut_ptr().cast::<T>(), v) };
+        unsafe { std::ptr::write_unaligned(scalar.slot.as_mut_ptr().cast::<T>(), v) };
     });
-    slot
+    scalar
 }
 
 /// `struct Strided` of kernels.cu.
@@ -778,7 +814,7 @@ fn launch_broadcast(
 }
 
 /// Launches an elementwise kernel `(const A* a, O* out, u64 n, P extra)` over `n` elements.
-fn launch_map<P: Copy>(
+fn launch_map<P: Copy + Arg>(
     ctx: &Ctx,
     gpu: &Gpu,
     f: Function,
