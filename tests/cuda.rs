@@ -1840,14 +1840,25 @@ fn tf32_products_stay_close_to_the_cpu_and_strict_ones_closer() {
     manual_seed(11);
     let a = cpu.randn([256, 256], DType::F32).unwrap();
     let b = cpu.randn([256, 256], DType::F32).unwrap();
-    let want = a.matmul(&b).unwrap().to_vec::<f32>().unwrap();
+    // The reference: the product in f64 of the same f32 inputs.
+    let n = 256;
+    let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    let mut want = vec![0.0f64; n * n];
+    for i in 0..n {
+        for k in 0..n {
+            let x = f64::from(av[i * n + k]);
+            for j in 0..n {
+                want[i * n + j] += x * f64::from(bv[k * n + j]);
+            }
+        }
+    }
     let (ga, gb) = (a.to_device(dev).unwrap(), b.to_device(dev).unwrap());
-    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let worst = |got: &[f32]| -> f32 {
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let worst = |got: &[f32]| -> f64 {
         got.iter()
             .zip(&want)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0.0, f32::max)
+            .map(|(&g, w)| (f64::from(g) - w).abs())
+            .fold(0.0, f64::max)
             / scale
     };
     ndscope::set_allow_tf32(true);
@@ -1856,5 +1867,20 @@ fn tf32_products_stay_close_to_the_cpu_and_strict_ones_closer() {
     ndscope::set_allow_tf32(false);
     let strict = ga.matmul(&gb).unwrap().to_vec::<f32>().unwrap();
     assert!(worst(&strict) <= 1e-5, "strict FP32: {}", worst(&strict));
+    // TF32 must change something: inputs rounded to 10 mantissa bits give other products,
+    // further from the reference than strict FP32's.
+    let differing = tf32.iter().zip(&strict).filter(|(t, s)| t != s).count();
+    assert!(
+        differing > 0,
+        "TF32 gave the strict FP32 result bit for bit: `set_allow_tf32(true)` changed nothing"
+    );
+    assert!(
+        worst(&tf32) > worst(&strict),
+        "TF32 is no further from the f64 reference ({}) than strict FP32 ({}); \
+         {differing} of {} elements differ",
+        worst(&tf32),
+        worst(&strict),
+        n * n
+    );
     cpu.close().unwrap();
 }

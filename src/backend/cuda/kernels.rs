@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::CUfunction;
 use cudarc::driver::{CudaContext, CudaModule};
@@ -125,8 +125,11 @@ const SUMS: &[(DType, DType)] = &[
 /// Kernels that only move bits, by element size: `<base>_b1`, `_b4`, `_b8`.
 const BY_SIZE: &[&str] = &["gather", "transpose", "copy_rows"];
 
+/// The lookup key of a kernel: its base name and two dtype codes or an element size.
+type Key = (&'static str, u8, u8);
+
 /// Every kernel the backend may launch: its lookup key and its name in `kernels.cu`.
-fn expected() -> Vec<((&'static str, u8, u8), String)> {
+fn expected() -> Vec<(Key, String)> {
     let mut all = Vec::new();
     for &(base, types) in ONE_DTYPE {
         for d in types.dtypes() {
@@ -156,15 +159,22 @@ fn expected() -> Vec<((&'static str, u8, u8), String)> {
     all
 }
 
+/// [`expected`], computed once: the names the handles of every device refer to.
+fn names() -> &'static [(Key, String)] {
+    static NAMES: OnceLock<Vec<(Key, String)>> = OnceLock::new();
+    NAMES.get_or_init(expected)
+}
+
 /// The loaded kernels of one device.
 pub(crate) struct Kernels {
     _module: Arc<CudaModule>,
     functions: HashMap<(&'static str, u8, u8), Function>,
 }
 
-/// A kernel handle (valid while the module lives, which is the process).
+/// A kernel handle (valid while the module lives, which is the process) and the kernel's name
+/// in `kernels.cu` (for the launch check, [`check_launch`]).
 #[derive(Clone, Copy)]
-pub(crate) struct Function(pub CUfunction);
+pub(crate) struct Function(pub CUfunction, pub &'static str);
 
 // SAFETY: a CUfunction is an immutable handle into a module that is never unloaded; the driver
 // allows launching it from any thread.
@@ -221,14 +231,14 @@ impl Kernels {
             )
         })?;
         let mut functions = HashMap::new();
-        for (key, name) in expected() {
-            let f = module.load_function(&name).map_err(|e| {
+        for (key, name) in names() {
+            let f = module.load_function(name).map_err(|e| {
                 format!(
                     "kernel `{name}` is missing from the compiled module: {}",
                     super::device::describe(e)
                 )
             })?;
-            functions.insert(key, Function(f.cu_function()));
+            functions.insert(*key, Function(f.cu_function(), name.as_str()));
         }
         Ok(Kernels {
             _module: module,
@@ -402,6 +412,376 @@ fn c_text(raw: &[c_char]) -> String {
         .unwrap_or_else(|_| String::from_utf8_lossy(bytes).into_owned())
 }
 
+// ---- the launch check ----
+
+/// Whether launches are checked against the kernels' parameter lists ([`check_launch`]): in
+/// debug builds, and where `NDSCOPE_CHECK_LAUNCHES=1`. Read once; off, a launch pays one load.
+pub(crate) fn checking_launches() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        cfg!(debug_assertions)
+            || std::env::var_os("NDSCOPE_CHECK_LAUNCHES").is_some_and(|v| v == "1")
+    })
+}
+
+/// Checks a launch of the kernel `name` passing arguments of `sizes` bytes against the
+/// kernel's parameter list in [`SOURCE`]: the same count, each of the size its parameter
+/// declares. The error names the kernel, the parameter and both sizes.
+pub(crate) fn check_launch(ctx: &Ctx, name: &str, sizes: &[usize]) -> Result<()> {
+    let signatures = signatures().as_ref().map_err(|why| {
+        ctx.unsupported(format!("the launch check cannot read kernels.cu: {why}"))
+    })?;
+    let Some(params) = signatures.get(name) else {
+        return Err(ctx.unsupported(format!(
+            "launch of `{name}`: kernels.cu declares no kernel of that name"
+        )));
+    };
+    if params.len() != sizes.len() {
+        return Err(ctx.unsupported(format!(
+            "launch of `{name}` passes {} arguments; kernels.cu declares {} parameters \
+             (sizes {params:?}, passed {sizes:?})",
+            sizes.len(),
+            params.len()
+        )));
+    }
+    if let Some((i, (want, got))) = params
+        .iter()
+        .zip(sizes)
+        .enumerate()
+        .find(|(_, (want, got))| want != got)
+    {
+        return Err(ctx.unsupported(format!(
+            "launch of `{name}`: parameter {i} is {want} bytes in kernels.cu, the launch passes \
+             {got} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// The parameter sizes of every kernel of [`SOURCE`], parsed once.
+fn signatures() -> &'static std::result::Result<HashMap<String, Vec<usize>>, String> {
+    static SIGNATURES: OnceLock<std::result::Result<HashMap<String, Vec<usize>>, String>> =
+        OnceLock::new();
+    SIGNATURES.get_or_init(|| parse_signatures(SOURCE))
+}
+
+/// The byte size of each parameter of each `__global__` function of CUDA `source`, by name:
+/// a small preprocessor (line splicing, comments, object- and function-like `#define`s with
+/// `##` pasting, rescanning) expands the kernel templates, then each signature is read with
+/// the sizes of the x86-64/CUDA ABI, `typedef`s and the layouts of `struct`s of the source.
+pub(crate) fn parse_signatures(
+    source: &str,
+) -> std::result::Result<HashMap<String, Vec<usize>>, String> {
+    let text = strip_comments(&source.replace("\\\n", " "));
+    let mut macros: HashMap<String, Macro> = HashMap::new();
+    let mut code = String::new();
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        if let Some(rest) = trimmed.strip_prefix('#') {
+            if let Some(def) = rest.trim_start().strip_prefix("define") {
+                let def = def.trim_start();
+                let end = def
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(def.len());
+                let (name, rest) = def.split_at(end);
+                let m = match rest.strip_prefix('(') {
+                    Some(rest) => {
+                        let close = rest
+                            .find(')')
+                            .ok_or_else(|| format!("#define {name}: no `)`"))?;
+                        Macro {
+                            params: Some(
+                                rest[..close]
+                                    .split(',')
+                                    .map(|p| p.trim().to_string())
+                                    .filter(|p| !p.is_empty())
+                                    .collect(),
+                            ),
+                            body: rest[close + 1..].trim().to_string(),
+                        }
+                    }
+                    None => Macro {
+                        params: None,
+                        body: rest.trim().to_string(),
+                    },
+                };
+                macros.insert(name.to_string(), m);
+            }
+            continue;
+        }
+        code.push_str(line);
+        code.push('\n');
+    }
+    let code = expand(&code, &macros, 0)?;
+    let types = CTypes::of(&code)?;
+    let mut kernels = HashMap::new();
+    let mut rest = code.as_str();
+    while let Some(at) = rest.find("__global__") {
+        rest = &rest[at + "__global__".len()..];
+        let open = rest.find('(').ok_or("a __global__ without `(`")?;
+        let head = rest[..open].trim();
+        let name = head.rsplit(char::is_whitespace).next().unwrap_or(head);
+        let (args, after) = arguments(&rest[open..]).ok_or_else(|| format!("`{name}`: no `)`"))?;
+        let sizes = args
+            .iter()
+            .filter(|a| !(a.is_empty() || a.as_str() == "void"))
+            .map(|a| types.param(a).map_err(|why| format!("`{name}`: {why}")))
+            .collect::<std::result::Result<Vec<usize>, String>>()?;
+        if kernels.insert(name.to_string(), sizes).is_some() {
+            return Err(format!("kernel `{name}` is defined twice"));
+        }
+        rest = after;
+    }
+    Ok(kernels)
+}
+
+/// A `#define`: its parameters (function-like) and body.
+struct Macro {
+    params: Option<Vec<String>>,
+    body: String,
+}
+
+/// `text` without `//` and `/* */` comments (after line splicing, as C does).
+fn strip_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    loop {
+        let line = rest.find("//");
+        let block = rest.find("/*");
+        match (line, block) {
+            (Some(l), b) if b.is_none_or(|b| l < b) => {
+                out.push_str(&rest[..l]);
+                rest = &rest[l..];
+                rest = rest.find('\n').map_or("", |e| &rest[e..]);
+            }
+            (_, Some(b)) => {
+                out.push_str(&rest[..b]);
+                out.push(' ');
+                rest = rest[b + 2..]
+                    .find("*/")
+                    .map_or("", |e| &rest[b + 2 + e + 2..]);
+            }
+            _ => {
+                out.push_str(rest);
+                return out;
+            }
+        }
+    }
+}
+
+/// The comma-separated arguments of the parenthesised list `text` starts with (trimmed, nested
+/// parentheses kept whole) and the text after its `)`.
+fn arguments(text: &str) -> Option<(Vec<String>, &str)> {
+    let mut depth = 0usize;
+    let mut args = Vec::new();
+    let mut start = 1;
+    for (i, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => {
+                depth -= 1;
+                if depth == 0 {
+                    args.push(text[start..i].trim().to_string());
+                    return Some((args, &text[i + 1..]));
+                }
+            }
+            ',' if depth == 1 => {
+                args.push(text[start..i].trim().to_string());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// `text` with every macro invocation replaced by its expansion, rescanned.
+fn expand(
+    text: &str,
+    macros: &HashMap<String, Macro>,
+    depth: usize,
+) -> std::result::Result<String, String> {
+    if depth > 32 {
+        return Err("macros nest more than 32 deep".into());
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find(|c: char| is_ident(c)) {
+        out.push_str(&rest[..start]);
+        rest = &rest[start..];
+        let end = rest.find(|c: char| !is_ident(c)).unwrap_or(rest.len());
+        let word = &rest[..end];
+        let after = &rest[end..];
+        let expansion = match macros.get(word) {
+            _ if word.starts_with(|c: char| c.is_ascii_digit()) => None,
+            Some(Macro { params: None, body }) => Some((body.clone(), after)),
+            Some(Macro {
+                params: Some(params),
+                body,
+            }) if after.trim_start().starts_with('(') => {
+                let open = after.len() - after.trim_start().len();
+                let (args, tail) =
+                    arguments(&after[open..]).ok_or_else(|| format!("`{word}(`: no `)`"))?;
+                let args: Vec<String> = args.into_iter().filter(|a| !a.is_empty()).collect();
+                if args.len() != params.len() {
+                    return Err(format!(
+                        "`{word}` takes {} arguments, given {}",
+                        params.len(),
+                        args.len()
+                    ));
+                }
+                Some((substitute(body, params, &args), tail))
+            }
+            _ => None,
+        };
+        match expansion {
+            Some((body, tail)) => {
+                out.push_str(&expand(&body, macros, depth + 1)?);
+                out.push(' ');
+                rest = tail;
+            }
+            None => {
+                out.push_str(word);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// `body` with each identifier among `params` replaced by its argument, then `##` pasted.
+fn substitute(body: &str, params: &[String], args: &[String]) -> String {
+    let mut out = String::with_capacity(body.len());
+    let mut rest = body;
+    while let Some(start) = rest.find(|c: char| is_ident(c)) {
+        out.push_str(&rest[..start]);
+        rest = &rest[start..];
+        let end = rest.find(|c: char| !is_ident(c)).unwrap_or(rest.len());
+        let word = &rest[..end];
+        match params.iter().position(|p| p == word) {
+            Some(i) => out.push_str(&args[i]),
+            None => out.push_str(word),
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    let mut pasted = String::with_capacity(out.len());
+    for (i, piece) in out.split("##").enumerate() {
+        if i == 0 {
+            pasted.push_str(piece.trim_end());
+        } else {
+            pasted.push_str(piece.trim());
+        }
+    }
+    pasted
+}
+
+/// Sizes and alignments of the types a kernel parameter may have: C's scalars, the source's
+/// `typedef`s and `struct`s.
+struct CTypes(HashMap<String, (usize, usize)>);
+
+impl CTypes {
+    fn of(code: &str) -> std::result::Result<CTypes, String> {
+        let mut known: HashMap<String, (usize, usize)> = [
+            ("bool", 1),
+            ("char", 1),
+            ("signed char", 1),
+            ("unsigned char", 1),
+            ("short", 2),
+            ("unsigned short", 2),
+            ("int", 4),
+            ("unsigned", 4),
+            ("unsigned int", 4),
+            ("float", 4),
+            ("long", 8),
+            ("unsigned long", 8),
+            ("long long", 8),
+            ("unsigned long long", 8),
+            ("size_t", 8),
+            ("double", 8),
+        ]
+        .into_iter()
+        .map(|(t, size)| (t.to_string(), (size, size)))
+        .collect();
+        for statement in code.split(';') {
+            let words: Vec<&str> = statement.split_whitespace().collect();
+            if let Some((&"typedef", rest)) = words.split_first() {
+                if let Some((alias, base)) = rest.split_last() {
+                    if let Some(&layout) = known.get(&base.join(" ")) {
+                        known.insert(alias.to_string(), layout);
+                    }
+                }
+            }
+        }
+        let mut types = CTypes(known);
+        // `struct NAME { TYPE field; TYPE field[N]; ... };`, laid out as C does.
+        let mut rest = code;
+        while let Some(at) = rest.find("struct ") {
+            rest = &rest[at + "struct ".len()..];
+            let Some(open) = rest.find('{') else { break };
+            let name = rest[..open].trim();
+            if !name.chars().all(is_ident) || name.is_empty() {
+                continue;
+            }
+            let Some(close) = rest[open..].find('}') else {
+                break;
+            };
+            // A struct this simple reading cannot lay out (methods, templates) is left out:
+            // a kernel taking it by value is refused below as of an unknown type.
+            let fields = &rest[open + 1..open + close];
+            if let Some(layout) = types.struct_layout(fields) {
+                types.0.insert(name.to_string(), layout);
+            }
+            rest = &rest[open + close..];
+        }
+        Ok(types)
+    }
+
+    /// The C layout of a struct of `fields` (`TYPE name; TYPE name[N]; ...`), if they are that.
+    fn struct_layout(&self, fields: &str) -> Option<(usize, usize)> {
+        let (mut size, mut align) = (0, 1);
+        for field in fields.split(';').map(str::trim).filter(|f| !f.is_empty()) {
+            let (decl, count) = match field.split_once('[') {
+                Some((decl, n)) => (decl, n.trim_end_matches(']').trim().parse().ok()?),
+                None => (field, 1),
+            };
+            let (s, a) = self.layout(decl).ok()?;
+            size = usize::next_multiple_of(size, a) + s * count;
+            align = usize::max(align, a);
+        }
+        Some((usize::next_multiple_of(size, align), align))
+    }
+
+    /// The layout of the type of declaration `decl` (`const T* name`, `u64 n`).
+    fn layout(&self, decl: &str) -> std::result::Result<(usize, usize), String> {
+        if decl.contains('*') {
+            return Ok((8, 8));
+        }
+        let words: Vec<&str> = decl
+            .split_whitespace()
+            .filter(|w| !matches!(*w, "const" | "volatile" | "__restrict__" | "struct"))
+            .collect();
+        let ty = match words.split_last() {
+            Some((_, ty)) if !ty.is_empty() => ty.join(" "),
+            _ => return Err(format!("cannot read the declaration `{decl}`")),
+        };
+        self.0
+            .get(&ty)
+            .copied()
+            .ok_or_else(|| format!("unknown type `{ty}` in `{decl}`"))
+    }
+
+    /// The size of a parameter declared `decl`.
+    fn param(&self, decl: &str) -> std::result::Result<usize, String> {
+        self.layout(decl).map(|(size, _)| size)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -444,6 +824,72 @@ mod tests {
                 "{arch}: kernels missing from the CUBIN: {missing:?}"
             );
         }
+    }
+
+    /// Every kernel the backend may launch has a parameter list read from kernels.cu, and
+    /// the lists are what the source declares.
+    #[test]
+    fn every_kernel_has_a_parsed_parameter_list() {
+        let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
+        let templates = SOURCE.matches("__global__ void").count();
+        assert_eq!(templates, 29, "kernel templates in kernels.cu");
+        let missing: Vec<String> = expected()
+            .into_iter()
+            .map(|(_, name)| name)
+            .filter(|name| !signatures.contains_key(name))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "kernels without a parsed signature: {missing:?}"
+        );
+        assert_eq!(signatures.len(), expected().len(), "parsed kernels");
+        let sizes = |name: &str| signatures[name].clone();
+        assert_eq!(sizes("fill_f32"), [8, 8, 4]);
+        assert_eq!(sizes("fill_u8"), [8, 8, 1]);
+        assert_eq!(sizes("fill_f64"), [8, 8, 8]);
+        assert_eq!(sizes("cast_u8_f64"), [8, 8, 8]);
+        assert_eq!(sizes("add_i32"), [8, 8, 8, 8, 4, 200]);
+        assert_eq!(sizes("gt_scalar_u8"), [8, 8, 8, 8]);
+        assert_eq!(sizes("axpy_f32"), [8, 8, 8, 4, 4, 200]);
+        assert_eq!(sizes("gather_b1"), [8, 8, 8, 4, 200]);
+    }
+
+    #[test]
+    fn the_preprocessor_pastes_and_rescans() {
+        let source = "typedef unsigned char u8;\n#define N 3\nstruct P { u8 a; double b[N]; };\n\
+                      #define K(T, NAME) extern \"C\" __global__ void NAME##_##T(const T* x, \\\n\
+                      T v, P p) { /* ) */ }\n#define ALL(M) M(u8, one) M(float, two)\nALL(K)\n";
+        let signatures = parse_signatures(source).unwrap_or_else(|why| panic!("{why}"));
+        assert_eq!(signatures.len(), 2, "{signatures:?}");
+        assert_eq!(signatures["one_u8"], [8, 1, 32]);
+        assert_eq!(signatures["two_float"], [8, 4, 32]);
+    }
+
+    /// A launch whose arguments do not match the kernel's parameters is refused, naming the
+    /// kernel, the parameter and both sizes.
+    #[test]
+    fn a_wrong_argument_list_is_refused() {
+        let ctx = Ctx::new("test");
+        check_launch(&ctx, "fill_f32", &[8, 8, 4]).unwrap();
+        let message = |sizes: &[usize], name: &str| {
+            check_launch(&ctx, name, sizes)
+                .expect_err("refused")
+                .to_string()
+        };
+        let wrong = message(&[8, 8, 8], "fill_f32");
+        assert!(
+            wrong.contains("`fill_f32`")
+                && wrong.contains("parameter 2 is 4 bytes")
+                && wrong.contains("passes 8 bytes"),
+            "{wrong}"
+        );
+        let short = message(&[8, 8], "fill_f32");
+        assert!(
+            short.contains("passes 2 arguments") && short.contains("declares 3"),
+            "{short}"
+        );
+        let unknown = message(&[8], "no_such_kernel");
+        assert!(unknown.contains("`no_such_kernel`"), "{unknown}");
     }
 
     #[test]

@@ -19,7 +19,7 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
 use super::device::{blas_error, pinned_alloc, sticky, Gpu, STAGING};
-use super::kernels::Function;
+use super::kernels::{self, Function};
 use super::memory::DeviceBuffer;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
@@ -75,7 +75,11 @@ unsafe fn launch_raw(
     f: Function,
     cfg: Config,
     params: &mut [*mut c_void],
+    sizes: &[usize],
 ) -> Result<()> {
+    if kernels::checking_launches() {
+        kernels::check_launch(ctx, f.1, sizes)?;
+    }
     gpu.bind(ctx)?;
     // SAFETY: per the contract.
     unsafe {
@@ -92,30 +96,62 @@ unsafe fn launch_raw(
 }
 
 /// `launch!(ctx, gpu, f, cfg; name = value, ...)`: each value is kept in a local named `name`
-/// and passed by address, in order. Expands to a call of the unsafe [`launch_raw`], whose
-/// contract the caller keeps (and says so in a `// SAFETY:` comment).
+/// and passed by address, in order, with the sizes of the values (checked against the
+/// kernel's parameter list where launches are checked). Expands to a call of the unsafe
+/// [`launch_raw`], whose contract the caller keeps (and says so in a `// SAFETY:` comment).
 macro_rules! launch {
     ($ctx:expr, $gpu:expr, $f:expr, $cfg:expr; $($arg:ident = $val:expr),+ $(,)?) => {{
         $(let mut $arg = $val;)+
+        let sizes = [$(Arg::bytes(&$arg)),+];
         let mut params = [$(std::ptr::addr_of_mut!($arg).cast::<c_void>()),+];
-        launch_raw($ctx, $gpu, $f, $cfg, &mut params)
+        launch_raw($ctx, $gpu, $f, $cfg, &mut params, &sizes)
     }};
+}
+
+/// A value passed to a kernel parameter.
+trait Arg {
+    /// The bytes of the parameter it fills: its size, or less for a [`Scalar`].
+    fn bytes(&self) -> usize;
+}
+
+macro_rules! arg_by_size {
+    ($($t:ty),+) => {
+        $(impl Arg for $t {
+            fn bytes(&self) -> usize {
+                std::mem::size_of::<$t>()
+            }
+        })+
+    };
+}
+arg_by_size!(u64, u32, i32, f64, Strided);
+
+impl Arg for Scalar {
+    fn bytes(&self) -> usize {
+        self.size
+    }
 }
 
 /// An element-typed kernel parameter (`T v`): the value converted as `T::from_f64`, in the
 /// first bytes of an 8-byte slot.
+/// `size` is the element's size (what the kernel reads; the launch check compares it).
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
-struct Scalar([u8; 8]);
+struct Scalar {
+    slot: [u8; 8],
+    size: usize,
+}
 
 fn scalar(dtype: DType, value: f64) -> Scalar {
-    let mut slot = Scalar([0; 8]);
+    let mut scalar = Scalar {
+        slot: [0; 8],
+        size: dtype.size_in_bytes(),
+    };
     dispatch!(dtype, T => {
         let v = T::from_f64(value);
         // SAFETY: every element type is at most 8 bytes; the write is unaligned-safe.
-        unsafe { std::ptr::write_unaligned(slot.0.as_mut_ptr().cast::<T>(), v) };
+        unsafe { std::ptr::write_unaligned(scalar.slot.as_mut_ptr().cast::<T>(), v) };
     });
-    slot
+    scalar
 }
 
 /// `struct Strided` of kernels.cu.
@@ -807,7 +843,7 @@ fn launch_broadcast(
 }
 
 /// Launches an elementwise kernel `(const A* a, O* out, u64 n, P extra)` over `n` elements.
-fn launch_map<P: Copy>(
+fn launch_map<P: Copy + Arg>(
     ctx: &Ctx,
     gpu: &Gpu,
     f: Function,
@@ -2113,4 +2149,89 @@ pub(crate) fn interleave(
         at += len;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether the loaded CUDA driver is the CPU simulator of `shared/cudasim` (it exports
+    /// `cudasim_stats`; a real driver does not).
+    fn on_the_simulator() -> bool {
+        // SAFETY: only asks whether the driver is already loaded (RTLD_NOLOAD loads nothing)
+        // and looks a symbol up in it; the handle is closed again.
+        unsafe {
+            let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
+            if lib.is_null() {
+                return false;
+            }
+            let found = !libc::dlsym(lib, c"cudasim_stats".as_ptr()).is_null();
+            libc::dlclose(lib);
+            found
+        }
+    }
+
+    /// The first f32 of device memory at `ptr`, read through the device address as a host
+    /// address (the simulator's device pointers are host addresses).
+    ///
+    /// # Safety
+    /// Only on the simulator, with `ptr` the start of a live allocation of at least 4 bytes.
+    unsafe fn peek(ptr: CUdeviceptr) -> u32 {
+        // SAFETY: per the contract; volatile, since the simulator writes it behind our back.
+        unsafe { std::ptr::read_volatile(ptr as usize as *const u32) }
+    }
+
+    /// `synchronize` waits for work queued before it. Reading values through ndscope waits
+    /// anyway, so this looks at the device memory directly, which only the simulator allows:
+    /// it runs queued work as late as CUDA permits (when the host waits), so a fill queued
+    /// and not waited for has not happened yet, and must have once `synchronize` returns.
+    #[test]
+    fn synchronize_runs_queued_work_before_returning() {
+        let ctx = Ctx::new("test");
+        let gpu = match super::super::device::gpu(&ctx, 0) {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
+                }
+                println!("skipped on cuda: {e}");
+                return;
+            }
+        };
+        if !on_the_simulator() {
+            println!("skipped: needs the CPU simulator of CUDA (host-readable device memory)");
+            return;
+        }
+        if std::env::var_os("CUDASIM_SYNC").is_some_and(|v| v == "1") {
+            println!("skipped: CUDASIM_SYNC=1 runs work at submission");
+            return;
+        }
+        let n = 1024;
+        let mut buf = DeviceBuffer::alloc(&ctx, gpu.ordinal, n * 4).unwrap();
+        synchronize(&ctx, gpu.ordinal).unwrap();
+        // SAFETY: on the simulator; `buf` is a live allocation of 4096 bytes.
+        let before = unsafe { peek(buf.ptr()) };
+        let value = if f32::from_bits(before) == 3.5 {
+            4.5f32
+        } else {
+            3.5
+        };
+        fill(&ctx, DType::F32, &mut buf, f64::from(value)).unwrap();
+        // SAFETY: as above.
+        let queued = unsafe { peek(buf.ptr()) };
+        assert_eq!(
+            queued, before,
+            "the fill ran before anything waited: the simulator runs work at submission"
+        );
+        synchronize(&ctx, gpu.ordinal).unwrap();
+        // SAFETY: as above.
+        let after = unsafe { peek(buf.ptr()) };
+        assert_eq!(
+            f32::from_bits(after),
+            value,
+            "synchronize returned before the fill queued ahead of it ran (bits {after:#x})"
+        );
+        drop(buf);
+        synchronize(&ctx, gpu.ordinal).unwrap();
+    }
 }
