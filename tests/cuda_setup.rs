@@ -377,3 +377,71 @@ fn damaged_kernel_cache_entry_is_recompiled_and_replaced() {
     assert_eq!(cache_files(&cache).len(), 1);
     let _ = std::fs::remove_dir_all(cache);
 }
+
+/// A driver older than the CUDA version of NVRTC (which compiles the kernels) is refused with a
+/// message naming both versions and the driver to install; no device counts as usable.
+#[test]
+fn an_old_driver_is_refused_naming_both_versions() {
+    const NAME: &str = "an_old_driver_is_refused_naming_both_versions";
+    if !is_child(NAME) {
+        run_child(NAME, &[("NDSCOPE_CUDA_PRETEND", "driver=12040")]);
+        return;
+    }
+    assert_eq!(Device::cuda_count(), 0);
+    let err = Manager::new_base_on(Device::Cuda(0)).expect_err("the driver is too old");
+    let text = err.to_string();
+    assert!(matches!(err, Error::DeviceUnavailable { .. }), "{text}");
+    assert!(text.contains("supports CUDA 12.4"), "{text}");
+    assert!(text.contains("CUDA 13.0 of NVRTC"), "{text}");
+    assert!(text.contains("driver 580 or newer"), "{text}");
+}
+
+/// A GPU below compute capability 7.5 is refused, naming its capability and what is needed.
+#[test]
+fn an_old_gpu_is_refused_naming_its_compute_capability() {
+    const NAME: &str = "an_old_gpu_is_refused_naming_its_compute_capability";
+    if !is_child(NAME) {
+        run_child(NAME, &[("NDSCOPE_CUDA_PRETEND", "cc=70")]);
+        return;
+    }
+    let err = Manager::new_base_on(Device::Cuda(0)).expect_err("the GPU is too old");
+    let text = err.to_string();
+    assert!(matches!(err, Error::DeviceUnavailable { .. }), "{text}");
+    assert!(
+        text.contains("has compute capability 7.0; ndscope needs 7.5 (Turing) or newer"),
+        "{text}"
+    );
+}
+
+/// A GPU newer than every architecture NVRTC compiles CUBINs for (here NVRTC pretends to stop at
+/// sm_89 on an sm_90 device) runs on PTX of the newest one it knows, which the driver compiles.
+#[test]
+fn a_gpu_newer_than_nvrtc_runs_on_ptx() {
+    const NAME: &str = "a_gpu_newer_than_nvrtc_runs_on_ptx";
+    if is_child(NAME) {
+        let m = Manager::new_base_on(Device::Cuda(0)).expect("the device sets up on PTX");
+        let a = m.from_slice(&[1.0f32, 2.0, 3.0], [3]).unwrap();
+        assert_eq!(a.mul(&a).unwrap().to_vec::<f32>().unwrap(), vec![1.0, 4.0, 9.0]);
+        assert_eq!(a.sum_all().unwrap().to_scalar::<f32>().unwrap(), 6.0);
+        m.close().unwrap();
+        return;
+    }
+    let cache = fresh_dir("ptx-cache");
+    if !run_child(
+        NAME,
+        &[
+            ("NDSCOPE_CUDA_PRETEND", "nvrtc_max=89"),
+            ("NDSCOPE_KERNEL_CACHE", cache.to_str().unwrap()),
+        ],
+    ) {
+        return;
+    }
+    let files = cache_files(&cache);
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    if sim_stats().is_some() {
+        // On the simulator the device is an sm_90: NVRTC stopping at sm_89 means PTX.
+        assert!(name.starts_with("kernels-compute_89-"), "{name}");
+    }
+    let _ = std::fs::remove_dir_all(cache);
+}

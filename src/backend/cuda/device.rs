@@ -174,7 +174,9 @@ fn check_driver_version() -> std::result::Result<(), String> {
         .unwrap_or(0);
     if driver < major * 1000 {
         return Err(format!(
-            "the NVIDIA driver supports CUDA {}.{}, older than the CUDA {nvrtc} of NVRTC, which              compiles ndscope's kernels: update the driver (CUDA {major} needs driver {} or              newer) or use an NVRTC as old as the driver",
+            "the NVIDIA driver supports CUDA {}.{}, older than the CUDA {nvrtc} of NVRTC, which \
+             compiles ndscope's kernels: update the driver (CUDA {major} needs driver {} or \
+             newer) or use an NVRTC as old as the driver",
             driver / 1000,
             driver % 1000 / 10,
             driver_for(major)
@@ -871,16 +873,21 @@ impl Staging {
 /// driver allocation; the driver running out of page-locked memory is `OutOfMemory` on the host.
 pub(crate) fn pinned_alloc(ctx: &Ctx, gpu: &Gpu, bytes: usize) -> Result<std::ptr::NonNull<u8>> {
     // SAFETY: the caller made the context current; the memory is owned by the caller.
-    let ptr = match unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) } {
-        Ok(ptr) => ptr,
-        Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-            return Err(memory::driver_refused(ctx, Device::Cpu, bytes))
-        }
-        Err(e) => return Err(gpu.failed(ctx, "cuMemHostAlloc", e)),
-    };
+    let ptr = unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
+        .map_err(|e| pinned_refusal(ctx, gpu, bytes, e))?;
     memory::driver_allocated(gpu.device());
     std::ptr::NonNull::new(ptr.cast::<u8>())
         .ok_or_else(|| memory::driver_refused(ctx, Device::Cpu, bytes))
+}
+
+/// The error for `cuMemHostAlloc` of `bytes` failing with `e`: out of page-locked memory is
+/// `OutOfMemory` on the host (the driver refused it), anything else the driver's error.
+pub(crate) fn pinned_refusal(ctx: &Ctx, gpu: &Gpu, bytes: usize, e: DriverError) -> Error {
+    if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        memory::driver_refused(ctx, Device::Cpu, bytes)
+    } else {
+        gpu.failed(ctx, "cuMemHostAlloc", e)
+    }
 }
 
 /// The grain the reduction scratch grows by.

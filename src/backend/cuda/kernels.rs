@@ -196,15 +196,18 @@ const NO_DTYPE: u8 = u8::MAX;
 
 impl Kernels {
     /// Compiles (or loads from the disk cache) the kernels for compute capability
-    /// `major.minor` and loads them into `ctx`.
+    /// `major.minor` and loads them into `ctx`: a CUBIN for the device's own architecture, or,
+    /// for a GPU newer than every architecture this NVRTC knows, PTX of the newest one it knows,
+    /// which the driver compiles for the device when it loads it.
     pub fn load(
         ctx: &Arc<CudaContext>,
         major: i32,
         minor: i32,
     ) -> std::result::Result<Kernels, String> {
-        let arch = format!("sm_{major}{minor}");
+        let device = u32::try_from(major * 10 + minor).unwrap_or(0);
+        let arch = target(device, &supported_archs()?)?;
         let (cubin, cached) = cached_or_compiled(&arch, false)?;
-        match Self::from_cubin(ctx, cubin) {
+        match Self::from_cubin(ctx, &arch, cubin) {
             Ok(kernels) => Ok(kernels),
             // A damaged cache entry (a truncated or overwritten file whose key still matches):
             // compiled again and replaced, instead of disabling the device.
@@ -216,15 +219,25 @@ impl Kernels {
                     why.lines().next().unwrap_or("")
                 );
                 let (cubin, _) = cached_or_compiled(&arch, true)?;
-                Self::from_cubin(ctx, cubin)
+                Self::from_cubin(ctx, &arch, cubin)
             }
             Err(why) => Err(why),
         }
     }
 
-    /// Loads `cubin` into `ctx` and finds every kernel in it.
-    fn from_cubin(ctx: &Arc<CudaContext>, cubin: Vec<u8>) -> std::result::Result<Kernels, String> {
-        let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| {
+    /// Loads `image`, compiled for `arch`, into `ctx` and finds every kernel in it: a CUBIN, or
+    /// for a virtual architecture PTX text, which the driver compiles for the device.
+    fn from_cubin(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        image: Vec<u8>,
+    ) -> std::result::Result<Kernels, String> {
+        let image = if arch.starts_with("compute_") {
+            Ptx::from_src(String::from_utf8_lossy(&image).into_owned())
+        } else {
+            Ptx::from_binary(image)
+        };
+        let module = ctx.load_module(image).map_err(|e| {
             format!(
                 "loading the compiled kernels failed: {}",
                 super::device::describe(e)
@@ -339,6 +352,50 @@ fn cache_dir() -> Option<PathBuf> {
         .or_else(|| Some(std::env::temp_dir().join("ndscope-cache")))
 }
 
+/// The real architectures (`75` for sm_75, …) this NVRTC compiles CUBINs for, oldest first; for
+/// tests, none past `NDSCOPE_CUDA_PRETEND`'s `nvrtc_max`.
+fn supported_archs() -> std::result::Result<Vec<u32>, String> {
+    let mut n = 0;
+    // SAFETY: an out-parameter; the library was checked to be present before any call.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .map_err(|e| format!("nvrtcGetNumSupportedArchs failed: {e:?}"))?;
+    let mut archs = vec![0; usize::try_from(n).unwrap_or(0)];
+    if !archs.is_empty() {
+        // SAFETY: `archs` holds as many entries as NVRTC said it writes.
+        unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+            .result()
+            .map_err(|e| format!("nvrtcGetSupportedArchs failed: {e:?}"))?;
+    }
+    let max = super::device::pretend("nvrtc_max").unwrap_or(i32::MAX);
+    let mut archs: Vec<u32> = archs
+        .into_iter()
+        .filter(|&a| a <= max)
+        .filter_map(|a| u32::try_from(a).ok())
+        .collect();
+    archs.sort_unstable();
+    Ok(archs)
+}
+
+/// What to compile for a device of architecture `device` (`90` for sm_90) with an NVRTC that
+/// knows `supported`: `sm_XY`, a CUBIN, when it knows the device's own; else `compute_XY`, PTX of
+/// the newest architecture below the device's (the driver compiles PTX for newer GPUs); an
+/// error for a device older than everything NVRTC knows.
+fn target(device: u32, supported: &[u32]) -> std::result::Result<String, String> {
+    if supported.contains(&device) {
+        return Ok(format!("sm_{device}"));
+    }
+    match supported.iter().copied().filter(|&a| a < device).max() {
+        Some(older) => Ok(format!("compute_{older}")),
+        None => Err(format!(
+            "NVRTC {} compiles for sm_{} to sm_{}, none of which runs on this sm_{device} GPU",
+            nvrtc_version().unwrap_or_default(),
+            supported.first().copied().unwrap_or(0),
+            supported.last().copied().unwrap_or(0),
+        )),
+    }
+}
+
 /// FNV-1a, 64 bits: a stable hash for the cache file name and key (not for security: the file
 /// holds the whole key and is checked against it).
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -357,7 +414,8 @@ pub(crate) fn nvrtc_version() -> std::result::Result<String, String> {
     Ok(format!("{major}.{minor}"))
 }
 
-/// Compiles [`SOURCE`] for `arch` (e.g. `sm_90`) to a CUBIN, or returns the compiler's log.
+/// Compiles [`SOURCE`] for `arch`: a CUBIN for a real architecture (`sm_90`), PTX text for a
+/// virtual one (`compute_90`); or returns the compiler's log.
 pub(crate) fn compile(arch: &str) -> std::result::Result<Vec<u8>, String> {
     let source =
         CString::new(SOURCE).map_err(|_| "the kernel source holds a NUL byte".to_string())?;
@@ -369,6 +427,7 @@ pub(crate) fn compile(arch: &str) -> std::result::Result<Vec<u8>, String> {
     // SAFETY: `program` is live until the destroy below; the options hold no NUL bytes.
     let result = unsafe {
         match nvrtc::compile_program(program, &options) {
+            Ok(()) if arch.starts_with("compute_") => ptx_of(program),
             Ok(()) => cubin_of(program),
             Err(e) => {
                 let log = nvrtc::get_program_log(program)
@@ -402,6 +461,20 @@ unsafe fn cubin_of(program: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<
         return Err("NVRTC produced no CUBIN (was a virtual architecture asked for?)".into());
     }
     Ok(cubin)
+}
+
+/// The PTX of a compiled program, as text without its terminating NUL.
+///
+/// # Safety
+/// `program` must be a live, successfully compiled NVRTC program.
+unsafe fn ptx_of(program: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
+    // SAFETY: per the contract.
+    let raw = unsafe { nvrtc::get_ptx(program) }.map_err(|e| format!("nvrtcGetPTX failed: {e:?}"))?;
+    let text = c_text(&raw);
+    if text.is_empty() {
+        return Err("NVRTC produced no PTX".into());
+    }
+    Ok(text.into_bytes())
 }
 
 fn c_text(raw: &[c_char]) -> String {
@@ -890,6 +963,19 @@ mod tests {
         );
         let unknown = message(&[8], "no_such_kernel");
         assert!(unknown.contains("`no_such_kernel`"), "{unknown}");
+    }
+
+    /// A CUBIN for a GPU NVRTC knows; PTX of the newest older architecture for one it does not
+    /// (a GPU newer than NVRTC); an error for one older than everything it knows.
+    #[test]
+    fn the_target_is_a_cubin_or_ptx_for_a_newer_gpu() {
+        let known = [75, 80, 86, 89, 90];
+        assert_eq!(target(90, &known).unwrap(), "sm_90");
+        assert_eq!(target(86, &known).unwrap(), "sm_86");
+        assert_eq!(target(100, &known).unwrap(), "compute_90");
+        assert_eq!(target(87, &known).unwrap(), "compute_86");
+        let err = target(70, &known).unwrap_err();
+        assert!(err.contains("sm_75 to sm_90") && err.contains("sm_70"), "{err}");
     }
 
     #[test]

@@ -2234,4 +2234,89 @@ mod tests {
         drop(buf);
         synchronize(&ctx, gpu.ordinal).unwrap();
     }
+
+    /// The driver running out of page-locked memory is `OutOfMemory` on the host, naming the
+    /// size and the driver as what refused it (it was a generic backend error).
+    #[test]
+    fn page_locked_memory_exhaustion_is_out_of_memory() {
+        let ctx = Ctx::new("test");
+        let Ok(gpu) = super::super::device::gpu(&ctx, 0) else {
+            println!("skipped on cuda: no device");
+            return;
+        };
+        let oom = cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        match super::super::device::pinned_refusal(&ctx, gpu, 1 << 30, oom) {
+            Error::OutOfMemory {
+                device,
+                requested,
+                limit_source,
+                ..
+            } => {
+                assert_eq!(device, crate::Device::Cpu);
+                assert_eq!(requested, 1 << 30);
+                assert_eq!(limit_source, crate::LimitSource::Driver);
+            }
+            other => panic!("expected OutOfMemory, got {other}"),
+        }
+    }
+
+    /// After a device fault (a kernel writing outside every allocation), every later call on
+    /// the device reports the same fault, naming the op that first met it and where that op was
+    /// called. The fault leaves the device unusable for the process: run in a child process.
+    #[test]
+    fn a_device_fault_is_sticky_and_names_the_first_failing_op() {
+        const NAME: &str = "backend::cuda::ops::tests::a_device_fault_is_sticky_and_names_the_first_failing_op";
+        let ctx = Ctx::new("test");
+        let gpu = match super::super::device::gpu(&ctx, 0) {
+            Ok(gpu) => gpu,
+            Err(e) => {
+                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
+                }
+                println!("skipped on cuda: {e}");
+                return;
+            }
+        };
+        if std::env::var_os("NDSCOPE_FAULT_CHILD").is_none() {
+            let exe = std::env::current_exe().unwrap();
+            let out = std::process::Command::new(exe)
+                .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+                .env("NDSCOPE_FAULT_CHILD", "1")
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "the child run failed:\n{stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        }
+        let f = gpu.kernels.one(&ctx, "fill", DType::F32).unwrap();
+        let bogus: CUdeviceptr = 1 << 12;
+        // SAFETY: deliberately not: the kernel writes through an address outside every
+        // allocation, which the device reports as a fault; this process is thrown away.
+        unsafe {
+            launch!(&ctx, gpu, f, linear(gpu, 1024); out = bogus, count = 1024u64, v = scalar(DType::F32, 1.0))
+        }
+        .unwrap();
+        let first = Ctx::new("first_wait");
+        let err = synchronize(&first, gpu.ordinal).expect_err("the fault is reported");
+        let text = err.to_string();
+        assert!(text.contains("the first op to fail was first_wait at"), "{text}");
+        assert!(text.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{text}");
+        // Every later call, whatever it is, reports the same first failure.
+        let later = Ctx::new("later");
+        for err in [
+            synchronize(&later, gpu.ordinal).expect_err("still faulted"),
+            DeviceBuffer::alloc(&later, gpu.ordinal, 64)
+                .err()
+                .expect("no allocation on a faulted device"),
+            gpu.bind(&later).expect_err("no context"),
+        ] {
+            let text = err.to_string();
+            assert!(text.contains("unusable after a device fault"), "{text}");
+            assert!(text.contains("the first op to fail was first_wait at"), "{text}");
+        }
+    }
 }
