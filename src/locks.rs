@@ -140,7 +140,9 @@ pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
 /// Whether work queued by [`outside_arena`] waits for the arena lock's release.
 #[inline]
 pub(crate) fn outside_work_waiting() -> bool {
-    OUTSIDE.try_with(|q| !q.borrow().is_empty()).unwrap_or(false)
+    OUTSIDE
+        .try_with(|q| !q.borrow().is_empty())
+        .unwrap_or(false)
 }
 
 /// Runs the work [`outside_arena`] queued (the arena lock is released), including work queued

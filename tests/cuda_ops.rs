@@ -610,3 +610,74 @@ fn bad_input_is_reported_to_the_thread_that_queued_it() {
     picked.close().unwrap();
     m.close().unwrap();
 }
+
+/// Driver calls per op on the simulator, printed as a table (`-- --nocapture`) and held to what
+/// each op needs: one kernel or one cuBLAS product, no wait, no copy, no allocation once the
+/// caches are warm (the first call of each op is a warm-up).
+#[test]
+fn driver_calls_per_op() {
+    let Some((_serial, dev)) = gpu() else { return };
+    if sim::stats().is_none() {
+        println!("skipped: counting driver calls needs the simulator");
+        return;
+    }
+    let m = Manager::new_base_on(dev).unwrap();
+    let a = m.randn([64, 64], DType::F32).unwrap();
+    let b = m.randn([64, 64], DType::F32).unwrap();
+    let idx = m.from_slice(&[0i64, 3, 5, 7], [4]).unwrap();
+    type Op<'a> = (
+        &'static str,
+        Box<dyn Fn() -> ndscope::Result<()> + 'a>,
+        u64,
+        u64,
+    );
+    let ops: Vec<Op> = vec![
+        ("add", Box::new(|| a.add(&b)?.close()), 1, 0),
+        ("relu", Box::new(|| a.relu()?.close()), 1, 0),
+        (
+            "mul_scalar_ (in place)",
+            Box::new(|| a.mul_scalar_(1.0)),
+            1,
+            0,
+        ),
+        ("matmul", Box::new(|| a.matmul(&b)?.close()), 0, 1),
+        (
+            "sum over an axis",
+            Box::new(|| a.sum(&[1], false)?.close()),
+            1,
+            0,
+        ),
+        ("softmax", Box::new(|| a.softmax(1)?.close()), 1, 0),
+        (
+            "one_hot (checked)",
+            Box::new(|| idx.one_hot(8, DType::F32)?.close()),
+            1,
+            0,
+        ),
+        ("transpose", Box::new(|| a.transpose()?.close()), 1, 0),
+    ];
+    println!("| op | launches | cuBLAS | waits | copies | allocations |");
+    println!("|---|---|---|---|---|---|");
+    for (name, op, launches, cublas) in &ops {
+        op().unwrap();
+        let before = sim::stats().unwrap();
+        for _ in 0..10 {
+            op().unwrap();
+        }
+        let d = sim::diff(&before, &sim::stats().unwrap());
+        let per = |k: &str| d[k] as f64 / 10.0;
+        let copies = per("h2d") + per("d2h") + per("d2d");
+        let allocs = per("allocs") + per("async_allocs") + per("host_allocs");
+        println!(
+            "| {name} | {} | {} | {} | {copies} | {allocs} |",
+            per("launches"),
+            per("cublas"),
+            per("blocking_syncs"),
+        );
+        assert!(per("launches") <= *launches as f64, "{name}: {d:?}");
+        assert!(per("cublas") <= *cublas as f64, "{name}: {d:?}");
+        assert_eq!(per("blocking_syncs"), 0.0, "{name} waits: {d:?}");
+        assert_eq!(allocs, 0.0, "{name} allocates: {d:?}");
+    }
+    m.close().unwrap();
+}

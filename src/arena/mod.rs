@@ -753,7 +753,11 @@ mod tests {
             locks::outside_arena(record(&seen));
             assert_eq!(seen.load(Ordering::SeqCst), 0, "it waits for the release");
         }
-        assert_eq!(seen.load(Ordering::SeqCst), 1, "it ran once the lock was released");
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            1,
+            "it ran once the lock was released"
+        );
         // Outside the lock it runs at once.
         seen.store(0, Ordering::SeqCst);
         locks::outside_arena(record(&seen));

@@ -374,7 +374,7 @@ impl Gpu {
             // SAFETY: `atexit` only stores the pointer of a plain `extern "C"` function with no
             // arguments, which lives as long as the program.
             unsafe {
-                libc::atexit(release_everything_at_exit);
+                libc::atexit(release_late_at_exit);
             }
         });
     }
@@ -395,7 +395,9 @@ impl Gpu {
         }
         self.ctx
             .bind_to_thread()
-            .map_err(|e| self.failed(ctx, "making the CUDA context current", e))
+            .map_err(|e| self.failed(ctx, "making the CUDA context current", e))?;
+        exit_release_on_this_thread();
+        Ok(())
     }
 
     fn fault_error(&self, ctx: &Ctx, fault: &str) -> Error {
@@ -510,11 +512,15 @@ impl Gpu {
     /// Waits for the device's queued work (the frees just queued) and returns the driver
     /// pool's unused memory to the system.
     fn trim_pool(&self) {
-        if self.ctx.bind_to_thread().is_err() || self.stream.synchronize().is_err() {
+        if self.ctx.bind_to_thread().is_err() {
             return;
         }
-        // SAFETY: the pool is the device's default pool, alive as long as the context.
+        // SAFETY: the stream and the pool (the device's default one) live as long as the
+        // context; neither call needs the context current.
         unsafe {
+            if sys::cuStreamSynchronize(self.cu_stream()).result().is_err() {
+                return;
+            }
             if let Ok(pool) = result::device::get_default_mem_pool(self.ctx.cu_device()) {
                 let _ = sys::cuMemPoolTrimTo(pool, 0);
             }
@@ -566,11 +572,60 @@ fn pool_cached(device: Device) -> usize {
 /// Gives back, when the process exits, what every set-up device's backend holds that no array
 /// uses, so a leak checker run over a program finds only what the program itself kept. A lock
 /// another thread holds at exit is skipped, never waited for.
-extern "C" fn release_everything_at_exit() {
+fn release_everything_at_exit(why: Release) {
     for slot in &backend().gpus {
         if let Some(gpu) = slot.gpu.get() {
-            gpu.release_caches(Release::Exit);
+            gpu.release_caches(why);
         }
+    }
+}
+
+/// Whether the main thread used CUDA and armed [`ExitRelease`].
+static MAIN_ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Releases everything at exit while the main thread's thread-local data (the driver's included)
+/// still lives: a thread-local value of the main thread, created after its first CUDA call, is
+/// dropped at exit before the driver's own thread-local data of that thread. (An `atexit`
+/// function runs after every thread-local value of the exiting thread is dropped: binding a
+/// context there could touch the driver's dropped data.)
+struct ExitRelease;
+
+impl Drop for ExitRelease {
+    fn drop(&mut self) {
+        release_everything_at_exit(Release::Exit);
+    }
+}
+
+thread_local! {
+    /// Whether this thread was looked at by [`exit_release_on_this_thread`].
+    static SEEN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static EXIT_RELEASE: std::cell::Cell<Option<ExitRelease>> = const { std::cell::Cell::new(None) };
+}
+
+/// Arms [`ExitRelease`] on the main thread, after its first CUDA call (once per thread: one
+/// thread-local load afterwards).
+#[inline]
+fn exit_release_on_this_thread() {
+    if SEEN.try_with(|seen| seen.replace(true)).unwrap_or(true) {
+        return;
+    }
+    // Only the main thread's thread-local data lives until the process exits.
+    // SAFETY: plain system calls without arguments.
+    if unsafe { libc::getpid() == libc::gettid() }
+        && EXIT_RELEASE
+            .try_with(|armed| armed.set(Some(ExitRelease)))
+            .is_ok()
+    {
+        MAIN_ARMED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// At exit, for a main thread that never used CUDA itself (the work ran on other threads): the
+/// driver's thread-local data of this thread was never made, so binding a context here is safe.
+/// Where the main thread used CUDA, [`ExitRelease`] did the work before.
+extern "C" fn release_late_at_exit() {
+    if !MAIN_ARMED.load(Ordering::Relaxed) {
+        release_everything_at_exit(Release::Exit);
     }
 }
 

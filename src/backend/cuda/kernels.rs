@@ -469,7 +469,8 @@ unsafe fn cubin_of(program: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<
 /// `program` must be a live, successfully compiled NVRTC program.
 unsafe fn ptx_of(program: nvrtc_sys::nvrtcProgram) -> std::result::Result<Vec<u8>, String> {
     // SAFETY: per the contract.
-    let raw = unsafe { nvrtc::get_ptx(program) }.map_err(|e| format!("nvrtcGetPTX failed: {e:?}"))?;
+    let raw =
+        unsafe { nvrtc::get_ptx(program) }.map_err(|e| format!("nvrtcGetPTX failed: {e:?}"))?;
     let text = c_text(&raw);
     if text.is_empty() {
         return Err("NVRTC produced no PTX".into());
@@ -975,7 +976,10 @@ mod tests {
         assert_eq!(target(100, &known).unwrap(), "compute_90");
         assert_eq!(target(87, &known).unwrap(), "compute_86");
         let err = target(70, &known).unwrap_err();
-        assert!(err.contains("sm_75 to sm_90") && err.contains("sm_70"), "{err}");
+        assert!(
+            err.contains("sm_75 to sm_90") && err.contains("sm_70"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -2265,7 +2265,8 @@ mod tests {
     /// called. The fault leaves the device unusable for the process: run in a child process.
     #[test]
     fn a_device_fault_is_sticky_and_names_the_first_failing_op() {
-        const NAME: &str = "backend::cuda::ops::tests::a_device_fault_is_sticky_and_names_the_first_failing_op";
+        const NAME: &str =
+            "backend::cuda::ops::tests::a_device_fault_is_sticky_and_names_the_first_failing_op";
         let ctx = Ctx::new("test");
         let gpu = match super::super::device::gpu(&ctx, 0) {
             Ok(gpu) => gpu,
@@ -2303,7 +2304,10 @@ mod tests {
         let first = Ctx::new("first_wait");
         let err = synchronize(&first, gpu.ordinal).expect_err("the fault is reported");
         let text = err.to_string();
-        assert!(text.contains("the first op to fail was first_wait at"), "{text}");
+        assert!(
+            text.contains("the first op to fail was first_wait at"),
+            "{text}"
+        );
         assert!(text.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{text}");
         // Every later call, whatever it is, reports the same first failure.
         let later = Ctx::new("later");
@@ -2316,7 +2320,10 @@ mod tests {
         ] {
             let text = err.to_string();
             assert!(text.contains("unusable after a device fault"), "{text}");
-            assert!(text.contains("the first op to fail was first_wait at"), "{text}");
+            assert!(
+                text.contains("the first op to fail was first_wait at"),
+                "{text}"
+            );
         }
     }
 }
