@@ -2171,6 +2171,21 @@ mod tests {
         }
     }
 
+    /// Device 0, or `None` after saying why the test skips (a failure under
+    /// `NDSCOPE_REQUIRE_GPU=1`).
+    fn test_gpu(ctx: &Ctx) -> Option<&'static Gpu> {
+        match super::super::device::gpu(ctx, 0) {
+            Ok(gpu) => Some(gpu),
+            Err(e) => {
+                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
+                }
+                println!("skipped on cuda: {e}");
+                None
+            }
+        }
+    }
+
     /// The first f32 of device memory at `ptr`, read through the device address as a host
     /// address (the simulator's device pointers are host addresses).
     ///
@@ -2188,16 +2203,7 @@ mod tests {
     #[test]
     fn synchronize_runs_queued_work_before_returning() {
         let ctx = Ctx::new("test");
-        let gpu = match super::super::device::gpu(&ctx, 0) {
-            Ok(gpu) => gpu,
-            Err(e) => {
-                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
-                }
-                println!("skipped on cuda: {e}");
-                return;
-            }
-        };
+        let Some(gpu) = test_gpu(&ctx) else { return };
         if !on_the_simulator() {
             println!("skipped: needs the CPU simulator of CUDA (host-readable device memory)");
             return;
@@ -2240,10 +2246,7 @@ mod tests {
     #[test]
     fn page_locked_memory_exhaustion_is_out_of_memory() {
         let ctx = Ctx::new("test");
-        let Ok(gpu) = super::super::device::gpu(&ctx, 0) else {
-            println!("skipped on cuda: no device");
-            return;
-        };
+        let Some(gpu) = test_gpu(&ctx) else { return };
         let oom = cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         match super::super::device::pinned_refusal(&ctx, gpu, 1 << 30, oom) {
             Error::OutOfMemory {
@@ -2268,16 +2271,7 @@ mod tests {
         const NAME: &str =
             "backend::cuda::ops::tests::a_device_fault_is_sticky_and_names_the_first_failing_op";
         let ctx = Ctx::new("test");
-        let gpu = match super::super::device::gpu(&ctx, 0) {
-            Ok(gpu) => gpu,
-            Err(e) => {
-                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
-                }
-                println!("skipped on cuda: {e}");
-                return;
-            }
-        };
+        let Some(gpu) = test_gpu(&ctx) else { return };
         if std::env::var_os("NDSCOPE_FAULT_CHILD").is_none() {
             let exe = std::env::current_exe().unwrap();
             let out = std::process::Command::new(exe)
