@@ -207,6 +207,16 @@ pub(crate) fn unavailable_reason(ordinal: usize) -> String {
     }
 }
 
+/// A release of page-locked memory that a higher part of the backend keeps (the check flag of
+/// `ops.rs`), registered by it so this file needs no import of it; run by
+/// [`Gpu::release_caches`] except on out-of-memory, with whether to wait for its lock.
+static HOST_RELEASE: OnceLock<fn(&Gpu, bool)> = OnceLock::new();
+
+/// Registers [`HOST_RELEASE`] (once; later calls change nothing).
+pub(crate) fn on_release(release: fn(&Gpu, bool)) {
+    let _ = HOST_RELEASE.set(release);
+}
+
 /// Why the backend's caches are released ([`Gpu::release_caches`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Release {
@@ -503,7 +513,9 @@ impl Gpu {
             if let Some(mut staging) = take(&self.staging, wait) {
                 bytes += staging.release(self);
             }
-            super::ops::release_checks(self, wait);
+            if let Some(release) = HOST_RELEASE.get() {
+                release(self, wait);
+            }
         }
         self.trim_pool();
         bytes

@@ -354,6 +354,7 @@ fn checks_of(gpu: &Gpu) -> &'static Mutex<Option<Checks>> {
 impl Checks {
     /// The flag of `gpu`, set to all ones (in stream order).
     fn new(ctx: &Ctx, gpu: &Gpu) -> Result<Checks> {
+        super::device::on_release(release_checks);
         let word = gpu.malloc(ctx, 8)?;
         // The context is current (`malloc` bound it); 8 bytes, freed by `release_checks`.
         let host = match pinned_alloc(ctx, gpu, 8) {
