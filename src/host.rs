@@ -14,6 +14,10 @@ use crate::{DType, Element, Manager, NDArray, Result, Shape};
 /// that can be closed under it. Requests to and answers from a
 /// [`ParallelInference`](crate::ParallelInference) are `HostArray`s.
 ///
+/// It is not the host storage of an [`NDArray`] (that lives inside a manager and is reached only
+/// through the array's handle): [`Manager::from_host`] copies a `HostArray` into an array, and
+/// [`NDArray::to_host`] copies an array out into a new one.
+///
 /// ```
 /// use ndscope::{HostArray, Manager};
 /// let x = HostArray::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?;

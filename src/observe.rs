@@ -28,13 +28,15 @@ use crate::Device;
 /// The manager id of an event about no manager (a detached array, a freed block).
 pub(crate) const NO_MANAGER: u64 = u64::MAX;
 
-/// An array's or a manager's shared object (the arena's `ArrayInner` or `ManagerShared`), kept by
+/// An array's or a manager's shared object (the arena's `ArrayShared` or `ManagerShared`), kept by
 /// the observer to name it later.
 pub(crate) type Handle = Arc<dyn Any + Send + Sync>;
 
-/// Where a workspace-block array lies: block id, offset and aligned length.
+/// Where a workspace-block array lies, as events report it: block id, offset and aligned
+/// length. The arena's `Place::Block` gives it (`Place::span`), without the cycle the
+/// observer does not need.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Slot {
+pub(crate) struct BlockSpan {
     pub block: u64,
     pub offset: usize,
     pub len: usize,
@@ -55,14 +57,14 @@ pub(crate) struct CycleEnd {
 /// What happened. Manager ids are `NO_MANAGER` for none; `bytes` are the array's (or block's).
 pub(crate) enum Event<'a> {
     /// An array was created, owned by manager `manager`, its bytes at `address` (in a workspace
-    /// block at `slot`, or its own buffer).
+    /// block at `span`, or its own buffer).
     ArrayAllocated {
         array: Handle,
         device: Device,
         bytes: usize,
         manager: u64,
         address: u64,
-        slot: Option<Slot>,
+        span: Option<BlockSpan>,
     },
     /// An array left the arena.
     ArrayFreed {
@@ -71,7 +73,7 @@ pub(crate) enum Event<'a> {
         device: Device,
         bytes: usize,
         manager: u64,
-        slot: Option<Slot>,
+        span: Option<BlockSpan>,
     },
     /// An array has a new owner, `manager`.
     ArrayAttached {
@@ -89,8 +91,8 @@ pub(crate) enum Event<'a> {
         bytes: usize,
         manager: u64,
         address: u64,
-        from: Option<Slot>,
-        to: Option<Slot>,
+        from: Option<BlockSpan>,
+        to: Option<BlockSpan>,
     },
     /// A manager was created.
     ManagerOpened {

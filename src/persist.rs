@@ -106,7 +106,7 @@ fn held_arrays(ctx: &Ctx, manager: &Manager) -> Result<Vec<NDArray>> {
     let mut next = entry.arrays.head;
     while let Some(key) = next {
         let array = &state.arrays[key];
-        arrays.push(NDArray(Arc::clone(&array.inner)));
+        arrays.push(NDArray(Arc::clone(&array.shared)));
         next = array.next;
     }
     Ok(arrays)

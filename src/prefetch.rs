@@ -40,7 +40,9 @@ pub struct PrefetchStats {
     pub ring_growths: u64,
 }
 
-struct Slots {
+/// The hand-off between the producer thread and the consumer, under `Shared::queue`: the
+/// batches ready, and the counts and flags each side waits on (`Shared::changed`).
+struct Queue {
     /// Produced batches not yet taken (or the producer's error, last).
     ready: std::collections::VecDeque<Result<NDList>>,
     /// Batches the consumer has asked for.
@@ -53,7 +55,7 @@ struct Slots {
 }
 
 struct Shared {
-    slots: Mutex<Slots>,
+    queue: Mutex<Queue>,
     changed: Condvar,
     waits: AtomicU64,
     waited_ns: AtomicU64,
@@ -168,7 +170,7 @@ impl Prefetcher {
         ring.keep_open_arrays(&ctx)?;
         manager.cap();
         let shared = Arc::new(Shared {
-            slots: Mutex::new(Slots {
+            queue: Mutex::new(Queue {
                 ready: std::collections::VecDeque::new(),
                 asked: 0,
                 produced: 0,
@@ -242,7 +244,7 @@ impl Prefetcher {
 
     /// The counters so far.
     pub fn stats(&self) -> PrefetchStats {
-        let produced = self.shared.slots.lock().produced;
+        let produced = self.shared.queue.lock().produced;
         PrefetchStats {
             produced,
             consumed: self.consumed,
@@ -282,7 +284,7 @@ impl Prefetcher {
     }
 
     fn stop(&mut self) {
-        self.shared.slots.lock().stop = true;
+        self.shared.queue.lock().stop = true;
         self.shared.changed.notify_all();
         if let Some(thread) = self.thread.take() {
             // The producer catches its closure's panics, so the thread itself does not panic.
@@ -307,21 +309,21 @@ impl Iterator for Prefetcher {
                 self.expire(old, at);
             }
         }
-        let mut slots = self.shared.slots.lock();
-        slots.asked += 1;
+        let mut queue = self.shared.queue.lock();
+        queue.asked += 1;
         self.shared.changed.notify_all();
-        if slots.ready.is_empty() && !slots.ended {
+        if queue.ready.is_empty() && !queue.ended {
             let start = Instant::now();
-            while slots.ready.is_empty() && !slots.ended {
-                self.shared.changed.wait(&mut slots);
+            while queue.ready.is_empty() && !queue.ended {
+                self.shared.changed.wait(&mut queue);
             }
             self.shared.waits.fetch_add(1, Ordering::Relaxed);
             self.shared
                 .waited_ns
                 .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
-        let item = slots.ready.pop_front();
-        drop(slots);
+        let item = queue.ready.pop_front();
+        drop(queue);
         match item {
             Some(Ok(batch)) => {
                 self.consumed += 1;
@@ -369,12 +371,12 @@ where
             during,
             message: take_panic_message(payload),
         };
-        let mut slots = shared.slots.lock();
-        if !slots.ended {
-            slots.ready.push_back(Err(error));
-            slots.ended = true;
+        let mut queue = shared.queue.lock();
+        if !queue.ended {
+            queue.ready.push_back(Err(error));
+            queue.ended = true;
         }
-        drop(slots);
+        drop(queue);
         shared.changed.notify_all();
     }
 }
@@ -388,11 +390,11 @@ where
     let ctx = Ctx::new("Prefetcher producer");
     loop {
         {
-            let mut slots = shared.slots.lock();
-            while !slots.stop && slots.produced >= slots.asked + depth as u64 {
-                shared.changed.wait(&mut slots);
+            let mut queue = shared.queue.lock();
+            while !queue.stop && queue.produced >= queue.asked + depth as u64 {
+                shared.changed.wait(&mut queue);
             }
-            if slots.stop {
+            if queue.stop {
                 return;
             }
         }
@@ -423,16 +425,16 @@ where
                 message: take_panic_message(payload),
             })),
         };
-        let mut slots = shared.slots.lock();
+        let mut queue = shared.queue.lock();
         let end = !matches!(item, Some(Ok(_)));
         if let Some(item) = item {
             if item.is_ok() {
-                slots.produced += 1;
+                queue.produced += 1;
             }
-            slots.ready.push_back(item);
+            queue.ready.push_back(item);
         }
-        slots.ended = end;
-        drop(slots);
+        queue.ended = end;
+        drop(queue);
         shared.changed.notify_all();
         if end {
             return;

@@ -90,15 +90,15 @@ pub(crate) fn build(manager: &Manager) -> ManagerReport {
 }
 
 fn array_report(entry: &ArrayEntry) -> ArrayReport {
-    let inner = &entry.inner;
+    let array = &entry.shared;
     ArrayReport {
-        id: ArrayId(inner.id),
-        name: inner.name.lock().as_deref().map(str::to_string),
-        shape: inner.shape.clone(),
-        dtype: inner.dtype,
-        device: inner.device,
-        bytes: inner.nbytes(),
-        created_at: inner.created_at,
+        id: ArrayId(array.id),
+        name: array.name.lock().as_deref().map(str::to_string),
+        shape: array.shape.clone(),
+        dtype: array.dtype,
+        device: array.device,
+        bytes: array.nbytes(),
+        created_at: array.created_at,
         lent_by: entry.returns.last().and_then(|l| match l.owner {
             Owner::Manager(_) => l.shared.as_ref().map(|s| ManagerId(s.id)),
             Owner::Detached => None,

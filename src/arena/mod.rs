@@ -4,7 +4,7 @@
 //! # Locks
 //!
 //! There are two kinds: the arena lock (`ARENA`, one `parking_lot::Mutex<State>`, taken through
-//! [`lock`]) and each array's data lock (`ArrayInner::data`, an `RwLock<Option<Storage>>`). The
+//! [`lock`]) and each array's data lock (`ArrayShared::data`, an `RwLock<Option<Storage>>`). The
 //! order is written down here and every function keeps it:
 //!
 //! 1. **Never take the arena lock while holding a data lock.** Kernels run with data locks held
@@ -39,16 +39,16 @@ pub(crate) use crate::backend::Storage;
 use crate::error::{Ctx, Site};
 use crate::locks::{self, Held, Rank};
 use crate::memory;
-use crate::observe::{self, Event, Slot, NO_MANAGER};
+use crate::observe::{self, BlockSpan, Event, NO_MANAGER};
 use crate::workspace::WorkspaceEntry;
 use crate::{DType, Device, Error, Result, Shape};
 
 slotmap::new_key_type! {
-    /// An array's slot in the arena.
+    /// An array's key in the arena (a generational `slotmap` key).
     pub(crate) struct ArrayKey;
-    /// A manager's slot in the arena.
+    /// A manager's key in the arena.
     pub(crate) struct ManagerKey;
-    /// A workspace's slot in the arena.
+    /// A workspace's key in the arena.
     pub(crate) struct WorkspaceKey;
 }
 
@@ -63,9 +63,11 @@ pub(crate) fn next_manager_id() -> u64 {
     NEXT_MANAGER_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// What an `NDArray` handle points to. The metadata never changes after creation (only the name
-/// may be set); the data lock holds the buffer until the array is closed.
-pub(crate) struct ArrayInner {
+/// What an `NDArray` handle points to: the part of an array shared by its handles and its
+/// arena entry ([`ArrayEntry::shared`]), named like [`ManagerShared`] and `WorkspaceShared`.
+/// The metadata never changes after creation (only the name may be set); the data lock holds
+/// the buffer until the array is closed.
+pub(crate) struct ArrayShared {
     pub key: ArrayKey,
     pub id: u64,
     pub shape: Shape,
@@ -81,7 +83,7 @@ pub(crate) struct ArrayInner {
     pub data: RwLock<Option<Storage>>,
 }
 
-impl ArrayInner {
+impl ArrayShared {
     /// `'name' (a12)` or `a12`.
     pub fn describe(&self) -> String {
         match &*self.name.lock() {
@@ -224,13 +226,13 @@ pub(crate) enum Place {
 }
 
 impl Place {
-    /// The block slot of a workspace-block place, as memory events give it.
-    pub fn slot(self) -> Option<Slot> {
+    /// The block span of a workspace-block place, as memory events give it.
+    pub fn span(self) -> Option<BlockSpan> {
         match self {
             Place::Heap => None,
             Place::Block {
                 offset, len, block, ..
-            } => Some(Slot { block, offset, len }),
+            } => Some(BlockSpan { block, offset, len }),
         }
     }
 }
@@ -253,7 +255,7 @@ impl Lender {
 }
 
 pub(crate) struct ArrayEntry {
-    pub inner: Arc<ArrayInner>,
+    pub shared: Arc<ArrayShared>,
     pub owner: Owner,
     /// Borrow chain: the owners to give the array back to, innermost last. Empty when owned.
     pub returns: Vec<Lender>,
@@ -276,7 +278,8 @@ pub(crate) struct ArrayList {
     pub bytes: usize,
 }
 
-/// What a `Manager` handle points to; lives as long as any handle does.
+/// What a `Manager` handle points to (and its arena entry, [`ManagerEntry::shared`)); lives as
+/// long as any handle does.
 pub(crate) struct ManagerShared {
     pub key: ManagerKey,
     pub id: u64,
@@ -380,11 +383,11 @@ pub(crate) fn lock() -> Arena {
 /// Work that waits for an array's data lock, done after the arena lock is released.
 pub(crate) enum Deferred {
     /// Free the bytes of a closed array (once the kernel using them is done).
-    Free(Arc<ArrayInner>),
+    Free(Arc<ArrayShared>),
     /// Copy an array's bytes into `to` and switch it over, unless a later move (`moves` no
     /// longer `seq`) superseded this one or the array was closed meanwhile.
     Relocate {
-        inner: Arc<ArrayInner>,
+        array: Arc<ArrayShared>,
         to: Storage,
         seq: u64,
         ctx: Ctx,
@@ -394,22 +397,22 @@ pub(crate) enum Deferred {
 impl Deferred {
     fn finish(self) {
         match self {
-            Deferred::Free(inner) => {
-                let held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
-                let storage = inner.data.write().take();
+            Deferred::Free(array) => {
+                let held = locks::acquire(Rank::Data, Arc::as_ptr(&array) as usize);
+                let storage = array.data.write().take();
                 drop(held);
                 drop(storage);
             }
             Deferred::Relocate {
-                inner,
+                array,
                 mut to,
                 seq,
                 ctx,
             } => {
                 let failed = {
-                    let _held = locks::acquire(Rank::Data, Arc::as_ptr(&inner) as usize);
-                    let mut data = inner.data.write();
-                    if inner.moves.load(Ordering::Acquire) != seq {
+                    let _held = locks::acquire(Rank::Data, Arc::as_ptr(&array) as usize);
+                    let mut data = array.data.write();
+                    if array.moves.load(Ordering::Acquire) != seq {
                         return;
                     }
                     let copied = match data.as_ref() {
@@ -428,9 +431,9 @@ impl Deferred {
                 };
                 if let Some(e) = failed {
                     let mut state = lock();
-                    if state.live_array(&inner).is_some() {
+                    if state.live_array(&array).is_some() {
                         state.remove_array(
-                            inner.key,
+                            array.key,
                             CloseReason::CopyFailed {
                                 error: e.to_string(),
                             },
@@ -476,14 +479,14 @@ impl State {
         }
     }
 
-    /// The entry of the array `inner` if it is open. Checks identity, not only the key: a
-    /// closed array's slot is reused, and after its version wraps (2³¹ reuses, which a steady
-    /// loop reaches) an old key would name another array.
+    /// The entry of `array` if it is open. Checks identity, not only the key: a closed array's
+    /// slotmap slot is reused, and after its version wraps (2³¹ reuses, which a steady loop
+    /// reaches) an old key would name another array.
     #[inline]
-    pub fn live_array(&self, inner: &ArrayInner) -> Option<&ArrayEntry> {
+    pub fn live_array(&self, array: &ArrayShared) -> Option<&ArrayEntry> {
         self.arrays
-            .get(inner.key)
-            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.inner), inner))
+            .get(array.key)
+            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), array))
     }
 
     /// The entry of the manager `shared` if it is open (identity checked as for
@@ -505,9 +508,9 @@ impl State {
 
     /// The live entry of an array, or its `ArrayClosed` error.
     #[inline]
-    pub fn array(&self, inner: &ArrayInner, ctx: &Ctx) -> Result<&ArrayEntry> {
-        self.live_array(inner)
-            .ok_or_else(|| inner.closed_error(ctx))
+    pub fn array(&self, array: &ArrayShared, ctx: &Ctx) -> Result<&ArrayEntry> {
+        self.live_array(array)
+            .ok_or_else(|| array.closed_error(ctx))
     }
 
     /// The live entry of a manager, or its `ManagerClosed` error.
@@ -544,7 +547,7 @@ impl State {
     pub fn link(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
         let owner = entry.owner;
-        let bytes = entry.inner.nbytes();
+        let bytes = entry.shared.nbytes();
         let list = self.list_mut(owner);
         let old_head = list.head.replace(key);
         list.len += 1;
@@ -561,7 +564,7 @@ impl State {
     pub fn unlink(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
         let (prev, next, owner) = (entry.prev, entry.next, entry.owner);
-        let bytes = entry.inner.nbytes();
+        let bytes = entry.shared.nbytes();
         if let Some(prev) = prev {
             self.arrays[prev].next = next;
         }
@@ -600,10 +603,10 @@ impl State {
         buffer: Storage,
         owner: Owner,
         place: Place,
-    ) -> Arc<ArrayInner> {
+    ) -> Arc<ArrayShared> {
         let id = next_array_id();
         let key = self.arrays.insert_with_key(|key| ArrayEntry {
-            inner: Arc::new(ArrayInner {
+            shared: Arc::new(ArrayShared {
                 key,
                 id,
                 shape,
@@ -622,7 +625,7 @@ impl State {
             place,
         });
         self.link(key);
-        memory::array_opened(device, self.arrays[key].inner.nbytes());
+        memory::array_opened(device, self.arrays[key].shared.nbytes());
         if let Place::Block { cycle, .. } = place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.note_block_array(key, place);
@@ -631,7 +634,7 @@ impl State {
         if observe::on() {
             self.emit_allocated(key);
         }
-        Arc::clone(&self.arrays[key].inner)
+        Arc::clone(&self.arrays[key].shared)
     }
 
     /// Closes an array: takes it out of the arena, records why, and frees its bytes: now if no
@@ -647,13 +650,13 @@ impl State {
                 ws.forget_block_array(key, entry.place);
             }
         }
-        memory::array_closed(entry.inner.device, entry.inner.nbytes());
+        memory::array_closed(entry.shared.device, entry.shared.nbytes());
         // The reason is set exactly once: the key was live until now.
-        let _ = entry.inner.closed.set(reason);
+        let _ = entry.shared.closed.set(reason);
         if observe::on() {
             self.emit_freed(&entry);
         }
-        self.free_storage(entry.inner);
+        self.free_storage(entry.shared);
     }
 
     /// The memory event of the array `key` just created (off the hot path: called only while
@@ -662,19 +665,19 @@ impl State {
     #[inline(never)]
     fn emit_allocated(&self, key: ArrayKey) {
         let entry = &self.arrays[key];
-        let inner = &entry.inner;
-        let address = inner
+        let array = &entry.shared;
+        let address = array
             .data
             .try_read()
             .and_then(|data| data.as_ref().map(Storage::address))
             .unwrap_or(0);
         observe::emit(Event::ArrayAllocated {
-            array: Arc::clone(inner) as observe::Handle,
-            device: inner.device,
-            bytes: inner.nbytes(),
+            array: Arc::clone(array) as observe::Handle,
+            device: array.device,
+            bytes: array.nbytes(),
             manager: self.owner_id(entry.owner),
             address,
-            slot: entry.place.slot(),
+            span: entry.place.span(),
         });
     }
 
@@ -682,14 +685,14 @@ impl State {
     #[cold]
     #[inline(never)]
     fn emit_freed(&self, entry: &ArrayEntry) {
-        let inner = &entry.inner;
+        let array = &entry.shared;
         observe::emit(Event::ArrayFreed {
-            array: inner.id,
-            site: inner.created_at,
-            device: inner.device,
-            bytes: inner.nbytes(),
+            array: array.id,
+            site: array.created_at,
+            device: array.device,
+            bytes: array.nbytes(),
             manager: self.owner_id(entry.owner),
-            slot: entry.place.slot(),
+            span: entry.place.span(),
         });
     }
 
@@ -698,23 +701,23 @@ impl State {
     #[inline(never)]
     fn emit_attached(&self, key: ArrayKey) {
         let entry = &self.arrays[key];
-        let inner = &entry.inner;
+        let array = &entry.shared;
         observe::emit(Event::ArrayAttached {
-            array: inner.id,
-            site: inner.created_at,
-            device: inner.device,
-            bytes: inner.nbytes(),
+            array: array.id,
+            site: array.created_at,
+            device: array.device,
+            bytes: array.nbytes(),
             manager: self.owner_id(entry.owner),
         });
     }
 
     /// Frees a removed array's bytes now if its data lock is free, else after the arena lock is
     /// released.
-    fn free_storage(&mut self, inner: Arc<ArrayInner>) {
-        let taken = inner.data.try_write().map(|mut data| data.take());
+    fn free_storage(&mut self, array: Arc<ArrayShared>) {
+        let taken = array.data.try_write().map(|mut data| data.take());
         match taken {
             Some(storage) => drop(storage),
-            None => self.pending.push(Deferred::Free(inner)),
+            None => self.pending.push(Deferred::Free(array)),
         }
     }
 }
@@ -764,8 +767,8 @@ mod tests {
         assert_eq!(seen.load(Ordering::SeqCst), 1);
     }
 
-    /// A handle whose key names a live entry that is not its own (what a stale handle looks
-    /// like once its slot's version has wrapped around) is refused, for arrays and managers.
+    /// A handle whose key names a live entry that is not its own (what a stale handle looks like
+    /// once its slotmap slot's version has wrapped around) is refused, for arrays and managers.
     #[test]
     fn a_reused_key_does_not_reach_another_entry() {
         let ctx = Ctx::new("test");
@@ -781,7 +784,7 @@ mod tests {
             Owner::Manager(owner),
             Place::Heap,
         );
-        let stale = ArrayInner {
+        let stale = ArrayShared {
             key: live.key,
             id: u64::MAX,
             shape: Shape::new(&[4]),

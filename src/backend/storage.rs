@@ -9,7 +9,7 @@ use crate::{Device, Element, Result};
 /// allocation or a slice of a workspace [`Block`](super::Block). It lives in the data lock of its
 /// array, which is what makes sharing it between threads sound.
 pub(crate) enum Storage {
-    /// Host memory, computed on by the CPU kernels.
+    /// Host memory ([`HostBuffer`]), computed on by the CPU kernels.
     Host(HostBuffer),
     /// Memory of a CUDA device, computed on by its kernels and cuBLAS.
     Cuda(DeviceBuffer),

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::arena::{
-    ArrayInner, ArrayKey, CloseReason, Deferred, Lender, ManagerShared, Owner, Place, State,
+    ArrayKey, ArrayShared, CloseReason, Deferred, Lender, ManagerShared, Owner, Place, State,
 };
 use crate::backend;
 use crate::error::Ctx;
@@ -65,7 +65,7 @@ impl State {
     pub(crate) fn move_arrays(
         &mut self,
         ctx: &Ctx,
-        arrays: &[&ArrayInner],
+        arrays: &[&ArrayShared],
         target: Owner,
         target_shared: Option<&Arc<ManagerShared>>,
         kind: Move,
@@ -81,9 +81,9 @@ impl State {
         }
         // 2. Each array, checked before anything moves.
         let mut plan: Vec<(ArrayKey, Step, bool)> = Vec::with_capacity(arrays.len());
-        for inner in arrays {
-            let entry = self.array(inner, ctx)?;
-            let key = inner.key;
+        for array in arrays {
+            let entry = self.array(array, ctx)?;
+            let key = array.key;
             if plan.iter().any(|(k, _, _)| *k == key) {
                 continue;
             }
@@ -93,7 +93,7 @@ impl State {
                 Move::Attach | Move::Ret if entry.owner == target => Step::Stay,
                 Move::Attach | Move::Ret => {
                     if let (true, Some(shared)) = (capped, target_shared) {
-                        let what = format!("array {} would be attached to it", inner.describe());
+                        let what = format!("array {} would be attached to it", array.describe());
                         return Err(super::capped(ctx, shared, what));
                     }
                     Step::Own
@@ -115,8 +115,8 @@ impl State {
             if !copy {
                 continue;
             }
-            let inner = Arc::clone(&self.arrays[key].inner);
-            match self.allocate(ctx, target, &inner.shape, inner.dtype, inner.device) {
+            let array = Arc::clone(&self.arrays[key].shared);
+            match self.allocate(ctx, target, &array.shape, array.dtype, array.device) {
                 Ok(allocation) => copies.push((key, allocation)),
                 Err(e) => {
                     drop(copies);
@@ -188,7 +188,7 @@ impl State {
             place,
         } = allocation;
         let entry = &mut self.arrays[key];
-        let inner = Arc::clone(&entry.inner);
+        let array = Arc::clone(&entry.shared);
         let old_place = std::mem::replace(&mut entry.place, place);
         if let Place::Block { cycle, .. } = old_place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
@@ -202,22 +202,22 @@ impl State {
         }
         if observe::on() {
             let entry = &self.arrays[key];
-            let inner = &entry.inner;
+            let array = &entry.shared;
             observe::emit(Event::ArrayRelocated {
-                array: inner.id,
-                site: inner.created_at,
-                device: inner.device,
-                bytes: inner.nbytes(),
+                array: array.id,
+                site: array.created_at,
+                device: array.device,
+                bytes: array.nbytes(),
                 manager: self.owner_id(entry.owner),
                 address: to.address(),
-                from: old_place.slot(),
-                to: entry.place.slot(),
+                from: old_place.span(),
+                to: entry.place.span(),
             });
         }
-        let seq = inner.moves.fetch_add(1, Ordering::AcqRel) + 1;
-        let Some(mut data) = inner.data.try_write() else {
+        let seq = array.moves.fetch_add(1, Ordering::AcqRel) + 1;
+        let Some(mut data) = array.data.try_write() else {
             self.pending.push(Deferred::Relocate {
-                inner: Arc::clone(&inner),
+                array: Arc::clone(&array),
                 to,
                 seq,
                 ctx: *ctx,
@@ -255,8 +255,8 @@ impl State {
         borrower: Arc<ManagerShared>,
     ) {
         if self.copy_needed(key, lender.owner, Move::Attach) {
-            let inner = Arc::clone(&self.arrays[key].inner);
-            match self.allocate(ctx, lender.owner, &inner.shape, inner.dtype, inner.device) {
+            let array = Arc::clone(&self.arrays[key].shared);
+            match self.allocate(ctx, lender.owner, &array.shape, array.dtype, array.device) {
                 Ok(allocation) => {
                     self.relocate(ctx, key, allocation);
                     if !self.arrays.contains_key(key) {

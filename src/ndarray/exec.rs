@@ -10,7 +10,7 @@ use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
-use crate::arena::{self, ArrayInner, CloseReason, Owner, Place};
+use crate::arena::{self, ArrayShared, CloseReason, Owner, Place};
 use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
@@ -205,27 +205,27 @@ impl std::ops::DerefMut for WriteGuard<'_> {
 }
 
 /// Read-locks an array's bytes, or gives its `ArrayClosed` error.
-fn read<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<ReadGuard<'a>> {
-    let held = locks::acquire(Rank::Data, a as *const ArrayInner as usize);
+fn read<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<ReadGuard<'a>> {
+    let held = locks::acquire(Rank::Data, a as *const ArrayShared as usize);
     let guard =
         RwLockReadGuard::try_map(a.data.read(), Option::as_ref).map_err(|_| a.closed_error(ctx))?;
     Ok(ReadGuard { guard, _held: held })
 }
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
-fn write<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
-    write_at(ctx, a, a as *const ArrayInner as usize)
+fn write<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<WriteGuard<'a>> {
+    write_at(ctx, a, a as *const ArrayShared as usize)
 }
 
 /// Write-locks the bytes of an op's fresh output, after its inputs whatever its address: no other
 /// thread waits for a new array's data lock (closing it only tries), so it is counted as the
 /// last of the data locks, after which the kernel takes no other.
-fn write_fresh<'a>(ctx: &Ctx, a: &'a ArrayInner) -> Result<WriteGuard<'a>> {
+fn write_fresh<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<WriteGuard<'a>> {
     write_at(ctx, a, usize::MAX)
 }
 
 #[inline]
-fn write_at<'a>(ctx: &Ctx, a: &'a ArrayInner, address: usize) -> Result<WriteGuard<'a>> {
+fn write_at<'a>(ctx: &Ctx, a: &'a ArrayShared, address: usize) -> Result<WriteGuard<'a>> {
     let held = locks::acquire(Rank::Data, address);
     let guard = RwLockWriteGuard::try_map(a.data.write(), Option::as_mut)
         .map_err(|_| a.closed_error(ctx))?;
@@ -431,7 +431,8 @@ fn locked<const W: usize, const R: usize>(
     sources: [&NDArray; R],
     kernel: impl FnOnce([Option<&mut Storage>; W], [Option<&Storage>; R]) -> Result<()>,
 ) -> Result<()> {
-    enum Slot<'a> {
+    /// The data lock held on one distinct array: written or only read.
+    enum Guard<'a> {
         Write(WriteGuard<'a>),
         Read(ReadGuard<'a>),
     }
@@ -450,8 +451,8 @@ fn locked<const W: usize, const R: usize>(
         *entry = (addr(role_array(role)), role);
     }
     order[..count].sort_unstable();
-    // One slot per distinct array, with the roles it plays (a bit set).
-    let mut slots: [Option<(u32, Slot<'_>)>; MAX_LOCKED] = [None, None, None, None];
+    // One guard per distinct array, with the roles it plays (a bit set).
+    let mut guards: [Option<(u32, Guard<'_>)>; MAX_LOCKED] = [None, None, None, None];
     let mut used = 0;
     for pos in 0..count {
         let (address, role) = order[pos];
@@ -459,26 +460,26 @@ fn locked<const W: usize, const R: usize>(
             if role < W || order[pos - 1].1 < W {
                 return Err(clash(ctx));
             }
-            if let Some((roles, _)) = slots[used - 1].as_mut() {
+            if let Some((roles, _)) = guards[used - 1].as_mut() {
                 *roles |= 1 << role;
             }
             continue;
         }
         let array = role_array(role);
-        let slot = if role < W {
-            Slot::Write(write(ctx, &array.0)?)
+        let guard = if role < W {
+            Guard::Write(write(ctx, &array.0)?)
         } else {
-            Slot::Read(read(ctx, &array.0)?)
+            Guard::Read(read(ctx, &array.0)?)
         };
-        slots[used] = Some((1 << role, slot));
+        guards[used] = Some((1 << role, guard));
         used += 1;
     }
     let mut outs: [Option<&mut Storage>; W] = std::array::from_fn(|_| None);
     let mut ins: [Option<&Storage>; R] = [None; R];
-    for (roles, slot) in slots.iter_mut().flatten() {
-        match slot {
-            Slot::Write(g) => outs[roles.trailing_zeros() as usize] = Some(&mut **g),
-            Slot::Read(g) => {
+    for (roles, guard) in guards.iter_mut().flatten() {
+        match guard {
+            Guard::Write(g) => outs[roles.trailing_zeros() as usize] = Some(&mut **g),
+            Guard::Read(g) => {
                 let buffer: &Storage = g;
                 for (i, input) in ins.iter_mut().enumerate() {
                     if *roles & (1 << (W + i)) != 0 {

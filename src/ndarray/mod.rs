@@ -21,7 +21,7 @@ pub use list::NDList;
 pub use nn_ops::Transpose;
 pub use shape_ops::{concat, stack};
 
-use crate::arena::{self, ArrayInner, CloseReason, Owner};
+use crate::arena::{self, ArrayShared, CloseReason, Owner};
 use crate::backend;
 use crate::error::{Ctx, Site};
 use crate::manager::{Manager, Move};
@@ -57,7 +57,7 @@ impl fmt::Display for ArrayId {
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 #[derive(Clone)]
-pub struct NDArray(pub(crate) Arc<ArrayInner>);
+pub struct NDArray(pub(crate) Arc<ArrayShared>);
 
 impl PartialEq for NDArray {
     /// Two handles are equal when they refer to the same array (not when their data is equal).

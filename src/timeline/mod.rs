@@ -49,7 +49,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 
-use crate::arena::{self, ArrayInner, ManagerShared};
+use crate::arena::{self, ArrayShared, ManagerShared};
 use crate::error::{Ctx, Site};
 use crate::locks::{self, Held, Rank};
 use crate::observe::{self, Event, Handle};
@@ -139,20 +139,20 @@ pub enum EventKind {
     OutOfMemory,
 }
 
-pub(crate) use crate::observe::Slot;
+pub(crate) use crate::observe::BlockSpan;
 
 /// An event's own data.
 #[derive(Clone)]
 pub(crate) enum Data {
     Alloc {
-        array: Arc<ArrayInner>,
+        array: Arc<ArrayShared>,
         address: u64,
-        slot: Option<Slot>,
+        span: Option<BlockSpan>,
     },
     Free {
         array: u64,
         site: Site,
-        slot: Option<Slot>,
+        span: Option<BlockSpan>,
     },
     /// Boxed: moves are rare, and every event is as large as the largest kind.
     Relocate(Box<Relocation>),
@@ -206,8 +206,8 @@ pub(crate) struct Relocation {
     pub array: u64,
     pub site: Site,
     pub address: u64,
-    pub from: Option<Slot>,
-    pub to: Option<Slot>,
+    pub from: Option<BlockSpan>,
+    pub to: Option<BlockSpan>,
 }
 
 /// A device in 4 bytes: 0 for the CPU, `i + 1` for `cuda:i`.
@@ -340,7 +340,7 @@ impl MemoryEvent {
     /// Whether the array's bytes are (after the event) in a workspace block.
     pub fn in_workspace(&self) -> bool {
         match &self.data {
-            Data::Alloc { slot, .. } | Data::Free { slot, .. } => slot.is_some(),
+            Data::Alloc { span, .. } | Data::Free { span, .. } => span.is_some(),
             Data::Relocate(r) => r.to.is_some(),
             _ => false,
         }
@@ -450,9 +450,9 @@ fn thread_index() -> u32 {
         .unwrap_or(u32::MAX - 1)
 }
 
-/// Starts recording into `slot` (the recorder's, locked and empty) from the starting state `base`.
-fn install(slot: &mut Option<Recorder>, options: &RecordOptions, base: Replay, thread: u32) {
-    *slot = Some(Recorder {
+/// Starts recording into `recorder` (locked and empty) from the starting state `base`.
+fn install(recorder: &mut Option<Recorder>, options: &RecordOptions, base: Replay, thread: u32) {
+    *recorder = Some(Recorder {
         started: Instant::now(),
         started_wall: SystemTime::now(),
         max_entries: options.max_entries,
@@ -505,15 +505,15 @@ impl observe::Observer for observe::Recorder {
                 bytes,
                 manager,
                 address,
-                slot,
+                span,
             } => {
-                let Ok(array) = array.downcast::<ArrayInner>() else {
+                let Ok(array) = array.downcast::<ArrayShared>() else {
                     return;
                 };
                 let data = Data::Alloc {
                     array,
                     address,
-                    slot,
+                    span,
                 };
                 (device, manager, bytes, data)
             }
@@ -523,8 +523,8 @@ impl observe::Observer for observe::Recorder {
                 device,
                 bytes,
                 manager,
-                slot,
-            } => (device, manager, bytes, Data::Free { array, site, slot }),
+                span,
+            } => (device, manager, bytes, Data::Free { array, site, span }),
             Event::ArrayAttached {
                 array,
                 site,

@@ -11,8 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-use super::{Data, MemoryEvent, Slot, NO_MANAGER};
-use crate::arena::{ArrayInner, ManagerShared, State};
+use super::{BlockSpan, Data, MemoryEvent, NO_MANAGER};
+use crate::arena::{ArrayShared, ManagerShared, State};
 use crate::backend::Storage;
 use crate::error::Site;
 use crate::memory;
@@ -46,10 +46,10 @@ pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 #[derive(Clone)]
 pub(crate) struct LiveArray {
     /// The array's metadata (shape, dtype, name).
-    pub inner: Arc<ArrayInner>,
+    pub shared: Arc<ArrayShared>,
     /// Address of its first byte; `None` when it could not be read.
     pub address: Option<u64>,
-    pub slot: Option<Slot>,
+    pub span: Option<BlockSpan>,
     /// Its owner now (`NO_MANAGER` when detached): always an open manager.
     pub owner: u64,
     /// The manager it was created in (for the snapshot's category).
@@ -58,15 +58,15 @@ pub(crate) struct LiveArray {
 
 impl LiveArray {
     pub fn bytes(&self) -> usize {
-        self.inner.nbytes()
+        self.shared.nbytes()
     }
 
     pub fn device(&self) -> Device {
-        self.inner.device
+        self.shared.device
     }
 
     pub fn site(&self) -> Site {
-        self.inner.created_at
+        self.shared.created_at
     }
 }
 
@@ -168,33 +168,33 @@ impl Replay {
             }
         }
         for (_, entry) in state.arrays.iter() {
-            let inner = &entry.inner;
+            let array = &entry.shared;
             // Under the arena lock a data lock is only tried (see `crate::arena`): an array a
             // kernel is writing now is listed without its address.
-            let address = inner
+            let address = array
                 .data
                 .try_read()
                 .and_then(|data| data.as_ref().map(Storage::address));
             let owner = state.owner_id(entry.owner);
-            let slot = entry.place.slot();
-            if let (Some(slot), Some(address)) = (slot, address) {
+            let span = entry.place.span();
+            if let (Some(span), Some(address)) = (span, address) {
                 // A block replaced by a larger one lives on while arrays are in it.
                 let top = r.top(owner);
-                let block = r.blocks.entry(slot.block).or_insert(LiveBlock {
-                    address: address.wrapping_sub(slot.offset as u64),
+                let block = r.blocks.entry(span.block).or_insert(LiveBlock {
+                    address: address.wrapping_sub(span.offset as u64),
                     capacity: 0,
-                    device: inner.device,
+                    device: array.device,
                     workspace: None,
                     top,
                 });
-                block.capacity = block.capacity.max(slot.offset + slot.len);
+                block.capacity = block.capacity.max(span.offset + span.len);
             }
             r.arrays.insert(
-                inner.id,
+                array.id,
                 LiveArray {
-                    inner: Arc::clone(inner),
+                    shared: Arc::clone(array),
                     address,
-                    slot,
+                    span,
                     owner,
                     allocated_by: owner,
                 },
@@ -247,7 +247,7 @@ impl Replay {
     /// buffer and the blocks (without `device_extra`).
     fn sums(&self) -> Totals {
         let mut t = Totals::default();
-        for a in self.arrays.values().filter(|a| a.slot.is_none()) {
+        for a in self.arrays.values().filter(|a| a.span.is_none()) {
             *t.device.entry(a.device()).or_default() += a.bytes() as i64;
             *t.top.entry(self.top(a.owner)).or_default() += a.bytes() as i64;
         }
@@ -285,14 +285,14 @@ impl Replay {
             Data::Alloc {
                 array,
                 address,
-                slot,
+                span,
             } => {
                 self.arrays.insert(
                     array.id,
                     LiveArray {
-                        inner: array,
+                        shared: array,
                         address: Some(address),
-                        slot,
+                        span,
                         owner: e.manager,
                         allocated_by: e.manager,
                     },
@@ -317,26 +317,26 @@ impl Replay {
             Data::Alloc {
                 array,
                 address,
-                slot,
+                span,
             } => {
-                if slot.is_none() {
+                if span.is_none() {
                     let top = self.top(e.manager);
                     self.add(&mut changes, device, top, e.bytes as i64);
                 }
                 self.arrays.insert(
                     array.id,
                     LiveArray {
-                        inner: Arc::clone(array),
+                        shared: Arc::clone(array),
                         address: Some(*address),
-                        slot: *slot,
+                        span: *span,
                         owner: e.manager,
                         allocated_by: e.manager,
                     },
                 );
             }
-            Data::Free { array, slot, .. } => {
+            Data::Free { array, span, .. } => {
                 let owner = self.arrays.remove(array).map_or(e.manager, |a| a.owner);
-                if slot.is_none() {
+                if span.is_none() {
                     let top = self.top(owner);
                     self.add(&mut changes, device, top, -(e.bytes as i64));
                 }
@@ -347,7 +347,7 @@ impl Replay {
                     return changes;
                 };
                 let old = std::mem::replace(&mut live.owner, e.manager);
-                let heap = live.slot.is_none();
+                let heap = live.span.is_none();
                 let old_top = self.top(old);
                 if let (true, Some(t)) = (heap && old_top != new_top, &mut self.totals) {
                     *t.top.entry(old_top).or_default() -= e.bytes as i64;
@@ -359,7 +359,7 @@ impl Replay {
                 let owner = match self.arrays.get_mut(&r.array) {
                     Some(live) => {
                         live.address = Some(r.address);
-                        live.slot = r.to;
+                        live.span = r.to;
                         live.owner
                     }
                     None => e.manager,

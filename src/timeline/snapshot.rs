@@ -30,8 +30,8 @@ use std::time::UNIX_EPOCH;
 
 use super::pickle::Pickler;
 use super::replay::{LiveArray, OpenManager, Replay};
-use super::{Data, Recording, Slot};
-use crate::arena::ArrayInner;
+use super::{BlockSpan, Data, Recording};
+use crate::arena::ArrayShared;
 use crate::error::Site;
 use crate::Device;
 
@@ -151,22 +151,22 @@ impl Builder {
     }
 
     /// The frame list of an array: its creation site, named after its name, dtype and shape.
-    fn array_frames(&mut self, inner: Option<&Arc<ArrayInner>>, site: Site) -> u32 {
-        match inner {
-            Some(inner) => {
-                let name = inner.name.lock().clone();
+    fn array_frames(&mut self, array: Option<&Arc<ArrayShared>>, site: Site) -> u32 {
+        match array {
+            Some(array) => {
+                let name = array.name.lock().clone();
                 let key = (
                     site as *const _ as usize,
                     name.clone(),
-                    inner.dtype as u8,
-                    inner.shape.clone(),
+                    array.dtype as u8,
+                    array.shape.clone(),
                 );
                 if let Some(&id) = self.frame_ids.get(&key) {
                     return id;
                 }
                 let label = match &name {
-                    Some(name) => format!("'{name}' {} {}", inner.dtype, inner.shape),
-                    None => format!("{} {}", inner.dtype, inner.shape),
+                    Some(name) => format!("'{name}' {} {}", array.dtype, array.shape),
+                    None => format!("{} {}", array.dtype, array.shape),
                 };
                 let id = self.add_frame(site, label);
                 self.frame_ids.insert(key, id);
@@ -245,7 +245,7 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
             Data::Alloc {
                 array,
                 address,
-                slot,
+                span,
             } if e.bytes > 0 => {
                 let frames = b.array_frames(Some(array), array.created_at);
                 let category = b.manager_category(&replay, e.manager);
@@ -254,23 +254,23 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
                     e.device(),
                     *address,
                     e.bytes,
-                    slot,
+                    span,
                     t,
                     frames,
                     category,
                 );
             }
-            Data::Free { array, site, slot } => {
+            Data::Free { array, site, span } => {
                 if let Some(live) = replay.arrays.get(array) {
                     if let (Some(address), true) = (live.address, e.bytes > 0) {
-                        let frames = b.array_frames(Some(&live.inner), site);
-                        free_entries(&mut b, e.device(), address, e.bytes, slot, t, frames);
+                        let frames = b.array_frames(Some(&live.shared), site);
+                        free_entries(&mut b, e.device(), address, e.bytes, span, t, frames);
                     }
                 }
             }
             Data::Relocate(r) => {
                 if let (Some(live), true) = (replay.arrays.get(&r.array), e.bytes > 0) {
-                    let frames = b.array_frames(Some(&live.inner), r.site);
+                    let frames = b.array_frames(Some(&live.shared), r.site);
                     let category = b.manager_category(&replay, live.allocated_by);
                     let device = e.device();
                     alloc_entries(
@@ -372,7 +372,7 @@ fn alloc_entries(
     device: Device,
     address: u64,
     bytes: usize,
-    slot: &Option<Slot>,
+    span: &Option<BlockSpan>,
     t: i64,
     frames: u32,
     category: u32,
@@ -386,7 +386,7 @@ fn alloc_entries(
         category,
         device_free: None,
     };
-    if slot.is_none() {
+    if span.is_none() {
         b.push(device, entry(Action::SegmentAlloc));
     }
     b.push(device, entry(Action::Alloc));
@@ -397,7 +397,7 @@ fn free_entries(
     device: Device,
     address: u64,
     bytes: usize,
-    slot: &Option<Slot>,
+    span: &Option<BlockSpan>,
     t: i64,
     frames: u32,
 ) {
@@ -412,7 +412,7 @@ fn free_entries(
     };
     b.push(device, entry(Action::FreeRequested));
     b.push(device, entry(Action::FreeCompleted));
-    if slot.is_none() {
+    if span.is_none() {
         b.push(device, entry(Action::SegmentFree));
     }
 }
@@ -444,18 +444,18 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
     let mut in_blocks: HashMap<u64, Vec<&LiveArray>> = HashMap::new();
     let mut out = Vec::new();
     let mut arrays: Vec<&LiveArray> = replay.arrays.values().collect();
-    arrays.sort_by_key(|a| (a.address, a.inner.id));
+    arrays.sort_by_key(|a| (a.address, a.shared.id));
     for live in arrays {
         let Some(address) = live.address else {
             continue;
         };
-        match live.slot {
-            Some(slot) if replay.blocks.contains_key(&slot.block) => {
-                in_blocks.entry(slot.block).or_default().push(live);
+        match live.span {
+            Some(span) if replay.blocks.contains_key(&span.block) => {
+                in_blocks.entry(span.block).or_default().push(live);
             }
             _ if live.bytes() > 0 => {
-                let frames = b.array_frames(Some(&live.inner), live.site());
-                let size = live.slot.map_or(live.bytes(), |s| s.len) as u64;
+                let frames = b.array_frames(Some(&live.shared), live.site());
+                let size = live.span.map_or(live.bytes(), |s| s.len) as u64;
                 out.push(Segment {
                     device: device_index(live.device()),
                     address,
@@ -479,7 +479,7 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
     blocks.sort_by_key(|(_, block)| block.address);
     for (id, block) in blocks {
         let mut arrays = in_blocks.remove(id).unwrap_or_default();
-        arrays.sort_by_key(|a| a.slot.map_or(0, |s| s.offset));
+        arrays.sort_by_key(|a| a.span.map_or(0, |s| s.offset));
         let mut segment = Segment {
             device: device_index(block.device),
             address: block.address,
@@ -495,8 +495,8 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
         // The blocks tile the segment: arrays in offset order, the gaps between them inactive.
         let mut at = 0u64;
         for live in arrays {
-            let Some(slot) = live.slot else { continue };
-            let (offset, len) = (slot.offset as u64, slot.len as u64);
+            let Some(span) = live.span else { continue };
+            let (offset, len) = (span.offset as u64, span.len as u64);
             if offset < at || offset + len > segment.total {
                 continue;
             }
@@ -509,7 +509,7 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
                     frames: NONE,
                 });
             }
-            let frames = b.array_frames(Some(&live.inner), live.site());
+            let frames = b.array_frames(Some(&live.shared), live.site());
             segment.blocks.push(SegmentBlock {
                 address: block.address + offset,
                 size: len,
@@ -574,18 +574,18 @@ struct Memo {
 
 impl Memo {
     fn key(&mut self, p: &mut Pickler<'_>, key: Key) {
-        let slot = &mut self.keys[key as usize];
-        match *slot {
+        let memo = &mut self.keys[key as usize];
+        match *memo {
             Some(m) => p.get(m),
-            None => *slot = Some(p.str_memo(KEYS[key as usize])),
+            None => *memo = Some(p.str_memo(KEYS[key as usize])),
         }
     }
 
     fn action(&mut self, p: &mut Pickler<'_>, action: Action) {
-        let slot = &mut self.actions[action as usize];
-        match *slot {
+        let memo = &mut self.actions[action as usize];
+        match *memo {
             Some(m) => p.get(m),
-            None => *slot = Some(p.str_memo(action.name())),
+            None => *memo = Some(p.str_memo(action.name())),
         }
     }
 }

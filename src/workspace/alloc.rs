@@ -1,14 +1,17 @@
 //! The workspace allocator: where each allocation of a cycle goes in the block (bump, circular
-//! wrap, spill), and what the block becomes when a cycle ends (learning, growth, reset). Offsets
-//! and sizes only: no locks, arrays, managers or devices. The workspace entry (`super`) asks it
-//! and carries out its answers (carving the block, closing overwritten arrays, allocating a new
-//! block); the manager asks the workspace, never decides its policy.
+//! wrap, spill: a [`Plan`]), and what the block becomes when a cycle ends (learning, growth,
+//! reset). Offsets and sizes only: no locks, arrays, managers or devices. The workspace entry
+//! (`super`) asks it and carries out its answers (carving the block, closing overwritten arrays,
+//! allocating a new block); the manager asks the workspace, never decides its policy.
 
 use super::config::{LearningPolicy, ResetPolicy, SpillPolicy};
 
-/// Where one allocation goes.
+/// The allocator's decision of where one allocation goes: made by [`plan`](Allocator::plan),
+/// carried out by the workspace entry, recorded by [`commit`](Allocator::commit). Carried out,
+/// a `Block` plan becomes the array's `Place::Block` (the arena's record of where its bytes
+/// live).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Slot {
+pub(crate) enum Plan {
     /// `[offset, offset + aligned)` of the block; `wrap` when a circular workspace wraps to 0.
     Block { offset: usize, wrap: bool },
     /// Its own buffer, counted as a spill.
@@ -146,13 +149,13 @@ impl Allocator {
 
     /// Decides where `aligned` bytes go in the open cycle, changing nothing. `Err` only under
     /// `SpillPolicy::Fail` when the block cannot take them.
-    pub fn plan(&self, policy: &Policy, block: BlockState, aligned: usize) -> Result<Slot, Full> {
+    pub fn plan(&self, policy: &Policy, block: BlockState, aligned: usize) -> Result<Plan, Full> {
         let capacity = match block {
             // Before the block exists every allocation spills, whatever the policy.
-            BlockState::None => return Ok(Slot::Spill),
+            BlockState::None => return Ok(Plan::Spill),
             // A moment of a race between threads, not a cycle that outgrew the block: spill,
             // whatever the policy.
-            BlockState::Held { .. } => return Ok(Slot::Spill),
+            BlockState::Held { .. } => return Ok(Plan::Spill),
             BlockState::Free { capacity } => capacity,
         };
         let fits = |start: usize, end_limit: usize| {
@@ -160,8 +163,8 @@ impl Allocator {
                 .checked_add(aligned)
                 .is_some_and(|end| end <= end_limit)
         };
-        let at = |offset: usize, wrap: bool| Slot::Block { offset, wrap };
-        let slot = match policy.reset {
+        let at = |offset: usize, wrap: bool| Plan::Block { offset, wrap };
+        let plan = match policy.reset {
             ResetPolicy::BlockLeft => fits(self.offset, capacity).then(|| at(self.offset, false)),
             ResetPolicy::EndOfBuffer if !self.wrapped => {
                 if fits(self.offset, capacity) {
@@ -177,9 +180,9 @@ impl Allocator {
                 fits(self.offset, self.cycle_start).then(|| at(self.offset, false))
             }
         };
-        match (slot, policy.spill) {
-            (Some(slot), _) => Ok(slot),
-            (None, SpillPolicy::External | SpillPolicy::Reallocate) => Ok(Slot::Spill),
+        match (plan, policy.spill) {
+            (Some(plan), _) => Ok(plan),
+            (None, SpillPolicy::External | SpillPolicy::Reallocate) => Ok(Plan::Spill),
             (None, SpillPolicy::Fail) => Err(Full {
                 requested: aligned,
                 used: self.offset,
@@ -188,21 +191,21 @@ impl Allocator {
         }
     }
 
-    /// Records an allocation planned by [`plan`](Self::plan) (a block slot is live from now).
-    pub fn commit(&mut self, slot: Slot, aligned: usize) {
-        match slot {
-            Slot::Block { offset, wrap } => {
+    /// Records an allocation planned by [`plan`](Self::plan) (a block slice is live from now).
+    pub fn commit(&mut self, plan: Plan, aligned: usize) {
+        match plan {
+            Plan::Block { offset, wrap } => {
                 self.wrapped |= wrap;
                 self.offset = offset + aligned;
                 self.cycle_bytes += aligned;
                 self.live += 1;
             }
-            Slot::Spill => {
+            Plan::Spill => {
                 self.cycle_bytes += aligned;
                 self.spilled_bytes += aligned;
                 self.spilled_count += 1;
             }
-            Slot::Bypass => {}
+            Plan::Bypass => {}
         }
     }
 
@@ -361,10 +364,10 @@ mod tests {
     const FREE: BlockState = BlockState::Free { capacity: 256 };
 
     /// Plans and commits `aligned` bytes.
-    fn take(a: &mut Allocator, p: &Policy, block: BlockState, aligned: usize) -> Slot {
-        let slot = a.plan(p, block, aligned).expect("placed");
-        a.commit(slot, aligned);
-        slot
+    fn take(a: &mut Allocator, p: &Policy, block: BlockState, aligned: usize) -> Plan {
+        let plan = a.plan(p, block, aligned).expect("placed");
+        a.commit(plan, aligned);
+        plan
     }
 
     #[test]
@@ -375,30 +378,30 @@ mod tests {
         let first = take(&mut a, &p, FREE, 64);
         assert_eq!(
             first,
-            Slot::Block {
+            Plan::Block {
                 offset: 0,
                 wrap: false
             }
         );
         assert_eq!(
             take(&mut a, &p, FREE, 128),
-            Slot::Block {
+            Plan::Block {
                 offset: 64,
                 wrap: false
             }
         );
         // 64 bytes left: exactly 64 fits, one more byte would not.
-        assert_eq!(a.plan(&p, FREE, 65), Ok(Slot::Spill));
+        assert_eq!(a.plan(&p, FREE, 65), Ok(Plan::Spill));
         assert_eq!(
             take(&mut a, &p, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 192,
                 wrap: false
             }
         );
         assert_eq!(a.offset(), 256);
         assert_eq!(a.live(), 3);
-        assert_eq!(a.plan(&p, FREE, 64), Ok(Slot::Spill));
+        assert_eq!(a.plan(&p, FREE, 64), Ok(Plan::Spill));
     }
 
     #[test]
@@ -410,10 +413,10 @@ mod tests {
             SpillPolicy::Reallocate,
         ] {
             let p = policy(ResetPolicy::BlockLeft, spill);
-            assert_eq!(a.plan(&p, BlockState::None, 64), Ok(Slot::Spill));
+            assert_eq!(a.plan(&p, BlockState::None, 64), Ok(Plan::Spill));
             assert_eq!(
                 a.plan(&p, BlockState::Held { capacity: 256 }, 64),
-                Ok(Slot::Spill)
+                Ok(Plan::Spill)
             );
         }
     }
@@ -424,9 +427,9 @@ mod tests {
         a.open_cycle();
         let external = policy(ResetPolicy::BlockLeft, SpillPolicy::External);
         take(&mut a, &external, FREE, 256);
-        assert_eq!(a.plan(&external, FREE, 64), Ok(Slot::Spill));
+        assert_eq!(a.plan(&external, FREE, 64), Ok(Plan::Spill));
         let reallocate = policy(ResetPolicy::BlockLeft, SpillPolicy::Reallocate);
-        assert_eq!(a.plan(&reallocate, FREE, 64), Ok(Slot::Spill));
+        assert_eq!(a.plan(&reallocate, FREE, 64), Ok(Plan::Spill));
         let fail = policy(ResetPolicy::BlockLeft, SpillPolicy::Fail);
         assert_eq!(
             a.plan(&fail, FREE, 64),
@@ -437,7 +440,7 @@ mod tests {
             })
         );
         // Sizes that overflow never fit.
-        assert_eq!(a.plan(&external, FREE, usize::MAX), Ok(Slot::Spill));
+        assert_eq!(a.plan(&external, FREE, usize::MAX), Ok(Plan::Spill));
     }
 
     #[test]
@@ -445,8 +448,8 @@ mod tests {
         let p = policy(ResetPolicy::BlockLeft, SpillPolicy::External);
         let mut a = Allocator::default();
         a.open_cycle();
-        a.commit(Slot::Spill, 128);
-        a.commit(Slot::Bypass, 1024);
+        a.commit(Plan::Spill, 128);
+        a.commit(Plan::Bypass, 1024);
         assert_eq!((a.spilled_bytes(), a.spilled_count()), (128, 1));
         let end = a.end_cycle(&p, false, 0);
         assert_eq!(end.bytes, 128);
@@ -473,7 +476,7 @@ mod tests {
         a.open_cycle();
         assert_eq!(
             take(&mut a, &circular, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 128,
                 wrap: false
             }
@@ -491,28 +494,28 @@ mod tests {
         a.open_cycle();
         assert_eq!(
             take(&mut a, &p, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 192,
                 wrap: false
             }
         );
         assert_eq!(
             take(&mut a, &p, FREE, 128),
-            Slot::Block {
+            Plan::Block {
                 offset: 0,
                 wrap: true
             }
         );
         // Wrapped: room up to 192 only (exact fit), never over the cycle's own arrays.
-        assert_eq!(a.plan(&p, FREE, 128), Ok(Slot::Spill));
+        assert_eq!(a.plan(&p, FREE, 128), Ok(Plan::Spill));
         assert_eq!(
             take(&mut a, &p, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 128,
                 wrap: false
             }
         );
-        assert_eq!(a.plan(&p, FREE, 64), Ok(Slot::Spill));
+        assert_eq!(a.plan(&p, FREE, 64), Ok(Plan::Spill));
         let fail = policy(ResetPolicy::EndOfBuffer, SpillPolicy::Fail);
         assert!(a.plan(&fail, FREE, 64).is_err());
     }
@@ -527,17 +530,17 @@ mod tests {
         a.open_cycle(); // begins at 64
         take(&mut a, &p, FREE, 128); // [64, 192)
                                      // 64 left at the end, and [0, 64) before the start: 128 fits in neither.
-        assert_eq!(a.plan(&p, FREE, 128), Ok(Slot::Spill));
+        assert_eq!(a.plan(&p, FREE, 128), Ok(Plan::Spill));
         assert_eq!(
             take(&mut a, &p, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 192,
                 wrap: false
             }
         );
         assert_eq!(
             take(&mut a, &p, FREE, 64),
-            Slot::Block {
+            Plan::Block {
                 offset: 0,
                 wrap: true
             }
@@ -553,7 +556,7 @@ mod tests {
         let saved = a.clone();
         let c = a.checkpoint();
         take(&mut a, &p, FREE, 64);
-        a.commit(Slot::Spill, 64);
+        a.commit(Plan::Spill, 64);
         assert_ne!(a, saved);
         a.restore(c);
         assert_eq!(a, saved);
@@ -568,7 +571,7 @@ mod tests {
         a.end_cycle(&p, false, 0);
         assert_eq!(a.growth(&p, None, |b| b), Growth::Keep);
         a.open_cycle();
-        a.commit(Slot::Spill, 128);
+        a.commit(Plan::Spill, 128);
         a.end_cycle(&p, false, 0);
         assert_eq!(a.growth(&p, None, |b| b), Growth::Learn { demand: 128 });
 
@@ -577,12 +580,12 @@ mod tests {
         let mut a = Allocator::default();
         for bytes in [64, 192, 128] {
             a.open_cycle();
-            a.commit(Slot::Spill, bytes);
+            a.commit(Plan::Spill, bytes);
             a.end_cycle(&p, false, 0);
             assert_eq!(a.growth(&p, None, |b| b), Growth::Keep);
         }
         a.open_cycle();
-        a.commit(Slot::Spill, 64);
+        a.commit(Plan::Spill, 64);
         a.end_cycle(&p, false, 0);
         // After 4 cycles: the largest seen.
         assert_eq!(a.growth(&p, None, |b| b), Growth::Learn { demand: 192 });
@@ -599,7 +602,7 @@ mod tests {
         let mut a = Allocator::default();
         a.open_cycle();
         take(&mut a, &p, FREE, 256);
-        a.commit(Slot::Spill, 64);
+        a.commit(Plan::Spill, 64);
         a.end_cycle(&p, true, 0);
         assert_eq!(
             a.growth(&p, Some(256), |b| b),
@@ -635,7 +638,7 @@ mod tests {
         assert_eq!(a.reallocations(), 0);
         assert_eq!(
             take(&mut a, &p, FREE, 256),
-            Slot::Block {
+            Plan::Block {
                 offset: 0,
                 wrap: false
             }
@@ -648,7 +651,7 @@ mod tests {
         let mut a = Allocator::default();
         let cycle = |a: &mut Allocator, spill: usize, learned: bool, threshold: usize| {
             a.open_cycle();
-            a.commit(Slot::Spill, spill);
+            a.commit(Plan::Spill, spill);
             a.end_cycle(&p, learned, threshold).warn
         };
         assert!(!cycle(&mut a, 128, false, 0));

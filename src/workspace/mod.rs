@@ -40,7 +40,7 @@ pub use config::{
 pub use events::{set_spill_warning_threshold, spill_warning_threshold};
 
 use crate::arena::{
-    self, ArrayInner, ArrayKey, CloseReason, CycleTag, ManagerKey, ManagerShared, Owner, Place,
+    self, ArrayKey, ArrayShared, CloseReason, CycleTag, ManagerKey, ManagerShared, Owner, Place,
     State, WorkspaceKey,
 };
 use crate::backend::{Block, Storage};
@@ -148,7 +148,7 @@ pub(crate) struct WorkspaceShared {
 }
 
 pub(crate) use alloc::Checkpoint;
-use alloc::{Allocator, BlockState, Growth, Policy, Slot};
+use alloc::{Allocator, BlockState, Growth, Plan, Policy};
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
 pub(crate) struct WorkspaceEntry {
@@ -213,10 +213,10 @@ impl WorkspaceEntry {
 
     /// Decides where `aligned` bytes go in the open cycle, changing nothing (the allocator
     /// decides; the debug mode overrides it). `WorkspaceFull` under `SpillPolicy::Fail`.
-    pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Slot> {
+    pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Plan> {
         match debug_mode() {
-            Some(DebugMode::Bypass) => return Ok(Slot::Bypass),
-            Some(DebugMode::SpillEverything) => return Ok(Slot::Spill),
+            Some(DebugMode::Bypass) => return Ok(Plan::Bypass),
+            Some(DebugMode::SpillEverything) => return Ok(Plan::Spill),
             None => {}
         }
         let block = match &self.block {
@@ -243,8 +243,8 @@ impl WorkspaceEntry {
     }
 
     /// Records an allocation planned by [`plan`](Self::plan).
-    pub fn commit(&mut self, slot: Slot, aligned: usize) {
-        self.alloc.commit(slot, aligned);
+    pub fn commit(&mut self, plan: Plan, aligned: usize) {
+        self.alloc.commit(plan, aligned);
     }
 
     /// The allocator's counters now, to undo a batch of allocations.
@@ -710,8 +710,8 @@ impl State {
             return heap(ctx);
         }
         let aligned = align_up(bytes).ok_or_else(|| ctx.invalid("allocation size overflows"))?;
-        let mut slot = ws.plan(ctx, aligned)?;
-        if let Slot::Block { offset, .. } = slot {
+        let mut plan = ws.plan(ctx, aligned)?;
+        if let Plan::Block { offset, .. } = plan {
             // A circular workspace reuses the bytes of arrays kept from earlier cycles: they are
             // closed now ("overwritten"). One that a kernel is using right now cannot be, so the
             // allocation spills instead. (If this allocation belongs to a move that is then
@@ -720,12 +720,12 @@ impl State {
             let name = Arc::clone(&ws.shared.name);
             // A ring that keeps its open arrays (the prefetcher's) spills rather than evict.
             if (ws.keep_open && !evict.is_empty()) || !self.evict(&evict, &name, ctx.at) {
-                slot = Slot::Spill;
+                plan = Plan::Spill;
             }
         }
         let ws = &mut self.workspaces[cycle.ws];
-        match slot {
-            Slot::Block { offset, wrap } => {
+        match plan {
+            Plan::Block { offset, wrap } => {
                 let block = ws
                     .block
                     .as_ref()
@@ -736,8 +736,8 @@ impl State {
                 // (`evict` refused arrays in use), and no closed array's bytes are still held
                 // (`plan` checks), so the range belongs to this array alone.
                 let buffer = unsafe { block.carve(offset, bytes) }
-                    .ok_or_else(|| ctx.invalid("workspace slot outside its block"))?;
-                ws.commit(Slot::Block { offset, wrap }, aligned);
+                    .ok_or_else(|| ctx.invalid("workspace slice outside its block"))?;
+                ws.commit(Plan::Block { offset, wrap }, aligned);
                 Ok(Allocation {
                     buffer,
                     place: Place::Block {
@@ -748,11 +748,11 @@ impl State {
                     },
                 })
             }
-            slot @ (Slot::Spill | Slot::Bypass) => {
+            plan @ (Plan::Spill | Plan::Bypass) => {
                 let allocation = heap(ctx)?;
                 if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                    ws.commit(slot, aligned);
-                    if slot == Slot::Spill {
+                    ws.commit(plan, aligned);
+                    if plan == Plan::Spill {
                         // The scope's id is only recorded: looked up only while recording.
                         let scope = crate::observe::on()
                             .then(|| self.managers.get(cycle.scope).map(|m| m.shared.id))
@@ -769,13 +769,13 @@ impl State {
     /// freeing their bytes now. If a kernel holds the data lock of any of them, closes none and
     /// returns `false`.
     fn evict(&mut self, keys: &[ArrayKey], workspace: &Arc<str>, at: Site) -> bool {
-        let inners: Vec<Arc<ArrayInner>> = keys
+        let arrays: Vec<Arc<ArrayShared>> = keys
             .iter()
-            .filter_map(|&k| self.arrays.get(k).map(|e| Arc::clone(&e.inner)))
+            .filter_map(|&k| self.arrays.get(k).map(|e| Arc::clone(&e.shared)))
             .collect();
-        let mut guards = Vec::with_capacity(inners.len());
-        for inner in &inners {
-            match inner.data.try_write() {
+        let mut guards = Vec::with_capacity(arrays.len());
+        for array in &arrays {
+            match array.data.try_write() {
                 Some(guard) => guards.push(guard),
                 None => return false,
             }
@@ -784,13 +784,13 @@ impl State {
             workspace: Arc::clone(workspace),
             at,
         };
-        for (inner, mut guard) in inners.iter().zip(guards) {
+        for (array, mut guard) in arrays.iter().zip(guards) {
             // Closed (with its reason) before its bytes go, so a reader that comes next sees why.
-            let _ = inner.closed.set(reason.clone());
+            let _ = array.closed.set(reason.clone());
             let storage = guard.take();
             drop(guard);
             drop(storage);
-            self.remove_array(inner.key, reason.clone());
+            self.remove_array(array.key, reason.clone());
         }
         true
     }

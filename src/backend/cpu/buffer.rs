@@ -1,4 +1,6 @@
-//! Host array storage: a span of host bytes, owned by one array.
+//! [`HostBuffer`]: an array's storage in host memory, a span of host bytes owned by one array
+//! (not the public `HostArray`, whose data the caller owns, nor a CUDA device's page-locked
+//! staging buffers).
 //!
 //! A buffer is either its own heap allocation (freed, and its reservation released, when the
 //! buffer drops) or a slice of a workspace [`Block`] (RAM, a mapped file or page-locked memory):
@@ -18,7 +20,14 @@ use crate::{Device, Element, Result};
 /// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.
 pub(crate) const STORAGE_ALIGN: usize = 64;
 
-/// Host bytes of one array.
+/// Host bytes of one array: what `Storage::Host` holds, the host counterpart of the CUDA
+/// `DeviceBuffer` (so the name stays: `Storage::Host(HostBuffer)` is one idea, an array's
+/// storage in host memory).
+///
+/// Unlike the public [`HostArray`](crate::HostArray), which the caller owns, it belongs to an
+/// array inside a manager, may be a slice of a workspace block, and is only reached through the
+/// array's data lock. Unlike a CUDA device's `StagingBuffers` (page-locked memory that bytes
+/// pass through on their way to or from a device), it holds an array's elements.
 pub(crate) struct HostBuffer {
     ptr: NonNull<u8>,
     bytes: usize,

@@ -32,16 +32,17 @@ struct Backend {
     count: usize,
     /// Why there are none, or fewer than asked for.
     reason: String,
-    gpus: Vec<Slot>,
+    gpus: Vec<DeviceSetup>,
 }
 
-/// One device's setup: done once it succeeds. A failed setup is not kept: what it had created
-/// is released, its reason is remembered for messages, and the next use tries again.
+/// One device's setup state: its [`Gpu`] once set up, the lock that serialises setting it up,
+/// and why the last try failed. Done once it succeeds. A failed setup is not kept: what it had
+/// created is released, its reason is remembered for messages, and the next use tries again.
 #[derive(Default)]
-struct Slot {
+struct DeviceSetup {
     gpu: OnceLock<Gpu>,
     /// Serialises setups of this device (a cold NVRTC compile takes seconds).
-    setup: Mutex<()>,
+    in_progress: Mutex<()>,
     /// Why the last setup failed.
     failed: Mutex<Option<String>>,
 }
@@ -76,7 +77,7 @@ fn backend() -> &'static Backend {
             count,
             reason,
             gpus: (0..count.min(memory::MAX_CUDA_DEVICES))
-                .map(|_| Slot::default())
+                .map(|_| DeviceSetup::default())
                 .collect(),
         }
     })
@@ -200,7 +201,7 @@ pub(crate) fn unavailable_reason(ordinal: usize) -> String {
     match b
         .gpus
         .get(ordinal)
-        .and_then(|slot| slot.failed.lock().clone())
+        .and_then(|setup| setup.failed.lock().clone())
     {
         Some(why) => why,
         None => format!("ordinal {ordinal} cannot be used by ndscope"),
@@ -252,25 +253,25 @@ pub(crate) struct Gpu {
 /// call [`prepare`] first, so a cold setup (an NVRTC compile) never stalls other threads.
 pub(crate) fn gpu(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
     let b = backend();
-    let Some(slot) = b.gpus.get(ordinal) else {
+    let Some(setup) = b.gpus.get(ordinal) else {
         return Err(ctx.unavailable(Device::Cuda(ordinal)));
     };
-    if let Some(gpu) = slot.gpu.get() {
+    if let Some(gpu) = setup.gpu.get() {
         return Ok(gpu);
     }
-    let _setup = slot.setup.lock();
-    if let Some(gpu) = slot.gpu.get() {
+    let _setup = setup.in_progress.lock();
+    if let Some(gpu) = setup.gpu.get() {
         return Ok(gpu);
     }
     match Gpu::new(ordinal) {
         Ok(gpu) => {
-            *slot.failed.lock() = None;
-            let gpu = slot.gpu.get_or_init(|| gpu);
+            *setup.failed.lock() = None;
+            let gpu = setup.gpu.get_or_init(|| gpu);
             gpu.installed();
             Ok(gpu)
         }
         Err(why) => {
-            *slot.failed.lock() = Some(why.clone());
+            *setup.failed.lock() = Some(why.clone());
             Err(Error::DeviceUnavailable {
                 op: ctx.op,
                 at: ctx.at,
@@ -292,7 +293,10 @@ pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
 
 /// The set-up device of `ordinal`, which must exist (a buffer of it does).
 pub(crate) fn existing(ordinal: usize) -> Option<&'static Gpu> {
-    backend().gpus.get(ordinal).and_then(|slot| slot.gpu.get())
+    backend()
+        .gpus
+        .get(ordinal)
+        .and_then(|setup| setup.gpu.get())
 }
 
 /// Gives back what device `ordinal`'s backend holds that no array uses (nothing for a device
@@ -585,8 +589,8 @@ fn pool_cached(device: Device) -> usize {
 /// uses, so a leak checker run over a program finds only what the program itself kept. A lock
 /// another thread holds at exit is skipped, never waited for.
 fn release_everything_at_exit(why: Release) {
-    for slot in &backend().gpus {
-        if let Some(gpu) = slot.gpu.get() {
+    for setup in &backend().gpus {
+        if let Some(gpu) = setup.gpu.get() {
             gpu.release_caches(why);
         }
     }
@@ -823,11 +827,11 @@ pub(crate) fn blas_error(ctx: &Ctx, what: &str, e: cudarc::cublas::result::Cubla
     }
 }
 
-/// Two page-locked host buffers for host↔device copies (allocated at the first pageable copy,
-/// given back by [`release`](Staging::release)), each with an event that marks when the copy
-/// that last used it has finished.
+/// Two page-locked host buffers ([`StagingBuffers`]) for host↔device copies (allocated at the first
+/// pageable copy, given back by [`release`](Staging::release)), each with an event that marks when
+/// the copy that last used it has finished.
 pub(crate) struct Staging {
-    pub bufs: HostBuffers,
+    pub bufs: StagingBuffers,
     pub events: [CudaEvent; 2],
     /// Whether the event of each buffer was recorded since the buffer was last waited for.
     pub pending: [bool; 2],
@@ -836,18 +840,22 @@ pub(crate) struct Staging {
 // SAFETY: the buffers are page-locked host memory owned by this struct, used under its mutex.
 unsafe impl Send for Staging {}
 
-/// The two staging buffers (null until allocated), freed on drop, which happens only for a
-/// device whose setup failed (a set-up device lives in a static), and on release.
-pub(crate) struct HostBuffers(pub [*mut u8; 2]);
+/// The two page-locked staging buffers of [`Staging`] (null until allocated), freed on drop,
+/// which happens only for a device whose setup failed (a set-up device lives in a static), and
+/// on release. Host memory, but no array's: bytes pass through them on their way between a
+/// pageable host buffer (an array's `HostBuffer`, or a caller's slice) and the device. Not to be
+/// confused with `HostBuffer` (an array's storage on the host) or the public `HostArray` (data
+/// the caller owns).
+pub(crate) struct StagingBuffers(pub [*mut u8; 2]);
 
-impl std::ops::Index<usize> for HostBuffers {
+impl std::ops::Index<usize> for StagingBuffers {
     type Output = *mut u8;
     fn index(&self, i: usize) -> &*mut u8 {
         &self.0[i]
     }
 }
 
-impl Drop for HostBuffers {
+impl Drop for StagingBuffers {
     fn drop(&mut self) {
         for &buf in &self.0 {
             if !buf.is_null() {
@@ -864,7 +872,7 @@ impl Staging {
         let fail = |what: &str, e: DriverError| format!("{what} failed: {}", describe(e));
         ctx.bind_to_thread()
             .map_err(|e| fail("binding the context", e))?;
-        let bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        let bufs = StagingBuffers([std::ptr::null_mut(); 2]);
         // Blocking-sync events: a host waiting for a staging buffer sleeps instead of spinning.
         let blocking = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
         let events = [
@@ -886,7 +894,7 @@ impl Staging {
             return Ok(());
         }
         gpu.bind(ctx)?;
-        let mut bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        let mut bufs = StagingBuffers([std::ptr::null_mut(); 2]);
         for buf in &mut bufs.0 {
             *buf = pinned_alloc(ctx, gpu, STAGING)?.as_ptr();
         }
@@ -910,7 +918,7 @@ impl Staging {
             self.pending[b] = false;
         }
         // Dropping the buffers frees them (the copies are done).
-        self.bufs = HostBuffers([std::ptr::null_mut(); 2]);
+        self.bufs = StagingBuffers([std::ptr::null_mut(); 2]);
         memory::cache_dropped(gpu.device(), 2 * STAGING);
         2 * STAGING
     }
