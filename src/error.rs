@@ -420,19 +420,6 @@ impl Ctx {
         }
     }
 
-    pub fn unavailable(&self, device: Device) -> Error {
-        let reason = match device {
-            Device::Cpu => "the CPU is always available".to_string(),
-            Device::Cuda(ordinal) => crate::backend::cuda_unavailable_reason(ordinal),
-        };
-        Error::DeviceUnavailable {
-            op: self.op,
-            at: self.at,
-            device,
-            reason,
-        }
-    }
-
     pub fn system(&self, reason: &'static str) -> Error {
         Error::SystemManager {
             op: self.op,

@@ -1,6 +1,6 @@
 //! [`HostArray`]: an array's elements owned by the caller, outside every manager.
 //!
-//! It is what leaves a predictor's context (DJL's `Translator` boundary): an [`NDArray`] is a
+//! It is what leaves a predictor's context (DJL's `Translator` boundary): an [`NDArray`](crate::NDArray) is a
 //! handle into a manager and dies with its scope, a `HostArray` is plain data (a `Vec` and a
 //! shape) that lives as long as the caller keeps it, on any thread.
 
@@ -8,15 +8,15 @@ use std::any::Any;
 use std::fmt;
 
 use crate::error::Ctx;
-use crate::{DType, Element, Manager, NDArray, Result, Shape};
+use crate::{DType, Element, Result, Shape};
 
 /// Row-major elements and a shape, owned by the caller: no manager, no workspace, no handle
 /// that can be closed under it. Requests to and answers from a
 /// [`ParallelInference`](crate::ParallelInference) are `HostArray`s.
 ///
-/// It is not the host storage of an [`NDArray`] (that lives inside a manager and is reached only
-/// through the array's handle): [`Manager::from_host`] copies a `HostArray` into an array, and
-/// [`NDArray::to_host`] copies an array out into a new one.
+/// It is not the host storage of an [`NDArray`](crate::NDArray) (that lives inside a manager and is reached only
+/// through the array's handle): [`Manager::from_host`](crate::Manager::from_host) copies a `HostArray` into an array, and
+/// [`NDArray::to_host`](crate::NDArray::to_host) copies an array out into a new one.
 ///
 /// ```
 /// use ndscope::{HostArray, Manager};
@@ -30,12 +30,13 @@ use crate::{DType, Element, Manager, NDArray, Result, Shape};
 /// ```
 #[derive(Clone, PartialEq)]
 pub struct HostArray {
-    shape: Shape,
-    data: HostData,
+    pub(crate) shape: Shape,
+    pub(crate) data: HostData,
 }
 
+/// The elements of a [`HostArray`], by dtype.
 #[derive(Clone, PartialEq)]
-enum HostData {
+pub(crate) enum HostData {
     F32(Vec<f32>),
     F64(Vec<f64>),
     I32(Vec<i32>),
@@ -296,38 +297,5 @@ impl HostArray {
             });
         }
         Ok(parts)
-    }
-}
-
-impl NDArray {
-    /// Copies the array out of its manager into a [`HostArray`] the caller owns (CUDA arrays are
-    /// read back). `ArrayClosed` for a closed array.
-    #[track_caller]
-    pub fn to_host(&self) -> Result<HostArray> {
-        let shape = self.shape().clone();
-        let data = match self.dtype() {
-            DType::F32 => HostData::F32(self.to_vec()?),
-            DType::F64 => HostData::F64(self.to_vec()?),
-            DType::I32 => HostData::I32(self.to_vec()?),
-            DType::I64 => HostData::I64(self.to_vec()?),
-            DType::U8 => HostData::U8(self.to_vec()?),
-        };
-        Ok(HostArray { shape, data })
-    }
-}
-
-impl Manager {
-    /// A new array in this manager (its device; its workspace block inside a cycle) holding a
-    /// copy of `host`. Errors as for [`Manager::from_slice`].
-    #[track_caller]
-    pub fn from_host(&self, host: &HostArray) -> Result<NDArray> {
-        let shape = host.shape().clone();
-        match &host.data {
-            HostData::F32(v) => self.from_slice(v, shape),
-            HostData::F64(v) => self.from_slice(v, shape),
-            HostData::I32(v) => self.from_slice(v, shape),
-            HostData::I64(v) => self.from_slice(v, shape),
-            HostData::U8(v) => self.from_slice(v, shape),
-        }
     }
 }

@@ -82,7 +82,7 @@ impl Shape {
 
     /// Row-major strides in elements.
     pub fn strides(&self) -> Vec<usize> {
-        crate::backend::layout::contiguous_strides(self.dims())
+        contiguous_strides(self.dims())
     }
 
     /// Bytes of an array of this shape with elements of `elem` bytes, if such an array can be
@@ -191,6 +191,15 @@ impl From<usize> for Shape {
     fn from(len: usize) -> Self {
         Shape::new(&[len])
     }
+}
+
+/// Row-major strides in elements of an array of `dims`.
+pub(crate) fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    strides
 }
 
 #[cfg(test)]

@@ -16,14 +16,7 @@ pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<usize> {
     strides
 }
 
-/// Row-major strides (in elements) of a contiguous array of `dims`.
-pub(crate) fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; dims.len()];
-    for i in (0..dims.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * dims[i + 1];
-    }
-    strides
-}
+pub(crate) use crate::shape::contiguous_strides;
 
 /// The output `out` with per-operand strides `operand_strides`, with size-1 dimensions dropped
 /// and each dimension merged into the one before it where, for every operand, stepping once

@@ -23,6 +23,8 @@ pub(crate) use block::Block;
 pub(crate) use ops::*;
 pub(crate) use storage::Storage;
 
+use crate::error::Ctx;
+
 /// The binary elementwise operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Binary {
@@ -101,4 +103,55 @@ pub(crate) fn cuda_unavailable_reason(ordinal: usize) -> String {
 /// CPU's gemm reads a transposed right operand slowly; cuBLAS does not).
 pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
     device.is_cpu()
+}
+
+// Methods of lower-layer types that need the backend: they live here, so that `device.rs` and
+// `error.rs` (layer 0) import nothing above them.
+
+impl crate::Device {
+    /// The number of CUDA devices usable by this build on this machine.
+    ///
+    /// Never panics: it is 0 without the `cuda` feature, without a driver, or without a GPU.
+    pub fn cuda_count() -> usize {
+        cuda_count()
+    }
+
+    /// Waits until all work queued on the device has finished, and reports an error an earlier
+    /// asynchronous kernel ran into as `Error::Backend`, and bad input a kernel found since the
+    /// last wait (an index out of range in `pick`/`one_hot`, an integer divisor of 0) as the
+    /// `InvalidArgument` of the op that queued it, with its call site. The host thread sleeps
+    /// while it waits (a blocking-sync event), it does not spin. CUDA ops return once their work is
+    /// queued; reads (`to_vec`, `to_scalar`) wait by themselves, so this is for timing and for
+    /// checking errors at a chosen point. Does nothing for the CPU, whose ops finish before they
+    /// return. `DeviceUnavailable` for an absent device.
+    ///
+    /// ```
+    /// use ndscope::Device;
+    /// Device::Cpu.synchronize()?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn synchronize(&self) -> crate::Result<()> {
+        let ctx = Ctx::new("Device::synchronize");
+        if !self.is_available() {
+            return Err(ctx.unavailable(*self));
+        }
+        synchronize(&ctx, *self)
+    }
+}
+
+impl Ctx {
+    /// `DeviceUnavailable` for `device`, saying why it cannot be used here.
+    pub(crate) fn unavailable(&self, device: crate::Device) -> crate::Error {
+        let reason = match device {
+            crate::Device::Cpu => "the CPU is always available".to_string(),
+            crate::Device::Cuda(ordinal) => cuda_unavailable_reason(ordinal),
+        };
+        crate::Error::DeviceUnavailable {
+            op: self.op,
+            at: self.at,
+            device,
+            reason,
+        }
+    }
 }

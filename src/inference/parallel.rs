@@ -484,7 +484,7 @@ impl ParallelInferenceBuilder {
         };
         // With a worker per core or more, each worker computes alone: pool helpers joining
         // its kernels would only compete with the other workers for the cores.
-        let inline = self.workers >= crate::num_threads();
+        let inline = self.workers >= crate::backend::cpu::pool::threads();
         let mut handles = Vec::with_capacity(self.workers);
         for index in 0..self.workers {
             // Made here, so that a failure is this call's error.
@@ -653,7 +653,7 @@ impl ParallelInference {
         ParallelInferenceBuilder {
             model: model.clone(),
             name: "parallel-inference".to_string(),
-            workers: crate::num_threads(),
+            workers: crate::backend::cpu::pool::threads(),
             mode: InferenceMode::Sequential,
             queue_limit: 256,
             workspace: Some(WorkspaceConfig::default()),

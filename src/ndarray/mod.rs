@@ -5,6 +5,7 @@
 mod dense;
 pub(crate) mod exec;
 mod factory;
+mod host;
 mod list;
 mod nn_ops;
 mod ops;
