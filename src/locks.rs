@@ -101,6 +101,9 @@ thread_local! {
     /// thread holds it; run by the arena guard once it has unlocked.
     static OUTSIDE: std::cell::RefCell<Vec<Box<dyn FnOnce()>>> =
         const { std::cell::RefCell::new(Vec::new()) };
+    /// Whether `OUTSIDE` holds work: a plain flag the arena guard reads on every release, so the
+    /// common case does not touch the queue (a thread-local with a destructor).
+    static QUEUED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Marks this thread as holding (or no longer holding) the arena lock. Only the arena's guard
@@ -129,6 +132,7 @@ pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
             }
         });
         if queued.is_ok() {
+            let _ = QUEUED.try_with(|flag| flag.set(true));
             return;
         }
     }
@@ -140,15 +144,14 @@ pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
 /// Whether work queued by [`outside_arena`] waits for the arena lock's release.
 #[inline]
 pub(crate) fn outside_work_waiting() -> bool {
-    OUTSIDE
-        .try_with(|q| !q.borrow().is_empty())
-        .unwrap_or(false)
+    QUEUED.try_with(|flag| flag.get()).unwrap_or(false)
 }
 
 /// Runs the work [`outside_arena`] queued (the arena lock is released), including work queued
 /// while it runs.
 pub(crate) fn run_outside_work() {
     loop {
+        let _ = QUEUED.try_with(|flag| flag.set(false));
         let work = OUTSIDE
             .try_with(|q| std::mem::take(&mut *q.borrow_mut()))
             .unwrap_or_default();

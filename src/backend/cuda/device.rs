@@ -210,8 +210,17 @@ pub(crate) fn unavailable_reason(ordinal: usize) -> String {
 
 /// A release of page-locked memory that a higher part of the backend keeps (the check flag of
 /// `ops.rs`), registered by it so this file needs no import of it; run by
-/// [`Gpu::release_caches`] except on out-of-memory, with whether to wait for its lock.
+/// [`Gpu::release_caches`] except on out-of-memory, with whether the process is exiting.
 static HOST_RELEASE: OnceLock<fn(&Gpu, bool)> = OnceLock::new();
+
+/// `m` locked: waiting for it with `wait`, else only if no other thread holds it (`None`).
+pub(crate) fn lock_or_try<T>(m: &Mutex<T>, wait: bool) -> Option<MutexGuard<'_, T>> {
+    if wait {
+        Some(m.lock())
+    } else {
+        m.try_lock()
+    }
+}
 
 /// Registers [`HOST_RELEASE`] (once; later calls change nothing).
 pub(crate) fn on_release(release: fn(&Gpu, bool)) {
@@ -497,28 +506,21 @@ impl Gpu {
         // On out-of-memory the caller may hold one of the locks, at exit another thread may:
         // a piece whose lock is taken is skipped then, never waited for.
         let wait = why == Release::Explicit;
-        fn take<T>(m: &Mutex<T>, wait: bool) -> Option<MutexGuard<'_, T>> {
-            if wait {
-                Some(m.lock())
-            } else {
-                m.try_lock()
-            }
-        }
         let mut bytes = super::memory::release_array_cache(self, wait);
-        if let Some(mut scratch) = take(&self.scratch, wait) {
+        if let Some(mut scratch) = lock_or_try(&self.scratch, wait) {
             bytes += scratch.release(self);
         }
-        if let Some(mut blas) = take(&self.blas, wait) {
+        if let Some(mut blas) = lock_or_try(&self.blas, wait) {
             bytes += blas.release_workspace(self);
         }
         // Page-locked host memory is no help to the device, and its free synchronises (the
         // caller may hold the arena lock): not on out-of-memory.
         if why != Release::OutOfMemory {
-            if let Some(mut staging) = take(&self.staging, wait) {
+            if let Some(mut staging) = lock_or_try(&self.staging, wait) {
                 bytes += staging.release(self);
             }
             if let Some(release) = HOST_RELEASE.get() {
-                release(self, wait);
+                release(self, why == Release::Exit);
             }
         }
         self.trim_pool();

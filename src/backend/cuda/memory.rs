@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use cudarc::driver::result;
 use cudarc::driver::sys::CUdeviceptr;
 
-use super::device::{gpu, pinned_alloc, Gpu};
+use super::device::{gpu, lock_or_try, pinned_alloc, Gpu};
 use crate::backend::{Block, Storage};
 use crate::error::Ctx;
 use crate::locks;
@@ -266,13 +266,8 @@ fn cache(gpu: &Gpu) -> &'static Mutex<Cache> {
 /// when another thread holds it.
 pub(crate) fn release_array_cache(gpu: &Gpu, wait: bool) -> usize {
     let (bytes, freed) = {
-        let mut c = if wait {
-            cache(gpu).lock()
-        } else {
-            match cache(gpu).try_lock() {
-                Some(c) => c,
-                None => return 0,
-            }
+        let Some(mut c) = lock_or_try(cache(gpu), wait) else {
+            return 0;
         };
         (c.bytes, c.drain())
     };

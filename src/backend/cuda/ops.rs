@@ -18,7 +18,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
-use super::device::{blas_error, pinned_alloc, sticky, Gpu, STAGING};
+use super::device::{blas_error, lock_or_try, pinned_alloc, sticky, Gpu, STAGING};
 use super::kernels::{self, Function};
 use super::memory::DeviceBuffer;
 use crate::backend::cpu::buffer::HostBuffer;
@@ -380,19 +380,13 @@ impl Checks {
 }
 
 /// Frees the check flag of `gpu` when no checked launch waits for a report (the next checked
-/// launch makes it again); with `wait` false, not if another thread holds it. At exit, pending
-/// reports no longer matter. The free of its page-locked word synchronises: never called on an
+/// launch makes it again). `exiting`: pending reports no longer matter, and the flag is left
+/// alone if another thread holds it (never waited for). The free of its page-locked word synchronises: never called on an
 /// allocation's out-of-memory path. Its 8 + 8 bytes are not counted as cached.
-pub(crate) fn release_checks(gpu: &Gpu, wait: bool) {
-    let mut guard = if wait {
-        checks_of(gpu).lock()
-    } else {
-        match checks_of(gpu).try_lock() {
-            Some(guard) => guard,
-            None => return,
-        }
+pub(crate) fn release_checks(gpu: &Gpu, exiting: bool) {
+    let Some(mut guard) = lock_or_try(checks_of(gpu), !exiting) else {
+        return;
     };
-    let exiting = !wait;
     if guard
         .as_ref()
         .is_some_and(|c| exiting || (c.pending.is_empty() && c.found.is_empty()))
