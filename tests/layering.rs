@@ -88,12 +88,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "ndarray/mod.rs",
         "report.rs",
     ],
-    &[
-        "timeline/chrome.rs",
-        "timeline/mod.rs",
-        "timeline/replay.rs",
-        "timeline/snapshot.rs",
-    ],
 ];
 
 fn src_dir() -> PathBuf {

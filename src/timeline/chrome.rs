@@ -18,9 +18,11 @@ use std::io::{self, Write};
 
 use serde::Serialize;
 
+use super::event::Data;
+use super::recording::Recording;
 use super::replay::{OpenManager, Replay};
-use super::{Data, Recording, NO_MANAGER};
 use crate::error::Bytes;
+use crate::observe::NO_MANAGER;
 use crate::Device;
 
 #[derive(Serialize)]

@@ -33,13 +33,14 @@
 //! takes the arena lock while holding the recorder's.
 
 mod chrome;
+mod event;
 mod pickle;
+mod recording;
 mod replay;
 mod snapshot;
 
 use std::cell::Cell;
 use std::collections::VecDeque;
-use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -50,11 +51,14 @@ use std::time::{Duration, Instant, SystemTime};
 use parking_lot::Mutex;
 
 use crate::arena::{self, ArrayShared, ManagerShared};
-use crate::error::{Ctx, Site};
+use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
-use crate::observe::{self, Event, Handle};
-use crate::{ArrayId, Device, Error, ManagerId, Result};
+use crate::observe::{self, Event, Handle, NO_MANAGER};
+use crate::{Device, Error, Result};
 
+use event::{device_code, Data, Relocation};
+pub use event::{EventKind, MemoryEvent};
+pub use recording::Recording;
 use replay::Replay;
 
 /// The recording in progress.
@@ -104,268 +108,6 @@ impl RecordOptions {
     /// The cap on events kept.
     pub fn max_entries(&self) -> usize {
         self.max_entries
-    }
-}
-
-/// What a [`MemoryEvent`] records.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum EventKind {
-    /// An array was created (in a workspace block, or with its own buffer).
-    Alloc,
-    /// An array was closed (by the user, its manager, its cycle, a circular overwrite, …).
-    Free,
-    /// An array's bytes were copied to new storage (moved out of or into a workspace).
-    Relocate,
-    /// An array changed owner (`attach`, `ret`, `temp_attach`, `detach`, a borrow returning).
-    Attach,
-    /// A manager was created (including the scope of a workspace cycle).
-    ManagerOpen,
-    /// A manager was closed.
-    ManagerClose,
-    /// A workspace cycle opened.
-    CycleOpen,
-    /// A workspace cycle ended.
-    CycleClose,
-    /// A workspace allocated a block (learned, initialised or grown).
-    BlockAlloc,
-    /// A workspace block was freed.
-    BlockFree,
-    /// A workspace allocation did not fit the block and got its own buffer.
-    Spill,
-    /// A capped manager refused an array (`Error::Capped`).
-    Capped,
-    /// An allocation was refused (`Error::OutOfMemory`).
-    OutOfMemory,
-}
-
-pub(crate) use crate::observe::BlockSpan;
-
-/// An event's own data.
-#[derive(Clone)]
-pub(crate) enum Data {
-    Alloc {
-        array: Arc<ArrayShared>,
-        address: u64,
-        span: Option<BlockSpan>,
-    },
-    Free {
-        array: u64,
-        site: Site,
-        span: Option<BlockSpan>,
-    },
-    /// Boxed: moves are rare, and every event is as large as the largest kind.
-    Relocate(Box<Relocation>),
-    Attach {
-        array: u64,
-        site: Site,
-    },
-    ManagerOpen {
-        manager: Arc<ManagerShared>,
-    },
-    ManagerClose,
-    CycleOpen {
-        workspace: Arc<str>,
-        cycle: u64,
-    },
-    CycleClose {
-        workspace: Arc<str>,
-        cycle: u64,
-        spilled_bytes: usize,
-        spilled_count: u64,
-        capacity: usize,
-    },
-    BlockAlloc {
-        workspace: Arc<str>,
-        block: u64,
-        address: u64,
-    },
-    BlockFree {
-        block: u64,
-    },
-    Spill {
-        workspace: Arc<str>,
-        site: Site,
-    },
-    Capped {
-        site: Site,
-        op: &'static str,
-        what: Arc<str>,
-    },
-    OutOfMemory {
-        site: Site,
-        op: &'static str,
-        in_use: usize,
-        limit: Option<usize>,
-    },
-}
-
-/// A copy of an array to new storage.
-#[derive(Clone)]
-pub(crate) struct Relocation {
-    pub array: u64,
-    pub site: Site,
-    pub address: u64,
-    pub from: Option<BlockSpan>,
-    pub to: Option<BlockSpan>,
-}
-
-/// A device in 4 bytes: 0 for the CPU, `i + 1` for `cuda:i`.
-fn device_code(device: Device) -> u32 {
-    match device {
-        Device::Cpu => 0,
-        Device::Cuda(ordinal) => u32::try_from(ordinal).map_or(u32::MAX, |o| o.saturating_add(1)),
-    }
-}
-
-/// No manager (a detached array).
-pub(crate) use crate::observe::NO_MANAGER;
-
-/// One recorded event. Read it with its methods; a [`Recording`] holds them in time order.
-#[derive(Clone)]
-pub struct MemoryEvent {
-    time_ns: u64,
-    thread: u32,
-    device: u32,
-    manager: u64,
-    bytes: usize,
-    data: Data,
-}
-
-impl MemoryEvent {
-    /// When it happened, from the start of the recording.
-    pub fn time(&self) -> Duration {
-        Duration::from_nanos(self.time_ns)
-    }
-
-    /// The thread it happened on: an index into [`Recording::threads`].
-    pub fn thread(&self) -> usize {
-        self.thread as usize
-    }
-
-    /// What happened.
-    pub fn kind(&self) -> EventKind {
-        match self.data {
-            Data::Alloc { .. } => EventKind::Alloc,
-            Data::Free { .. } => EventKind::Free,
-            Data::Relocate(_) => EventKind::Relocate,
-            Data::Attach { .. } => EventKind::Attach,
-            Data::ManagerOpen { .. } => EventKind::ManagerOpen,
-            Data::ManagerClose => EventKind::ManagerClose,
-            Data::CycleOpen { .. } => EventKind::CycleOpen,
-            Data::CycleClose { .. } => EventKind::CycleClose,
-            Data::BlockAlloc { .. } => EventKind::BlockAlloc,
-            Data::BlockFree { .. } => EventKind::BlockFree,
-            Data::Spill { .. } => EventKind::Spill,
-            Data::Capped { .. } => EventKind::Capped,
-            Data::OutOfMemory { .. } => EventKind::OutOfMemory,
-        }
-    }
-
-    /// The device whose memory it concerns.
-    pub fn device(&self) -> Device {
-        match self.device {
-            0 => Device::Cpu,
-            code => Device::Cuda(code as usize - 1),
-        }
-    }
-
-    /// The manager involved: the array's owner (after the event, for `Attach`), the manager
-    /// opened or closed, the cycle's scope, the workspace's owner for block events, the capped
-    /// manager. `None` for a detached array and for out-of-memory refusals.
-    pub fn manager(&self) -> Option<ManagerId> {
-        (self.manager != NO_MANAGER).then_some(ManagerId(self.manager))
-    }
-
-    /// The array involved (allocations, frees, moves).
-    pub fn array(&self) -> Option<ArrayId> {
-        match &self.data {
-            Data::Alloc { array, .. } => Some(ArrayId(array.id)),
-            Data::Free { array, .. } | Data::Attach { array, .. } => Some(ArrayId(*array)),
-            Data::Relocate(r) => Some(ArrayId(r.array)),
-            _ => None,
-        }
-    }
-
-    /// Bytes: of the array (its data), of the block, of the cycle's demand (`CycleClose`), the
-    /// spilled allocation (aligned), or the refused request (`OutOfMemory`); 0 otherwise.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// The address of the array's or block's first byte (host or device pointer), where the
-    /// event allocates: `Alloc`, `Relocate` (the new storage) and `BlockAlloc`. 0 for an empty
-    /// array.
-    pub fn address(&self) -> Option<u64> {
-        match &self.data {
-            Data::Alloc { address, .. } | Data::BlockAlloc { address, .. } => Some(*address),
-            Data::Relocate(r) => Some(r.address),
-            _ => None,
-        }
-    }
-
-    /// Where the array involved was created, or where the refused or spilled call was made.
-    pub fn site(&self) -> Option<Site> {
-        match &self.data {
-            Data::Alloc { array, .. } => Some(array.created_at),
-            Data::Relocate(r) => Some(r.site),
-            Data::Free { site, .. }
-            | Data::Attach { site, .. }
-            | Data::Spill { site, .. }
-            | Data::Capped { site, .. }
-            | Data::OutOfMemory { site, .. } => Some(site),
-            _ => None,
-        }
-    }
-
-    /// The workspace involved (cycles, block allocations, spills).
-    pub fn workspace(&self) -> Option<&str> {
-        match &self.data {
-            Data::CycleOpen { workspace, .. }
-            | Data::CycleClose { workspace, .. }
-            | Data::BlockAlloc { workspace, .. }
-            | Data::Spill { workspace, .. } => Some(workspace),
-            _ => None,
-        }
-    }
-
-    /// The workspace cycle's number (`CycleOpen`, `CycleClose`).
-    pub fn cycle(&self) -> Option<u64> {
-        match &self.data {
-            Data::CycleOpen { cycle, .. } | Data::CycleClose { cycle, .. } => Some(*cycle),
-            _ => None,
-        }
-    }
-
-    /// Whether the array's bytes are (after the event) in a workspace block.
-    pub fn in_workspace(&self) -> bool {
-        match &self.data {
-            Data::Alloc { span, .. } | Data::Free { span, .. } => span.is_some(),
-            Data::Relocate(r) => r.to.is_some(),
-            _ => false,
-        }
-    }
-}
-
-impl fmt::Debug for MemoryEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("MemoryEvent");
-        d.field("time", &self.time())
-            .field("thread", &self.thread)
-            .field("kind", &self.kind())
-            .field("device", &self.device())
-            .field("manager", &self.manager())
-            .field("bytes", &self.bytes);
-        if let Some(array) = self.array() {
-            d.field("array", &array);
-        }
-        if let Some(workspace) = self.workspace() {
-            d.field("workspace", &workspace);
-        }
-        if let Some(site) = self.site() {
-            d.field("site", &format_args!("{site}"));
-        }
-        d.finish()
     }
 }
 
@@ -881,64 +623,12 @@ extern "C" fn write_at_exit() {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Recording
+// Exporting a recording
 // ----------------------------------------------------------------------------------------------
 
-/// What a recording captured: the events kept (the last `max_entries`), the number dropped, the
-/// threads, and the state when the oldest kept event happened. Export it with
-/// [`write_chrome_trace`](Self::write_chrome_trace) and
-/// [`write_memory_snapshot`](Self::write_memory_snapshot).
-#[derive(Clone)]
-pub struct Recording {
-    events: Vec<MemoryEvent>,
-    base: Replay,
-    dropped: u64,
-    max_entries: usize,
-    duration_ns: u64,
-    started_wall: SystemTime,
-    thread: u32,
-    threads: Vec<String>,
-    pid: u32,
-}
-
-impl fmt::Debug for Recording {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Recording")
-            .field("events", &self.events.len())
-            .field("dropped", &self.dropped)
-            .field("max_entries", &self.max_entries)
-            .field("duration", &self.duration())
-            .finish()
-    }
-}
-
+/// A recording's exports. Its data and readers are in `recording.rs`, below the two formats
+/// (`chrome.rs`, `snapshot.rs`) that read it; its exports are here, above them.
 impl Recording {
-    /// The events kept, oldest first.
-    pub fn events(&self) -> &[MemoryEvent] {
-        &self.events
-    }
-
-    /// Events dropped because the buffer was full (the oldest ones).
-    pub fn dropped(&self) -> u64 {
-        self.dropped
-    }
-
-    /// The cap on events kept.
-    pub fn max_entries(&self) -> usize {
-        self.max_entries
-    }
-
-    /// How long it recorded (until it stopped, or until this copy was taken).
-    pub fn duration(&self) -> Duration {
-        Duration::from_nanos(self.duration_ns)
-    }
-
-    /// Names of the threads, indexed by [`MemoryEvent::thread`] (the thread's name, or
-    /// `thread N`).
-    pub fn threads(&self) -> &[String] {
-        &self.threads
-    }
-
     /// Writes the recording as a Chrome trace (JSON), which Perfetto UI
     /// (<https://ui.perfetto.dev>, "Open trace file") and `chrome://tracing` ("Load") open:
     /// counter tracks of bytes in use per device and per top-level manager, workspace cycles and

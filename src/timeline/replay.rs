@@ -11,11 +11,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-use super::{BlockSpan, Data, MemoryEvent, NO_MANAGER};
+use super::event::{Data, MemoryEvent};
 use crate::arena::{ArrayShared, ManagerShared, State};
 use crate::backend::Storage;
 use crate::error::Site;
 use crate::memory;
+use crate::observe::{BlockSpan, NO_MANAGER};
 use crate::Device;
 
 /// Hashes the process-unique ids (arrays, managers, blocks) the maps are keyed by: a multiply

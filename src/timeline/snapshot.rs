@@ -28,11 +28,13 @@ use std::io::{self, Write};
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
+use super::event::Data;
 use super::pickle::Pickler;
+use super::recording::Recording;
 use super::replay::{LiveArray, OpenManager, Replay};
-use super::{BlockSpan, Data, Recording};
 use crate::arena::ArrayShared;
 use crate::error::Site;
+use crate::observe::BlockSpan;
 use crate::Device;
 
 /// The viewer's device index of a device.
@@ -249,22 +251,29 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
             } if e.bytes > 0 => {
                 let frames = b.array_frames(Some(array), array.created_at);
                 let category = b.manager_category(&replay, e.manager);
-                alloc_entries(
-                    &mut b,
-                    e.device(),
-                    *address,
-                    e.bytes,
+                let at = ArrayBytes {
+                    device: e.device(),
+                    address: *address,
+                    bytes: e.bytes,
                     span,
-                    t,
+                    time_us: t,
                     frames,
-                    category,
-                );
+                };
+                alloc_entries(&mut b, &at, category);
             }
             Data::Free { array, site, span } => {
                 if let Some(live) = replay.arrays.get(array) {
                     if let (Some(address), true) = (live.address, e.bytes > 0) {
                         let frames = b.array_frames(Some(&live.shared), site);
-                        free_entries(&mut b, e.device(), address, e.bytes, span, t, frames);
+                        let at = ArrayBytes {
+                            device: e.device(),
+                            address,
+                            bytes: e.bytes,
+                            span,
+                            time_us: t,
+                            frames,
+                        };
+                        free_entries(&mut b, &at);
                     }
                 }
             }
@@ -272,12 +281,22 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
                 if let (Some(live), true) = (replay.arrays.get(&r.array), e.bytes > 0) {
                     let frames = b.array_frames(Some(&live.shared), r.site);
                     let category = b.manager_category(&replay, live.allocated_by);
-                    let device = e.device();
-                    alloc_entries(
-                        &mut b, device, r.address, e.bytes, &r.to, t, frames, category,
-                    );
+                    let to = ArrayBytes {
+                        device: e.device(),
+                        address: r.address,
+                        bytes: e.bytes,
+                        span: &r.to,
+                        time_us: t,
+                        frames,
+                    };
+                    alloc_entries(&mut b, &to, category);
                     if let Some(old) = live.address {
-                        free_entries(&mut b, device, old, e.bytes, &r.from, t, frames);
+                        let from = ArrayBytes {
+                            address: old,
+                            span: &r.from,
+                            ..to
+                        };
+                        free_entries(&mut b, &from);
                     }
                 }
             }
@@ -366,54 +385,44 @@ pub(super) fn write(rec: &Recording, out: &mut dyn Write) -> io::Result<()> {
     emit(rec, &b, &segments, out)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn alloc_entries(
-    b: &mut Builder,
+/// An array's bytes as the trace entries of one allocation or free show them.
+struct ArrayBytes<'a> {
     device: Device,
     address: u64,
     bytes: usize,
-    span: &Option<BlockSpan>,
-    t: i64,
+    /// Where in a workspace block the bytes are; `None` for an array with its own buffer (a
+    /// segment of its own).
+    span: &'a Option<BlockSpan>,
+    time_us: i64,
     frames: u32,
-    category: u32,
-) {
-    let entry = |action| Entry {
-        action,
-        addr: address,
-        size: bytes as u64,
-        time_us: t,
-        frames,
-        category,
-        device_free: None,
-    };
-    if span.is_none() {
-        b.push(device, entry(Action::SegmentAlloc));
-    }
-    b.push(device, entry(Action::Alloc));
 }
 
-fn free_entries(
-    b: &mut Builder,
-    device: Device,
-    address: u64,
-    bytes: usize,
-    span: &Option<BlockSpan>,
-    t: i64,
-    frames: u32,
-) {
-    let entry = |action| Entry {
-        action,
-        addr: address,
-        size: bytes as u64,
-        time_us: t,
-        frames,
-        category: NONE,
-        device_free: None,
-    };
-    b.push(device, entry(Action::FreeRequested));
-    b.push(device, entry(Action::FreeCompleted));
-    if span.is_none() {
-        b.push(device, entry(Action::SegmentFree));
+impl ArrayBytes<'_> {
+    fn entry(&self, action: Action, category: u32) -> Entry {
+        Entry {
+            action,
+            addr: self.address,
+            size: self.bytes as u64,
+            time_us: self.time_us,
+            frames: self.frames,
+            category,
+            device_free: None,
+        }
+    }
+}
+
+fn alloc_entries(b: &mut Builder, at: &ArrayBytes<'_>, category: u32) {
+    if at.span.is_none() {
+        b.push(at.device, at.entry(Action::SegmentAlloc, category));
+    }
+    b.push(at.device, at.entry(Action::Alloc, category));
+}
+
+fn free_entries(b: &mut Builder, at: &ArrayBytes<'_>) {
+    b.push(at.device, at.entry(Action::FreeRequested, NONE));
+    b.push(at.device, at.entry(Action::FreeCompleted, NONE));
+    if at.span.is_none() {
+        b.push(at.device, at.entry(Action::SegmentFree, NONE));
     }
 }
 
