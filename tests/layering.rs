@@ -73,11 +73,6 @@ const KNOWN_CYCLES: &[&[&str]] = &[
         "backend/mod.rs",
         "backend/storage.rs",
     ],
-    &[
-        "backend/cpu/gemv.rs",
-        "backend/cpu/matmul.rs",
-        "backend/cpu/pool.rs",
-    ],
     &["arena/mod.rs", "workspace/events.rs", "workspace/mod.rs"],
     &[
         "manager/mod.rs",

@@ -5,6 +5,7 @@ use gemm::Parallelism;
 
 use super::num::Num;
 use super::pool::{self, SendPtr};
+use super::warm;
 use crate::backend::Batched;
 
 /// Multiply-adds below which a product runs on one thread, and the least one task of a split
@@ -186,7 +187,7 @@ pub(crate) fn gemm_general<T: Num>(
             return super::gemv::small_m(m, k, n, a, b, out);
         }
     }
-    warm_once();
+    warm::warm_once();
     let (read_dst, dst_scale, product_scale) = match accumulate {
         Some((s, q)) => (true, s, q),
         None => (false, T::ZERO, alpha),
@@ -224,8 +225,7 @@ pub(crate) fn gemm_general<T: Num>(
         }
     };
     let out = SendPtr(out.as_mut_ptr());
-    // Small products (one block) never ask for the pool: pool helpers run one while the pool
-    // starts (`warm_thread`), and asking then would wait for the start to finish.
+    // Small products (one block) never ask for the pool.
     let Split {
         by_cols,
         block: size,
@@ -262,48 +262,6 @@ fn as_f32<'a, T: Num>(
             std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<f32>(), out.len()),
         ))
     }
-}
-
-thread_local! {
-    static WARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// [`warm_thread`] on this thread's first float product.
-fn warm_once() {
-    if !WARMED.with(|w| w.replace(true)) {
-        warm_thread();
-    }
-}
-
-/// Runs small f32 and f64 products on this thread, so that gemm's per-thread packing buffer
-/// (about the size of the L2 cache, kept for the thread's life) is allocated now. gemm takes it
-/// only for some shapes, and which blocks of a product a pool thread runs depends on timing:
-/// without this, a thread's first such block — at any step of a user's steady loop — would
-/// allocate a megabyte there. Pool helpers call it when they start; other threads at their
-/// first float product.
-pub(crate) fn warm_thread() {
-    // Products this small run on the calling thread without asking for the pool (see
-    // `gemm_general`).
-    WARMED.with(|w| w.set(true));
-    const N: usize = 32; // below the parallel threshold, so this stays on the calling thread
-    fn warm<T: Num>() {
-        let ones = [T::ONE; N * N];
-        let mut out = [T::ZERO; N * N];
-        gemm_general(N, N, N, &ones, false, &ones, false, &mut out, None);
-        gemm_general(
-            N,
-            N,
-            N,
-            &ones,
-            true,
-            &ones,
-            false,
-            &mut out,
-            Some((T::ONE, T::ONE)),
-        );
-    }
-    warm::<f32>();
-    warm::<f64>();
 }
 
 fn int_matmul<T: Num>(k: usize, n: usize, a: &[T], b: &[T], out: &mut [T]) {

@@ -214,7 +214,7 @@ fn run_tasks(pool: &Pool, job: &Job<'_>) -> bool {
 }
 
 fn helper(pool: &'static Pool) {
-    super::matmul::warm_thread();
+    super::warm::warm_thread();
     pool.ready.fetch_add(1, Ordering::Release);
     let mut seen = 0u64;
     loop {
