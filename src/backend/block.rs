@@ -1,27 +1,29 @@
 //! A workspace's memory block: one allocation carved by offset into array storage.
 //!
 //! The block is host RAM, a memory-mapped file, page-locked host memory (a CUDA owner's
-//! `MirroringPolicy::HostOnly` block) or one allocation of device memory. The workspace's
-//! allocator decides the offsets; [`Block::carve`] turns a range into [`Storage`] that keeps the
-//! block alive.
+//! `MirroringPolicy::HostOnly` block) or one allocation of device memory. It stands over those
+//! raw regions and under the buffers carved from it: the workspace's allocator decides the
+//! offsets, and `Block::carve` (in `storage.rs`, above both buffers) turns a range into
+//! `Storage` that keeps the block alive.
 
 use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use memmap2::MmapMut;
 use parking_lot::Mutex;
 
-use super::cpu::buffer::{HostBuffer, STORAGE_ALIGN};
 use super::cuda::{DeviceMemory, PinnedMemory};
-use super::Storage;
 use crate::error::Ctx;
 use crate::memory;
 use crate::observe::{self, Event};
 use crate::{Device, Error, Result};
+
+/// Alignment of every host allocation ndscope makes (blocks and heap buffers): a cache line,
+/// and a full AVX-512 vector.
+pub(crate) const STORAGE_ALIGN: usize = 64;
 
 /// One contiguous block. Freed (and its reservation released) when the last `Arc` drops: the
 /// workspace holds one, and so does every array still living in it.
@@ -313,31 +315,22 @@ impl Block {
         matches!(self.kind, Kind::Pinned(_))
     }
 
-    /// Storage for `[offset, offset + bytes)` of the block, keeping the block alive; `None` if
-    /// the range does not lie inside it.
-    ///
-    /// # Safety
-    /// The range must not overlap the storage of any other live array: the workspace's allocator
-    /// hands each range to one array at a time, and closes the arrays a circular workspace wraps
-    /// over before their range is handed out again.
-    pub unsafe fn carve(self: &Arc<Block>, offset: usize, bytes: usize) -> Option<Storage> {
-        let end = offset.checked_add(bytes)?;
-        if end > self.capacity {
-            return None;
+    /// Where the block's bytes are, for carving it into storage.
+    pub fn base(&self) -> Base<'_> {
+        match &self.kind {
+            Kind::Ram { base, .. } | Kind::Mmap { base, .. } => Base::Host(*base),
+            Kind::Pinned(pinned) => Base::Host(pinned.base()),
+            Kind::Device(memory) => Base::Device(memory),
         }
-        let host = |base: NonNull<u8>| {
-            // SAFETY: `offset + bytes <= capacity`, so the pointer stays inside the allocation;
-            // the base is 64-byte aligned and offsets are multiples of the workspace alignment;
-            // host blocks are zeroed when created and only ever hold element values; the caller
-            // guarantees the range is handed to no other live buffer.
-            unsafe { HostBuffer::block_slice(Arc::clone(self), base.as_ptr().add(offset), bytes) }
-        };
-        Some(match &self.kind {
-            Kind::Ram { base, .. } | Kind::Mmap { base, .. } => Storage::Host(host(*base)),
-            Kind::Pinned(pinned) => Storage::Host(host(pinned.base())),
-            Kind::Device(memory) => memory.carve(Arc::clone(self), offset, bytes),
-        })
     }
+}
+
+/// Where a block's bytes are ([`Block::base`]).
+pub(crate) enum Base<'a> {
+    /// Host memory (RAM, a mapped file or page-locked memory), from its first byte.
+    Host(NonNull<u8>),
+    /// Memory of a CUDA device.
+    Device(&'a DeviceMemory),
 }
 
 impl Drop for Block {

@@ -17,10 +17,12 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod layout;
 mod ops;
+pub(crate) mod settings;
 mod storage;
 
 pub(crate) use block::Block;
 pub(crate) use ops::*;
+pub(crate) use settings::ALLOW_TF32;
 pub(crate) use storage::Storage;
 
 use crate::error::Ctx;
@@ -69,11 +71,6 @@ pub(crate) enum Batched {
     /// `[m, k] · [b, k, n]`: the left operand is shared.
     Right,
 }
-
-/// Whether float matrix products on CUDA devices may use TF32 tensor cores
-/// ([`crate::set_allow_tf32`]). Off: strict FP32.
-pub(crate) static ALLOW_TF32: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
 
 /// CUDA devices usable by this build on this machine (0 without the `cuda` feature, a driver
 /// or a GPU; never a panic).

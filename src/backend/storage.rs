@@ -1,12 +1,24 @@
-//! [`Storage`]: the bytes of one array, on the host or on a CUDA device.
+//! [`Storage`]: the bytes of one array, on the host or on a CUDA device, and how it is made: its
+//! own allocation, an adopted `Vec`, or a slice carved from a workspace [`Block`].
+//!
+//! The order below it: raw memory regions (host RAM and mapped files in `block.rs`, device and
+//! page-locked memory in `cuda/memory.rs`), then the workspace [`Block`] over them, then the two
+//! buffers (`cpu/buffer.rs`, `cuda/buffer.rs`), each its own allocation or a slice of a block,
+//! then `Storage` over the buffers. Carving a block into storage names both buffers, so it lives
+//! here, at the top ([`Block::carve`]), not beside the block.
 
+use std::sync::Arc;
+
+use super::block::{Base, Block};
 use super::cpu::buffer::HostBuffer;
 use super::cuda::DeviceBuffer;
+#[cfg(feature = "cuda")]
+use super::cuda::DeviceMemory;
 use crate::error::Ctx;
 use crate::{Device, Element, Result};
 
 /// The bytes of one array: a host buffer, or device memory of one CUDA device. Either its own
-/// allocation or a slice of a workspace [`Block`](super::Block). It lives in the data lock of its
+/// allocation or a slice of a workspace [`Block`]. It lives in the data lock of its
 /// array, which is what makes sharing it between threads sound.
 pub(crate) enum Storage {
     /// Host memory ([`HostBuffer`]), computed on by the CPU kernels.
@@ -46,5 +58,44 @@ impl Storage {
             Storage::Host(buffer) => buffer.is_block(),
             Storage::Cuda(_) => true,
         }
+    }
+}
+
+impl Block {
+    /// Storage for `[offset, offset + bytes)` of the block, keeping the block alive; `None` if
+    /// the range does not lie inside it.
+    ///
+    /// # Safety
+    /// The range must not overlap the storage of any other live array: the workspace's allocator
+    /// hands each range to one array at a time, and closes the arrays a circular workspace wraps
+    /// over before their range is handed out again.
+    pub unsafe fn carve(self: &Arc<Block>, offset: usize, bytes: usize) -> Option<Storage> {
+        let end = offset.checked_add(bytes)?;
+        if end > self.capacity() {
+            return None;
+        }
+        Some(match self.base() {
+            Base::Host(base) => {
+                // SAFETY: `offset + bytes <= capacity`, so the pointer stays inside the
+                // allocation; the base is 64-byte aligned and offsets are multiples of the
+                // workspace alignment; host blocks are zeroed when created and only ever hold
+                // element values; the caller guarantees the range is handed to no other live
+                // buffer.
+                let buffer = unsafe {
+                    HostBuffer::block_slice(Arc::clone(self), base.as_ptr().add(offset), bytes)
+                };
+                Storage::Host(buffer)
+            }
+            Base::Device(memory) => memory.carve(Arc::clone(self), offset, bytes),
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceMemory {
+    /// Storage for `[offset, offset + bytes)` of this block's memory, keeping `block` alive.
+    /// The caller ([`Block::carve`]) checked the range.
+    pub fn carve(&self, block: Arc<Block>, offset: usize, bytes: usize) -> Storage {
+        Storage::Cuda(DeviceBuffer::block_slice(block, self, offset, bytes))
     }
 }

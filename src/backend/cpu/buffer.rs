@@ -12,13 +12,10 @@ use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::backend::Block;
+use crate::backend::block::{Block, STORAGE_ALIGN};
 use crate::error::Ctx;
 use crate::memory;
 use crate::{Device, Element, Result};
-
-/// Alignment of every heap buffer ndscope allocates: a cache line, and a full AVX-512 vector.
-pub(crate) const STORAGE_ALIGN: usize = 64;
 
 /// Host bytes of one array: what `Storage::Host` holds, the host counterpart of the CUDA
 /// `DeviceBuffer` (so the name stays: `Storage::Host(HostBuffer)` is one idea, an array's

@@ -14,8 +14,10 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError};
 use parking_lot::{Mutex, MutexGuard};
 
+use super::cache;
+use super::driver::{describe, pretend};
 use super::kernels::Kernels;
-use crate::backend::ALLOW_TF32;
+use crate::backend::settings::ALLOW_TF32;
 use crate::error::Ctx;
 use crate::memory;
 use crate::{Device, Error, Result};
@@ -48,18 +50,6 @@ struct DeviceSetup {
 }
 
 static BACKEND: OnceLock<Backend> = OnceLock::new();
-
-/// `name (description)` of a driver error, e.g. `CUDA_ERROR_OUT_OF_MEMORY (out of memory)`.
-pub(crate) fn describe(e: DriverError) -> String {
-    let name = e
-        .error_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
-    match e.error_string() {
-        Ok(text) => format!("{name} ({})", text.to_string_lossy()),
-        Err(_) => name,
-    }
-}
 
 /// The `Backend` error for a failed driver call.
 pub(crate) fn driver_error(ctx: &Ctx, what: &str, e: DriverError) -> Error {
@@ -131,17 +121,6 @@ fn probe() -> (usize, String) {
         return (0, why);
     }
     (count, String::new())
-}
-
-/// A value of `NDSCOPE_CUDA_PRETEND` (for tests: `driver=12040,cc=70,nvrtc_max=89` makes the
-/// backend see that driver version, compute capability or newest NVRTC target instead of the
-/// machine's), or `None`.
-pub(crate) fn pretend(key: &str) -> Option<i32> {
-    let text = std::env::var("NDSCOPE_CUDA_PRETEND").ok()?;
-    text.split(',').find_map(|pair| {
-        let (k, v) = pair.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().parse().ok()).flatten()
-    })
 }
 
 /// The oldest Linux driver of each CUDA major version.
@@ -506,7 +485,7 @@ impl Gpu {
         // On out-of-memory the caller may hold one of the locks, at exit another thread may:
         // a piece whose lock is taken is skipped then, never waited for.
         let wait = why == Release::Explicit;
-        let mut bytes = super::memory::release_array_cache(self, wait);
+        let mut bytes = self.release_array_cache(wait);
         if let Some(mut scratch) = lock_or_try(&self.scratch, wait) {
             bytes += scratch.release(self);
         }
@@ -524,6 +503,23 @@ impl Gpu {
             }
         }
         self.trim_pool();
+        bytes
+    }
+
+    /// Gives the allocations the cache of freed array memory keeps back to the driver (in
+    /// stream order); returns their bytes. With `wait`, waits for the cache's lock; without,
+    /// gives up (returning 0) when another thread holds it.
+    fn release_array_cache(&self, wait: bool) -> usize {
+        let (bytes, freed) = {
+            let Some(mut c) = lock_or_try(cache::of(self.ordinal), wait) else {
+                return 0;
+            };
+            c.drain()
+        };
+        memory::cache_dropped(self.device(), bytes);
+        for ptr in freed {
+            self.free(ptr);
+        }
         bytes
     }
 

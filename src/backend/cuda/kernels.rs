@@ -240,7 +240,7 @@ impl Kernels {
         let module = ctx.load_module(image).map_err(|e| {
             format!(
                 "loading the compiled kernels failed: {}",
-                super::device::describe(e)
+                super::driver::describe(e)
             )
         })?;
         let mut functions = HashMap::new();
@@ -248,7 +248,7 @@ impl Kernels {
             let f = module.load_function(name).map_err(|e| {
                 format!(
                     "kernel `{name}` is missing from the compiled module: {}",
-                    super::device::describe(e)
+                    super::driver::describe(e)
                 )
             })?;
             functions.insert(*key, Function(f.cu_function(), name.as_str()));
@@ -367,7 +367,7 @@ fn supported_archs() -> std::result::Result<Vec<u32>, String> {
             .result()
             .map_err(|e| format!("nvrtcGetSupportedArchs failed: {e:?}"))?;
     }
-    let max = super::device::pretend("nvrtc_max").unwrap_or(i32::MAX);
+    let max = super::driver::pretend("nvrtc_max").unwrap_or(i32::MAX);
     let mut archs: Vec<u32> = archs
         .into_iter()
         .filter(|&a| a <= max)

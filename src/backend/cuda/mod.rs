@@ -3,13 +3,22 @@
 //!
 //! - `device.rs`: finding the libraries and devices without panicking; per device one context,
 //!   one stream, one cuBLAS handle, staging and scratch memory.
-//! - `memory.rs`: device memory of arrays and workspace blocks (stream-ordered allocation),
-//!   page-locked host memory.
+//! - `driver.rs`: a driver error's description, and the test overrides of
+//!   `NDSCOPE_CUDA_PRETEND` (a leaf under the devices and the kernels).
+//! - `memory.rs`: raw memory regions: one allocation of device memory (stream-ordered), and
+//!   page-locked host memory; `cache.rs`: the per-device cache of freed array memory.
+//! - `buffer.rs`: an array's device memory, its own allocation or a slice of a workspace block.
 //! - `kernels.rs` and `kernels.cu`: the kernels, compiled by NVRTC and cached on disk.
 //! - `ops.rs`: the op families.
 
 #[cfg(feature = "cuda")]
+mod buffer;
+#[cfg(feature = "cuda")]
+mod cache;
+#[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod driver;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
@@ -18,9 +27,11 @@ mod memory;
 mod ops;
 
 #[cfg(feature = "cuda")]
+pub(crate) use buffer::DeviceBuffer;
+#[cfg(feature = "cuda")]
 pub(crate) use device::{device_count, prepare, release_cached, unavailable_reason};
 #[cfg(feature = "cuda")]
-pub(crate) use memory::{DeviceBuffer, DeviceMemory, PinnedMemory};
+pub(crate) use memory::{DeviceMemory, PinnedMemory};
 #[cfg(feature = "cuda")]
 pub(crate) use ops::*;
 

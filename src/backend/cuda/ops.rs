@@ -18,9 +18,9 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
+use super::buffer::DeviceBuffer;
 use super::device::{blas_error, lock_or_try, pinned_alloc, sticky, Gpu, STAGING};
 use super::kernels::{self, Function};
-use super::memory::DeviceBuffer;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::layout::{
     broadcast_strides, contiguous_strides, merge_dims, reduction_passes, Pass,
