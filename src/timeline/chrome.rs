@@ -25,8 +25,9 @@ use crate::error::Bytes;
 use crate::observe::NO_MANAGER;
 use crate::Device;
 
+/// One event of the trace, as the Trace Event Format writes it (not a recorded `MemoryEvent`).
 #[derive(Serialize)]
-struct Event<'a, A: Serialize> {
+struct TraceEvent<'a, A: Serialize> {
     name: &'a str,
     ph: &'static str,
     ts: f64,
@@ -44,9 +45,9 @@ struct Event<'a, A: Serialize> {
     args: A,
 }
 
-impl<'a, A: Serialize> Event<'a, A> {
+impl<'a, A: Serialize> TraceEvent<'a, A> {
     fn new(name: &'a str, ph: &'static str, ns: u64, pid: u32, args: A) -> Self {
-        Event {
+        TraceEvent {
             name,
             ph,
             ts: us(ns),
@@ -208,7 +209,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
     let mut out = Out { w, first: true };
 
     let process = format!("ndscope (pid {pid})");
-    out.emit(&Event::new(
+    out.emit(&TraceEvent::new(
         "process_name",
         "M",
         0,
@@ -237,11 +238,11 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
     let starting = replay.totals.clone().unwrap_or_default();
     for (device, bytes) in starting.device {
         let name = device_track(&mut device_tracks, device);
-        out.emit(&Event::new(&name, "C", 0, pid, Counter { bytes }))?;
+        out.emit(&TraceEvent::new(&name, "C", 0, pid, Counter { bytes }))?;
     }
     for (top, bytes) in starting.top {
         let name = top_track(&mut top_tracks, &replay, top);
-        out.emit(&Event::new(&name, "C", 0, pid, Counter { bytes }))?;
+        out.emit(&TraceEvent::new(&name, "C", 0, pid, Counter { bytes }))?;
     }
 
     let mut slices: Vec<Slice> = Vec::new();
@@ -258,12 +259,24 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
                 .copied()
                 .unwrap_or(0);
             let name = device_track(&mut device_tracks, device);
-            out.emit(&Event::new(&name, "C", e.time_ns, pid, Counter { bytes }))?;
+            out.emit(&TraceEvent::new(
+                &name,
+                "C",
+                e.time_ns,
+                pid,
+                Counter { bytes },
+            ))?;
         }
         for top in changes.tops.into_iter().flatten() {
             let bytes = totals.and_then(|t| t.top.get(&top)).copied().unwrap_or(0);
             let name = top_track(&mut top_tracks, &replay, top);
-            out.emit(&Event::new(&name, "C", e.time_ns, pid, Counter { bytes }))?;
+            out.emit(&TraceEvent::new(
+                &name,
+                "C",
+                e.time_ns,
+                pid,
+                Counter { bytes },
+            ))?;
         }
         if let Some(open) = closed {
             let f = figures.remove(&open.shared.id);
@@ -388,14 +401,26 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
     let totals = replay.totals.clone().unwrap_or_default();
     for (device, bytes) in &totals.device {
         let name = device_track(&mut device_tracks, *device);
-        out.emit(&Event::new(&name, "C", end, pid, Counter { bytes: *bytes }))?;
+        out.emit(&TraceEvent::new(
+            &name,
+            "C",
+            end,
+            pid,
+            Counter { bytes: *bytes },
+        ))?;
     }
     for (top, bytes) in &totals.top {
         if *top == NO_MANAGER && *bytes == 0 && !top_tracks.contains_key(top) {
             continue;
         }
         let name = top_track(&mut top_tracks, &replay, *top);
-        out.emit(&Event::new(&name, "C", end, pid, Counter { bytes: *bytes }))?;
+        out.emit(&TraceEvent::new(
+            &name,
+            "C",
+            end,
+            pid,
+            Counter { bytes: *bytes },
+        ))?;
     }
 
     write_slices(&mut out, slices, pid)?;
@@ -409,7 +434,7 @@ pub(super) fn write(rec: &Recording, w: &mut dyn Write) -> io::Result<()> {
             .filter(|n| !n.is_empty())
             .cloned()
             .unwrap_or_else(|| format!("thread {t}"));
-        let mut meta = Event::new("thread_name", "M", 0, pid, Name { name: &name });
+        let mut meta = TraceEvent::new("thread_name", "M", 0, pid, Name { name: &name });
         meta.tid = Some(t);
         out.emit(&meta)?;
     }
@@ -425,7 +450,7 @@ fn emit_instant(
     thread: u32,
     args: InstantArgs<'_>,
 ) -> io::Result<()> {
-    let mut e = Event::new(name, "i", ns, pid, args);
+    let mut e = TraceEvent::new(name, "i", ns, pid, args);
     e.tid = Some(thread);
     e.s = Some("t");
     e.cat = Some(cat);
@@ -457,14 +482,14 @@ fn write_slices(out: &mut Out<'_>, mut slices: Vec<Slice>, pid: u32) -> io::Resu
         let cat = if s.cycle { "cycle" } else { "scope" };
         if nests {
             stack.push((s.thread, s.end));
-            let mut e = Event::new(&s.name, "X", s.start, pid, &s.args);
+            let mut e = TraceEvent::new(&s.name, "X", s.start, pid, &s.args);
             e.tid = Some(s.thread);
             e.dur = Some(us(s.end - s.start));
             e.cat = Some(cat);
             out.emit(&e)?;
         } else {
             for (ph, ns) in [("b", s.start), ("e", s.end)] {
-                let mut e = Event::new(&s.name, ph, ns, pid, &s.args);
+                let mut e = TraceEvent::new(&s.name, ph, ns, pid, &s.args);
                 e.tid = Some(s.thread);
                 e.cat = Some("scope (overlapping)");
                 e.id = Some(s.id);

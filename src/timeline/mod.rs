@@ -62,11 +62,11 @@ pub use recording::Recording;
 use replay::Replay;
 
 /// The recording in progress.
-static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+static RECORDER: Mutex<Option<Session>> = Mutex::new(None);
 
 /// Locks the recorder (after the arena and data locks in the lock order: see `crate::locks`).
 /// The order mark is returned first, so it is dropped after the guard.
-fn lock_recorder() -> (Held, parking_lot::MutexGuard<'static, Option<Recorder>>) {
+fn lock_recorder() -> (Held, parking_lot::MutexGuard<'static, Option<Session>>) {
     let held = locks::acquire(Rank::Recorder, 0);
     (held, RECORDER.lock())
 }
@@ -111,8 +111,9 @@ impl RecordOptions {
     }
 }
 
-/// The recorder's state while it runs.
-struct Recorder {
+/// A recording while it runs: the recorder's state (the finished [`Recording`] is what it
+/// hands out).
+struct Session {
     started: Instant,
     started_wall: SystemTime,
     max_entries: usize,
@@ -125,7 +126,7 @@ struct Recorder {
     thread: u32,
 }
 
-impl Recorder {
+impl Session {
     fn push(&mut self, event: MemoryEvent) {
         if self.events.len() >= self.max_entries {
             if let Some(old) = self.events.pop_front() {
@@ -193,8 +194,8 @@ fn thread_index() -> u32 {
 }
 
 /// Starts recording into `recorder` (locked and empty) from the starting state `base`.
-fn install(recorder: &mut Option<Recorder>, options: &RecordOptions, base: Replay, thread: u32) {
-    *recorder = Some(Recorder {
+fn install(recorder: &mut Option<Session>, options: &RecordOptions, base: Replay, thread: u32) {
+    *recorder = Some(Session {
         started: Instant::now(),
         started_wall: SystemTime::now(),
         max_entries: options.max_entries,
@@ -456,7 +457,7 @@ pub fn stop_recording() -> Option<Recording> {
 /// is running. Like PyTorch's `torch.cuda.memory._snapshot()`.
 pub fn recording_snapshot() -> Option<Recording> {
     let (_held, guard) = lock_recorder();
-    guard.as_ref().map(Recorder::recording)
+    guard.as_ref().map(Session::recording)
 }
 
 /// Whether a recording is running.

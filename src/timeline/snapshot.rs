@@ -546,7 +546,7 @@ fn segments(b: &mut Builder, replay: &Replay) -> Vec<Segment> {
 
 /// The strings every entry repeats, each written once and memoized at its first use.
 #[derive(Clone, Copy)]
-enum Key {
+enum DictKey {
     Action,
     Addr,
     Size,
@@ -582,7 +582,7 @@ struct Memo {
 }
 
 impl Memo {
-    fn key(&mut self, p: &mut Pickler<'_>, key: Key) {
+    fn key(&mut self, p: &mut Pickler<'_>, key: DictKey) {
         let memo = &mut self.keys[key as usize];
         match *memo {
             Some(m) => p.get(m),
@@ -645,11 +645,11 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
         p.mark();
         p.empty_dict();
         p.mark();
-        memo.key(p, Key::Filename);
+        memo.key(p, DictKey::Filename);
         p.str(f.file);
-        memo.key(p, Key::Line);
+        memo.key(p, DictKey::Line);
         p.int(f.line as i64);
-        memo.key(p, Key::Name);
+        memo.key(p, DictKey::Name);
         p.str(&f.name);
         p.setitems();
         p.appends();
@@ -664,20 +664,20 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
         p.list(trace, |p, e| {
             p.empty_dict();
             p.mark();
-            memo.key(p, Key::Action);
+            memo.key(p, DictKey::Action);
             memo.action(p, e.action);
-            memo.key(p, Key::Addr);
+            memo.key(p, DictKey::Addr);
             p.uint(e.addr);
-            memo.key(p, Key::Size);
+            memo.key(p, DictKey::Size);
             p.uint(e.size);
-            memo.key(p, Key::Stream);
+            memo.key(p, DictKey::Stream);
             p.int(0);
-            memo.key(p, Key::TimeUs);
+            memo.key(p, DictKey::TimeUs);
             p.int(e.time_us);
-            memo.key(p, Key::Frames);
+            memo.key(p, DictKey::Frames);
             frames_of(p, &mut memo, e.frames);
             if e.category != NONE {
-                memo.key(p, Key::Category);
+                memo.key(p, DictKey::Category);
                 let c = e.category as usize;
                 match category_memo[c] {
                     Some(m) => p.get(m),
@@ -685,7 +685,7 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
                 }
             }
             if let Some(free) = e.device_free {
-                memo.key(p, Key::DeviceFree);
+                memo.key(p, DictKey::DeviceFree);
                 p.uint(free);
             }
             p.setitems();
@@ -710,7 +710,7 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
         p.uint(s.allocated);
         p.str("requested_size");
         p.uint(s.requested);
-        memo.key(p, Key::Stream);
+        memo.key(p, DictKey::Stream);
         p.int(0);
         p.str("segment_type");
         p.str(if s.total < (1 << 20) {
@@ -724,7 +724,7 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
         p.tuple2();
         p.str("is_expandable");
         p.bool(false);
-        memo.key(p, Key::Frames);
+        memo.key(p, DictKey::Frames);
         frames_of(p, &mut memo, s.frames);
         p.str("blocks");
         p.list(&s.blocks, |p, blk| {
@@ -732,7 +732,7 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
             p.mark();
             p.str("address");
             p.uint(blk.address);
-            memo.key(p, Key::Size);
+            memo.key(p, DictKey::Size);
             p.uint(blk.size);
             p.str("requested_size");
             p.uint(blk.requested);
@@ -742,7 +742,7 @@ fn emit(rec: &Recording, b: &Builder, segments: &[Segment], out: &mut dyn Write)
             } else {
                 "inactive"
             });
-            memo.key(p, Key::Frames);
+            memo.key(p, DictKey::Frames);
             frames_of(p, &mut memo, blk.frames);
             p.setitems();
             Ok(())

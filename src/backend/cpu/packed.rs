@@ -120,7 +120,7 @@ fn product(
         return;
     }
     let panels = n.div_ceil(NR);
-    let job = Job {
+    let job = Operands {
         m,
         k,
         n,
@@ -166,7 +166,7 @@ pub(crate) fn tasks(m: usize, k: usize, n: usize) -> usize {
 }
 
 /// One product's operands, as raw pointers so that pool tasks can share them.
-struct Job {
+struct Operands {
     m: usize,
     k: usize,
     n: usize,
@@ -180,9 +180,9 @@ struct Job {
 
 // SAFETY: the pointers are only read (a, packed, bias) or written in disjoint column ranges
 // (out), as `packed_matmul` states for each task.
-unsafe impl Sync for Job {}
+unsafe impl Sync for Operands {}
 
-impl Job {
+impl Operands {
     /// Computes the output columns of `panels`.
     ///
     /// # Safety
