@@ -8,8 +8,10 @@
 //! - `memory.rs`: raw memory regions: one allocation of device memory (stream-ordered), and
 //!   page-locked host memory; `cache.rs`: the per-device cache of freed array memory.
 //! - `buffer.rs`: an array's device memory, its own allocation or a slice of a workspace block.
-//! - `kernels.rs` and `kernels.cu`: the kernels, compiled by NVRTC and cached on disk.
-//! - `ops.rs`: the op families.
+//! - `kernels.rs` and `kernels/*.cu`: the kernels, one source file per op family (the shared
+//!   device code in `common.cu`), compiled by NVRTC as one program and cached on disk.
+//! - `ops/`: the op families, one file each (launch, error, transfer, elementwise, reduce,
+//!   matmul, nn, shape).
 
 #[cfg(feature = "cuda")]
 mod buffer;
