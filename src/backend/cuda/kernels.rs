@@ -1,4 +1,4 @@
-//! ndscope's CUDA kernels (`kernels.cu`): compiled by NVRTC for the device's own architecture
+//! ndscope's CUDA kernels (`kernels/*.cu`, one file per op family): compiled by NVRTC as one program for the device's own architecture
 //! once per process, cached on disk so a later process loads the binary instead of compiling
 //! again, and looked up by name and dtype.
 //!
@@ -19,8 +19,17 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 use crate::error::Ctx;
 use crate::{DType, Result};
 
-/// The kernel source.
-pub(crate) const SOURCE: &str = include_str!("kernels.cu");
+/// The kernel source: the files of `kernels/`, the shared part first, then one file per op
+/// family, compiled as one program (a change to any file changes the cache key).
+pub(crate) const SOURCE: &str = concat!(
+    include_str!("kernels/common.cu"),
+    include_str!("kernels/transfer.cu"),
+    include_str!("kernels/elementwise.cu"),
+    include_str!("kernels/shape.cu"),
+    include_str!("kernels/reduce.cu"),
+    include_str!("kernels/nn.cu"),
+    include_str!("kernels/matmul.cu"),
+);
 
 /// NVRTC options: no fused multiply-adds, so float arithmetic rounds as on the CPU.
 const OPTIONS: [&str; 2] = ["--fmad=false", "-std=c++17"];
@@ -128,7 +137,7 @@ const BY_SIZE: &[&str] = &["gather", "transpose", "copy_rows"];
 /// The lookup key of a kernel: its base name and two dtype codes or an element size.
 type Key = (&'static str, u8, u8);
 
-/// Every kernel the backend may launch: its lookup key and its name in `kernels.cu`.
+/// Every kernel the backend may launch: its lookup key and its name in the kernel source.
 fn expected() -> Vec<(Key, String)> {
     let mut all = Vec::new();
     for &(base, types) in ONE_DTYPE {
@@ -172,7 +181,7 @@ pub(crate) struct Kernels {
 }
 
 /// A kernel handle (valid while the module lives, which is the process) and the kernel's name
-/// in `kernels.cu` (for the launch check, [`check_launch`]).
+/// in the kernel source (for the launch check, [`check_launch`]).
 #[derive(Clone, Copy)]
 pub(crate) struct Function(pub CUfunction, pub &'static str);
 
@@ -503,16 +512,18 @@ pub(crate) fn checking_launches() -> bool {
 /// declares. The error names the kernel, the parameter and both sizes.
 pub(crate) fn check_launch(ctx: &Ctx, name: &str, sizes: &[usize]) -> Result<()> {
     let signatures = signatures().as_ref().map_err(|why| {
-        ctx.unsupported(format!("the launch check cannot read kernels.cu: {why}"))
+        ctx.unsupported(format!(
+            "the launch check cannot read the kernel source: {why}"
+        ))
     })?;
     let Some(params) = signatures.get(name) else {
         return Err(ctx.unsupported(format!(
-            "launch of `{name}`: kernels.cu declares no kernel of that name"
+            "launch of `{name}`: the kernel source declares no kernel of that name"
         )));
     };
     if params.len() != sizes.len() {
         return Err(ctx.unsupported(format!(
-            "launch of `{name}` passes {} arguments; kernels.cu declares {} parameters \
+            "launch of `{name}` passes {} arguments; the kernel source declares {} parameters \
              (sizes {params:?}, passed {sizes:?})",
             sizes.len(),
             params.len()
@@ -525,7 +536,7 @@ pub(crate) fn check_launch(ctx: &Ctx, name: &str, sizes: &[usize]) -> Result<()>
         .find(|(_, (want, got))| want != got)
     {
         return Err(ctx.unsupported(format!(
-            "launch of `{name}`: parameter {i} is {want} bytes in kernels.cu, the launch passes \
+            "launch of `{name}`: parameter {i} is {want} bytes in the kernel source, the launch passes \
              {got} bytes"
         )));
     }
@@ -883,7 +894,7 @@ mod tests {
         for arch in ["sm_80", "sm_90"] {
             let cubin = match compile(arch) {
                 Ok(cubin) => cubin,
-                Err(log) => panic!("kernels.cu does not compile for {arch}:\n{log}"),
+                Err(log) => panic!("the kernel source does not compile for {arch}:\n{log}"),
             };
             // Every kernel the backend looks up is a symbol of the binary (its names are
             // NUL-terminated strings of the ELF string table).
@@ -900,13 +911,13 @@ mod tests {
         }
     }
 
-    /// Every kernel the backend may launch has a parameter list read from kernels.cu, and
+    /// Every kernel the backend may launch has a parameter list read from the kernel source, and
     /// the lists are what the source declares.
     #[test]
     fn every_kernel_has_a_parsed_parameter_list() {
         let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
         let templates = SOURCE.matches("__global__ void").count();
-        assert_eq!(templates, 29, "kernel templates in kernels.cu");
+        assert_eq!(templates, 29, "kernel templates in the kernel source");
         let missing: Vec<String> = expected()
             .into_iter()
             .map(|(_, name)| name)

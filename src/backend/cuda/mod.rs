@@ -5,8 +5,10 @@
 //!   one stream, one cuBLAS handle, staging and scratch memory.
 //! - `memory.rs`: device memory of arrays and workspace blocks (stream-ordered allocation),
 //!   page-locked host memory.
-//! - `kernels.rs` and `kernels.cu`: the kernels, compiled by NVRTC and cached on disk.
-//! - `ops.rs`: the op families.
+//! - `kernels.rs` and `kernels/*.cu`: the kernels, one source file per op family (the shared
+//!   device code in `common.cu`), compiled by NVRTC as one program and cached on disk.
+//! - `ops/`: the op families, one file each (launch, error, transfer, elementwise, reduce,
+//!   matmul, nn, shape).
 
 #[cfg(feature = "cuda")]
 mod device;

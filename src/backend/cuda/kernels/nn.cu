@@ -1,0 +1,158 @@
+// Kernels of the neural-network ops: softmax (whole rows and split rows), `one_hot`, `pick`.
+
+// ---- neural-network ops ----
+
+// Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner], with the launch
+// shapes of `fold` (no chunks): `tpr` threads per row for inner == 1, 32 columns per block
+// otherwise. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
+template <typename T> struct MaxOf {
+    __device__ T operator()(T a, T b) const { return op_max(a, b); }
+};
+template <typename T, typename Reduce>
+__device__ __forceinline__ void softmax_line(const T* p, T* q, u64 n, u64 stride, u64 first,
+                                             u64 step, bool live, int log_, T* smax, f64* ssum,
+                                             Reduce reduce) {
+    T m = lowest((T)0);
+    if (live)
+        for (u64 i = first; i < n; i += step) m = op_max(m, p[i * stride]);
+    m = reduce(m, smax, MaxOf<T>());
+    f64 s = 0.0;
+    if (live)
+        for (u64 i = first; i < n; i += step) {
+            T e = e_exp(p[i * stride] - m);
+            if (!log_) q[i * stride] = e;
+            s += (f64)e;
+        }
+    s = reduce(s, ssum, AddF());
+    if (!live) return;
+    if (log_) {
+        T shift = m + (T)log(s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = p[i * stride] - shift;
+    } else {
+        T scale = (T)(1.0 / s);
+        for (u64 i = first; i < n; i += step) q[i * stride] = q[i * stride] * scale;
+    }
+}
+struct GroupReduce {
+    u32 width;
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return group_reduce(v, shared, width, comb);
+    }
+};
+struct ColumnReduce {
+    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
+        return column_reduce(v, shared, comb);
+    }
+};
+#define SOFTMAX(T)                                                                                 \
+    extern "C" __global__ void softmax_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,       \
+                                           int log_, u32 tpr) {                                    \
+        __shared__ T smax[256];                                                                    \
+        __shared__ f64 ssum[256];                                                                  \
+        if (inner == 1) {                                                                          \
+            u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;  \
+            for (u64 base = (u64)blockIdx.x * per; base < outer; base += (u64)gridDim.x * per) {  \
+                u64 row = base + slot;                                                             \
+                bool live = row < outer;                                                           \
+                u64 at = live ? row * n : 0;                                                       \
+                softmax_line(x + at, out + at, n, 1, lane, tpr, live, log_, smax, ssum,            \
+                             GroupReduce{tpr});                                                    \
+            }                                                                                      \
+        } else {                                                                                   \
+            u64 columns = outer * inner;                                                           \
+            for (u64 g = blockIdx.x; g * 32 < columns; g += gridDim.x) {                           \
+                u64 col = g * 32 + threadIdx.x;                                                    \
+                bool live = col < columns;                                                         \
+                u64 at = live ? (col / inner) * n * inner + col % inner : 0;                       \
+                softmax_line(x + at, out + at, n, inner, threadIdx.y, blockDim.y, live, log_,      \
+                             smax, ssum, ColumnReduce());                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }
+FOR_FLOAT(SOFTMAX)
+
+// Softmax of few long rows (inner == 1), split into `chunks` slices per row over the device, in
+// three launches of one kernel: phase 0 writes each slice's maximum to part_m; phase 1 takes
+// the row's maximum m from those and writes each slice's sum of exp(x - m) (f64) to part_s
+// (and exp(x - m) to out unless `log_`); phase 2 takes m and the row's sum s (the slices' sums
+// added in order) and writes the result as `softmax_line` does. One segment (row, slice) per
+// block at a time, 1-d blocks.
+template <typename T>
+__device__ __forceinline__ T row_max(const T* part_m, u64 row, u64 chunks) {
+    T m = lowest((T)0);
+    for (u64 c = 0; c < chunks; ++c) m = op_max(m, part_m[row * chunks + c]);
+    return m;
+}
+#define SOFTMAX_SPLIT(T)                                                                           \
+    extern "C" __global__ void softmax_split_##T(const T* x, T* out, u64 outer, u64 n, u64 chunks, \
+                                                 int log_, int phase, T* part_m, f64* part_s) {   \
+        __shared__ T smax[256];                                                                    \
+        __shared__ f64 ssum[256];                                                                  \
+        u64 len = (n + chunks - 1) / chunks;                                                       \
+        for (u64 b = blockIdx.x; b < outer * chunks; b += gridDim.x) {                             \
+            u64 row = b / chunks, c = b % chunks;                                                  \
+            u64 begin = c * len, end = begin + len < n ? begin + len : n;                          \
+            const T* p = x + row * n;                                                              \
+            T* q = out + row * n;                                                                  \
+            if (phase == 0) {                                                                      \
+                T m = lowest((T)0);                                                                \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) m = op_max(m, p[i]);  \
+                m = block_reduce(m, smax, MaxOf<T>());                                             \
+                if (threadIdx.x == 0) part_m[b] = m;                                               \
+            } else if (phase == 1) {                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) {                      \
+                    T e = e_exp(p[i] - m);                                                         \
+                    if (!log_) q[i] = e;                                                           \
+                    s += (f64)e;                                                                   \
+                }                                                                                  \
+                s = block_reduce(s, ssum, AddF());                                                 \
+                if (threadIdx.x == 0) part_s[b] = s;                                               \
+            } else {                                                                               \
+                T m = row_max(part_m, row, chunks);                                                \
+                f64 s = 0.0;                                                                       \
+                for (u64 k = 0; k < chunks; ++k) s += part_s[row * chunks + k];                    \
+                if (log_) {                                                                        \
+                    T shift = m + (T)log(s);                                                       \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = p[i] - shift; \
+                } else {                                                                           \
+                    T scale = (T)(1.0 / s);                                                        \
+                    for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) q[i] = q[i] * scale; \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+FOR_FLOAT(SOFTMAX_SPLIT)
+
+// out[p, c] = (idx[p] == c) for out of [count, depth]; an index outside the range gives a row of
+// zeros and is reported (`report_bad`, position p).
+#define ONE_HOT(I, T)                                                                              \
+    extern "C" __global__ void one_hot_##I##_##T(const I* idx, T* out, u64 count, u64 depth,      \
+                                                 u64* flag, u64 key) {                             \
+        GRID_STRIDE(q, count * depth) {                                                            \
+            i64 v = (i64)idx[q / depth];                                                           \
+            if (q % depth == 0 && (v < 0 || (u64)v >= depth)) report_bad(flag, key, q / depth);    \
+            out[q] = (v == (i64)(q % depth)) ? (T)1 : (T)0;                                        \
+        }                                                                                          \
+    }
+#define ONE_HOT_TO(I) ONE_HOT(I, f32) ONE_HOT(I, f64) ONE_HOT(I, i32) ONE_HOT(I, i64) ONE_HOT(I, u8)
+ONE_HOT_TO(i32)
+ONE_HOT_TO(i64)
+ONE_HOT_TO(u8)
+
+// out[o, j] = x[o, idx[o, j], j] for x of [outer, n, inner]; an index outside gives 0 and is
+// reported (`report_bad`, position p).
+#define PICK(T, I)                                                                                 \
+    extern "C" __global__ void pick_##T##_##I(const T* x, const I* idx, T* out, u64 count, u64 n, \
+                                              u64 inner, u64* flag, u64 key) {                    \
+        GRID_STRIDE(p, count) {                                                                    \
+            i64 v = (i64)idx[p];                                                                   \
+            u64 o = p / inner, j = p % inner;                                                      \
+            bool ok = v >= 0 && (u64)v < n;                                                        \
+            if (!ok) report_bad(flag, key, p);                                                     \
+            out[p] = ok ? x[(o * n + (u64)v) * inner + j] : (T)0;                                  \
+        }                                                                                          \
+    }
+#define PICK_OF(T) PICK(T, i32) PICK(T, i64) PICK(T, u8)
+FOR_ALL(PICK_OF)
