@@ -17,7 +17,6 @@ pub(crate) mod block;
 pub(crate) mod contract;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
-mod cuda_bridge;
 pub(crate) mod layout;
 pub(crate) mod op_table;
 mod ops;

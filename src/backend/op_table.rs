@@ -8,7 +8,7 @@
 //! | `define_unary`, `define_binary`, `define_compare` | here | the op enums, their kernel names and dtype classes |
 //! | `cpu_unary`, `cpu_binary`, `cpu_compare` | `cpu/ops.rs` | the CPU dispatch: op → kernel, monomorphised per dtype |
 //! | `unary_front_ends`, `binary_front_ends`, `compare_front_ends` | `ndarray/ops.rs` | the public `NDArray` methods, with the row's docs |
-//! | [`Unary::kernel_name`] and friends | `cuda/` | the CUDA kernel `<name>_<dtype>` to launch; `cuda/kernels.rs` lists [`Unary::ALL`] among the kernels to load |
+//! | [`Unary::kernel_name`], [`Binary::kernel_names`], [`Compare::kernel_names`] | `cuda/ops/elementwise.rs`, `cuda/kernels.rs` | the CUDA kernels `<name>_<dtype>` to launch, and to load from the compiled module ([`Unary::ALL`] and friends) |
 //!
 //! The conventions a row relies on, which the compiler (CPU) and the kernel loader (CUDA,
 //! which reports a kernel it cannot find in the compiled module) check:
@@ -167,6 +167,10 @@ macro_rules! define_binary {
         }
 
         impl Binary {
+            /// Every binary op, in table order.
+            #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+            pub(crate) const ALL: &'static [Binary] = &[$(Binary::$variant),*];
+
             /// The base names of the op's CUDA kernels: of two arrays (broadcasting), of an
             /// array and a scalar, and in place.
             #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -194,6 +198,10 @@ macro_rules! define_compare {
         }
 
         impl Compare {
+            /// Every comparison, in table order.
+            #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+            pub(crate) const ALL: &'static [Compare] = &[$(Compare::$variant),*];
+
             /// The base names of the op's CUDA kernels: of two arrays (broadcasting) and of an
             /// array and a scalar.
             #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

@@ -5,12 +5,15 @@
 //!
 //! Shapes are passed as dims, dtypes as [`DType`]; the storage's byte length always matches
 //! (front-ends allocate it from the same metadata). What each op does is documented once, on
-//! its method of the [`Backend`] contract; the calls are static (`<Cpu as Backend>::unary`).
+//! its method of the backend contract (`contract.rs`); the calls are static
+//! (`<Cpu as ElementwiseOps>::unary`).
 
-use super::contract::{Backend, Draw, Gemm, Lanes, Mnk, SgdStep, SumOf};
+use super::contract::{
+    Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, ReduceOps, SgdStep, ShapeOps, SumOf,
+    TransferOps,
+};
 use super::cpu::ops::{self as cpu, Cpu};
-use super::cuda;
-use super::cuda_bridge::Cuda;
+use super::cuda::{self, Cuda};
 use super::{Batched, Binary, Compare, Storage, Unary};
 use crate::error::Ctx;
 use crate::{DType, Element, Error, Result};
@@ -38,7 +41,7 @@ fn mixed(ctx: &Ctx) -> Error {
 
 // ---- copy / convert ----
 
-/// [`Backend::read`] of `src`'s device.
+/// [`TransferOps::read`] of `src`'s device.
 pub(crate) fn read<T: Element>(ctx: &Ctx, src: &Storage, dst: &mut [T]) -> Result<()> {
     match src {
         Storage::Host(src) => Cpu::read(ctx, src, dst),
@@ -46,7 +49,7 @@ pub(crate) fn read<T: Element>(ctx: &Ctx, src: &Storage, dst: &mut [T]) -> Resul
     }
 }
 
-/// [`Backend::write`] of `dst`'s device.
+/// [`TransferOps::write`] of `dst`'s device.
 pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut Storage, data: &[T]) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::write(ctx, dst, data),
@@ -64,7 +67,7 @@ pub(crate) fn copy(ctx: &Ctx, src: &Storage, dst: &mut Storage) -> Result<()> {
     }
 }
 
-/// [`Backend::convert`] from `from` to `to` (same device).
+/// [`TransferOps::convert`] from `from` to `to` (same device).
 pub(crate) fn convert(
     ctx: &Ctx,
     from: DType,
@@ -88,7 +91,7 @@ pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
 
 // ---- fill / random ----
 
-/// [`Backend::zero`].
+/// [`ElementwiseOps::zero`].
 pub(crate) fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::zero(ctx, dst),
@@ -96,7 +99,7 @@ pub(crate) fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
     }
 }
 
-/// [`Backend::fill`].
+/// [`ElementwiseOps::fill`].
 pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut Storage, value: f64) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::fill(ctx, dtype, dst, value),
@@ -104,7 +107,7 @@ pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut Storage, value: f64) -> Re
     }
 }
 
-/// [`Backend::arange`].
+/// [`ElementwiseOps::arange`].
 pub(crate) fn arange(
     ctx: &Ctx,
     dtype: DType,
@@ -118,7 +121,7 @@ pub(crate) fn arange(
     }
 }
 
-/// [`Backend::eye`].
+/// [`ElementwiseOps::eye`].
 pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut Storage, n: usize) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::eye(ctx, dtype, dst, n),
@@ -126,7 +129,7 @@ pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut Storage, n: usize) -> Resul
     }
 }
 
-/// [`Backend::randn`].
+/// [`ElementwiseOps::randn`].
 pub(crate) fn randn(ctx: &Ctx, dtype: DType, dst: &mut Storage, draw: Draw) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::randn(ctx, dtype, dst, draw),
@@ -134,7 +137,7 @@ pub(crate) fn randn(ctx: &Ctx, dtype: DType, dst: &mut Storage, draw: Draw) -> R
     }
 }
 
-/// [`Backend::rand`].
+/// [`ElementwiseOps::rand`].
 pub(crate) fn rand(
     ctx: &Ctx,
     dtype: DType,
@@ -150,7 +153,7 @@ pub(crate) fn rand(
 
 // ---- binary / compare / unary ----
 
-/// [`Backend::binary`].
+/// [`ElementwiseOps::binary`].
 pub(crate) fn binary(
     ctx: &Ctx,
     op: Binary,
@@ -165,7 +168,7 @@ pub(crate) fn binary(
         cuda => Cuda::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero))
 }
 
-/// [`Backend::binary_scalar`].
+/// [`ElementwiseOps::binary_scalar`].
 pub(crate) fn binary_scalar(
     ctx: &Ctx,
     op: Binary,
@@ -179,7 +182,7 @@ pub(crate) fn binary_scalar(
         cuda => Cuda::binary_scalar(ctx, op, dtype, a, value, out))
 }
 
-/// [`Backend::compare`].
+/// [`ElementwiseOps::compare`].
 pub(crate) fn compare(
     ctx: &Ctx,
     op: Compare,
@@ -193,7 +196,7 @@ pub(crate) fn compare(
         cuda => Cuda::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)))
 }
 
-/// [`Backend::compare_scalar`].
+/// [`ElementwiseOps::compare_scalar`].
 pub(crate) fn compare_scalar(
     ctx: &Ctx,
     op: Compare,
@@ -207,7 +210,7 @@ pub(crate) fn compare_scalar(
         cuda => Cuda::compare_scalar(ctx, op, dtype, a, value, out))
 }
 
-/// [`Backend::unary`].
+/// [`ElementwiseOps::unary`].
 pub(crate) fn unary(
     ctx: &Ctx,
     op: Unary,
@@ -220,7 +223,7 @@ pub(crate) fn unary(
         cuda => Cuda::unary(ctx, op, dtype, a, out))
 }
 
-/// [`Backend::pow_scalar`].
+/// [`ElementwiseOps::pow_scalar`].
 pub(crate) fn pow_scalar(
     ctx: &Ctx,
     dtype: DType,
@@ -235,7 +238,7 @@ pub(crate) fn pow_scalar(
 
 // ---- in place ----
 
-/// [`Backend::binary_inplace`].
+/// [`ElementwiseOps::binary_inplace`].
 pub(crate) fn binary_inplace(
     ctx: &Ctx,
     op: Binary,
@@ -259,7 +262,7 @@ pub(crate) fn binary_inplace(
     }
 }
 
-/// [`Backend::scale_inplace`].
+/// [`ElementwiseOps::scale_inplace`].
 pub(crate) fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Storage, value: f64) -> Result<()> {
     match x {
         Storage::Host(x) => Cpu::scale_inplace(ctx, dtype, x, value),
@@ -267,7 +270,7 @@ pub(crate) fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Storage, value: f64
     }
 }
 
-/// [`Backend::axpy`].
+/// [`ElementwiseOps::axpy`].
 pub(crate) fn axpy(
     ctx: &Ctx,
     dtype: DType,
@@ -288,7 +291,7 @@ pub(crate) fn axpy(
     }
 }
 
-/// [`Backend::assign`].
+/// [`ElementwiseOps::assign`].
 pub(crate) fn assign(
     ctx: &Ctx,
     dtype: DType,
@@ -302,7 +305,7 @@ pub(crate) fn assign(
 
 // ---- reductions ----
 
-/// [`Backend::sum`].
+/// [`ReduceOps::sum`].
 pub(crate) fn sum(
     ctx: &Ctx,
     of: SumOf,
@@ -315,14 +318,14 @@ pub(crate) fn sum(
         cuda => Cuda::sum(ctx, of, (a, dims), mask, out))
 }
 
-/// [`Backend::sum_all`].
+/// [`ReduceOps::sum_all`].
 pub(crate) fn sum_all(ctx: &Ctx, of: SumOf, a: &Storage, out: &mut Storage) -> Result<()> {
     on_device!(ctx, (a, out),
         host => Cpu::sum_all(ctx, of, a, out),
         cuda => Cuda::sum_all(ctx, of, a, out))
 }
 
-/// [`Backend::max_axis`].
+/// [`ReduceOps::max_axis`].
 pub(crate) fn max_axis(
     ctx: &Ctx,
     dtype: DType,
@@ -335,7 +338,7 @@ pub(crate) fn max_axis(
         cuda => Cuda::max_axis(ctx, dtype, a, lanes, out))
 }
 
-/// [`Backend::argmax_axis`].
+/// [`ReduceOps::argmax_axis`].
 pub(crate) fn argmax_axis(
     ctx: &Ctx,
     dtype: DType,
@@ -350,7 +353,7 @@ pub(crate) fn argmax_axis(
 
 // ---- matrix products ----
 
-/// [`Backend::matmul`].
+/// [`MatmulOps::matmul`].
 pub(crate) fn matmul(
     ctx: &Ctx,
     dtype: DType,
@@ -365,7 +368,7 @@ pub(crate) fn matmul(
         cuda => Cuda::matmul(ctx, dtype, batch, dims, a, b, out))
 }
 
-/// [`Backend::gemm`].
+/// [`MatmulOps::gemm`].
 pub(crate) fn gemm(
     ctx: &Ctx,
     dtype: DType,
@@ -422,7 +425,7 @@ pub(crate) fn packed_matmul(
     }
 }
 
-/// [`Backend::sgd_dense`].
+/// [`MatmulOps::sgd_dense`].
 pub(crate) fn sgd_dense(
     ctx: &Ctx,
     dtype: DType,
@@ -438,7 +441,7 @@ pub(crate) fn sgd_dense(
 
 // ---- neural-network ops ----
 
-/// [`Backend::softmax`].
+/// [`NnOps::softmax`].
 pub(crate) fn softmax(
     ctx: &Ctx,
     dtype: DType,
@@ -452,7 +455,7 @@ pub(crate) fn softmax(
         cuda => Cuda::softmax(ctx, dtype, a, lanes, out, log))
 }
 
-/// [`Backend::first_bad_index`].
+/// [`NnOps::first_bad_index`].
 pub(crate) fn first_bad_index(
     ctx: &Ctx,
     dtype: DType,
@@ -465,7 +468,7 @@ pub(crate) fn first_bad_index(
     }
 }
 
-/// [`Backend::one_hot`].
+/// [`NnOps::one_hot`].
 pub(crate) fn one_hot(
     ctx: &Ctx,
     dtypes: (DType, DType),
@@ -478,7 +481,7 @@ pub(crate) fn one_hot(
         cuda => Cuda::one_hot(ctx, dtypes, indices, depth, out))
 }
 
-/// [`Backend::pick`].
+/// [`NnOps::pick`].
 pub(crate) fn pick(
     ctx: &Ctx,
     dtypes: (DType, DType),
@@ -494,7 +497,7 @@ pub(crate) fn pick(
 
 // ---- shape / gather ----
 
-/// [`Backend::transpose`].
+/// [`ShapeOps::transpose`].
 pub(crate) fn transpose(
     ctx: &Ctx,
     dtype: DType,
@@ -507,7 +510,7 @@ pub(crate) fn transpose(
         cuda => Cuda::transpose(ctx, dtype, src, rows_cols, dst))
 }
 
-/// [`Backend::permute`].
+/// [`ShapeOps::permute`].
 pub(crate) fn permute(
     ctx: &Ctx,
     dtype: DType,
@@ -520,7 +523,7 @@ pub(crate) fn permute(
         cuda => Cuda::permute(ctx, dtype, (src, dims), perm, dst))
 }
 
-/// [`Backend::narrow`].
+/// [`ShapeOps::narrow`].
 pub(crate) fn narrow(
     ctx: &Ctx,
     elem: usize,
@@ -534,7 +537,7 @@ pub(crate) fn narrow(
         cuda => Cuda::narrow(ctx, elem, src, lanes, start, dst))
 }
 
-/// [`Backend::interleave`]: every source on `dst`'s device.
+/// [`ShapeOps::interleave`]: every source on `dst`'s device.
 pub(crate) fn interleave(
     ctx: &Ctx,
     srcs: &[&Storage],

@@ -337,7 +337,13 @@ mod tests {
             gemm_general((m, k, n), (a_in, ta), (b_in, tb), &mut out, None);
             assert_eq!(out, expect, "ta {ta} tb {tb}");
             let mut acc = vec![2.0; m * n];
-            gemm_general((m, k, n), (a_in, ta), (b_in, tb), &mut acc, Some((0.5, 3.0)));
+            gemm_general(
+                (m, k, n),
+                (a_in, ta),
+                (b_in, tb),
+                &mut acc,
+                Some((0.5, 3.0)),
+            );
             let want: Vec<f64> = expect.iter().map(|e| 1.0 + 3.0 * e).collect();
             assert_eq!(acc, want, "accumulate ta {ta} tb {tb}");
             let ai: Vec<i64> = a_in.iter().map(|&x| x as i64).collect();

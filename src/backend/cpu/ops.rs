@@ -1,4 +1,4 @@
-//! The CPU backend: the [`Backend`] contract on host buffers, what [`crate::backend`]'s entry
+//! The CPU backend: the backend contract (`backend/contract.rs`) on host buffers, what [`crate::backend`]'s entry
 //! points run when every operand is on the host. Each op picks the element type and calls the
 //! loops of this module's siblings; the kernels are generic parameters there, so each loop is
 //! compiled per op and dtype. The elementwise families dispatch from the rows of
@@ -8,7 +8,10 @@ use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
 use super::{matmul, nn, packed, random, reduce, sgd, shape};
-use crate::backend::contract::{Backend, Draw, Gemm, Lanes, Mnk, Operand, OperandMut, SgdStep, SumOf};
+use crate::backend::contract::{
+    Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand, OperandMut,
+    ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
+};
 use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::{dispatch, dispatch_float};
@@ -90,9 +93,9 @@ fn zero_divisor<T: Num>(op: Binary, divisor: &[T]) -> bool {
 
 impl Backend for Cpu {
     type Buffer = HostBuffer;
+}
 
-    // ---- copy / convert ----
-
+impl TransferOps for Cpu {
     #[inline]
     fn read<T: Element>(_: &Ctx, src: &HostBuffer, dst: &mut [T]) -> Result<()> {
         dst.copy_from_slice(&src.as_slice::<T>()[..dst.len()]);
@@ -139,14 +142,14 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    // ---- fill / random ----
-
     #[inline]
     fn zero(_: &Ctx, dst: &mut HostBuffer) -> Result<()> {
         dst.as_bytes_mut().fill(0);
         Ok(())
     }
+}
 
+impl ElementwiseOps for Cpu {
     fn fill(_: &Ctx, dtype: DType, dst: &mut HostBuffer, value: f64) -> Result<()> {
         dispatch!(dtype, T => {
             let v = T::from_f64(value);
@@ -192,8 +195,6 @@ impl Backend for Cpu {
         ));
         Ok(())
     }
-
-    // ---- binary / compare / unary ----
 
     fn binary(
         _: &Ctx,
@@ -288,8 +289,6 @@ impl Backend for Cpu {
         Ok(())
     }
 
-    // ---- in place ----
-
     fn binary_inplace(
         _: &Ctx,
         op: Binary,
@@ -353,9 +352,9 @@ impl Backend for Cpu {
         ));
         Ok(())
     }
+}
 
-    // ---- reductions ----
-
+impl ReduceOps for Cpu {
     fn sum(
         _: &Ctx,
         SumOf { from, to, mean }: SumOf,
@@ -456,9 +455,9 @@ impl Backend for Cpu {
         ));
         Ok(())
     }
+}
 
-    // ---- matrix products ----
-
+impl MatmulOps for Cpu {
     fn matmul(
         _: &Ctx,
         dtype: DType,
@@ -510,9 +509,9 @@ impl Backend for Cpu {
         ), _ => {});
         Ok(())
     }
+}
 
-    // ---- neural-network ops ----
-
+impl NnOps for Cpu {
     fn softmax(
         _: &Ctx,
         dtype: DType,
@@ -585,9 +584,9 @@ impl Backend for Cpu {
         });
         Ok(None)
     }
+}
 
-    // ---- shape / gather ----
-
+impl ShapeOps for Cpu {
     fn transpose(
         _: &Ctx,
         dtype: DType,

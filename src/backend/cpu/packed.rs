@@ -476,7 +476,13 @@ mod tests {
             for (bias, relu) in [(None, false), (Some(&bias[..]), false), (Some(&bias), true)] {
                 let want = reference(m, k, n, &a, &b, bias, relu);
                 let mut out = vec![f32::NAN; m * n];
-                packed_matmul(Mnk { m, k, n }, &a, &packed, Epilogue { bias, relu }, &mut out);
+                packed_matmul(
+                    Mnk { m, k, n },
+                    &a,
+                    &packed,
+                    Epilogue { bias, relu },
+                    &mut out,
+                );
                 assert_eq!(
                     out,
                     want,
