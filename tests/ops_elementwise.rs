@@ -354,18 +354,29 @@ fn gelu_matches_reference_values(dev: Device) {
     let (x, want): (Vec<f64>, Vec<f64>) = cases.iter().copied().unzip();
     let got = m.from_slice(&x, [x.len()]).unwrap().gelu().unwrap();
     for (i, (g, w)) in got.to_vec::<f64>().unwrap().iter().zip(&want).enumerate() {
-        assert!((g - w).abs() <= 1e-15 * w.abs().max(1.0), "f64 gelu({}) = {g}, want {w}", x[i]);
+        assert!(
+            (g - w).abs() <= 1e-15 * w.abs().max(1.0),
+            "f64 gelu({}) = {g}, want {w}",
+            x[i]
+        );
     }
     let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
     let got = m.from_slice(&x32, [x.len()]).unwrap().gelu().unwrap();
     assert_eq!(got.dtype(), DType::F32);
     for (i, (g, w)) in got.to_vec::<f32>().unwrap().iter().zip(&want).enumerate() {
         let g = f64::from(*g);
-        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "f32 gelu({}) = {g}, want {w}", x[i]);
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "f32 gelu({}) = {g}, want {w}",
+            x[i]
+        );
     }
     // The tails: the identity far right, zero (not NaN) far left, NaN stays NaN, infinities.
     let tails = m
-        .from_slice(&[40.0f64, -40.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN], [5])
+        .from_slice(
+            &[40.0f64, -40.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN],
+            [5],
+        )
         .unwrap();
     let got = tails.gelu().unwrap().to_vec::<f64>().unwrap();
     assert_eq!(got[0], 40.0);
@@ -376,7 +387,13 @@ fn gelu_matches_reference_values(dev: Device) {
     // Past the parallel threshold, every element as the one-element result.
     let n = 40_001;
     let big: Vec<f64> = values(n, 11).iter().map(|&v| v as f64 / 64.0).collect();
-    let all = m.from_slice(&big, [n]).unwrap().gelu().unwrap().to_vec::<f64>().unwrap();
+    let all = m
+        .from_slice(&big, [n])
+        .unwrap()
+        .gelu()
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
     for i in [0, 1, n / 2, n - 1] {
         let one = m.from_slice(&big[i..=i], [1]).unwrap().gelu().unwrap();
         assert_eq!(all[i], one.to_vec::<f64>().unwrap()[0], "element {i}");

@@ -91,7 +91,7 @@ pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
 
 // ---- fill / random ----
 
-/// [`ElementwiseOps::zero`].
+/// [`TransferOps::zero`].
 pub(crate) fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
     match dst {
         Storage::Host(dst) => Cpu::zero(ctx, dst),
