@@ -334,10 +334,10 @@ fn unary_ops_match_reference_on_both_sides_of_the_parallel_threshold(dev: Device
     assert!(matches!(ints.exp(), Err(Error::DTypeMismatch { .. })));
 }
 
+device_tests!(gelu_matches_reference_values);
 /// The exact GELU, `0.5·x·(1 + erf(x/√2))` (PyTorch's default), against reference values
 /// (`x·Φ(x)` computed in high precision), in both float dtypes, on both sides of the parallel
 /// threshold.
-device_tests!(gelu_matches_reference_values);
 fn gelu_matches_reference_values(dev: Device) {
     let m = Manager::new_base_on(dev).unwrap();
     let cases: [(f64, f64); 9] = [
@@ -401,9 +401,9 @@ fn gelu_matches_reference_values(dev: Device) {
     m.close().unwrap();
 }
 
+device_tests!(gelu_refuses_integer_dtypes_as_tanh_does);
 /// `gelu` is float-only, like `tanh` and `sigmoid`: integer arrays give the same
 /// `DTypeMismatch` as they do, naming `gelu`.
-device_tests!(gelu_refuses_integer_dtypes_as_tanh_does);
 fn gelu_refuses_integer_dtypes_as_tanh_does(dev: Device) {
     let m = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::I32, DType::I64, DType::U8] {
