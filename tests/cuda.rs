@@ -429,6 +429,7 @@ fn unary_and_scalar_ops_match_the_cpu() {
                 p.op(&w("sqrt"), [&a], close, |[x]| x.sqrt());
                 p.op(&w("tanh"), [&a], close, |[x]| x.tanh());
                 p.op(&w("sigmoid"), [&a], close, |[x]| x.sigmoid());
+                p.op(&w("gelu"), [&a], close, |[x]| x.gelu());
                 let (add, sub, mul, div) = match dtype {
                     DType::F32 | DType::F64 => (0.37, -1.25, 3.3, 0.7),
                     DType::U8 => (7.0, 3.0, 3.0, 2.0),

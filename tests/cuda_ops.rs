@@ -588,6 +588,40 @@ fn row_ops_of_short_long_and_odd_rows_match_the_cpu() {
     m.close().unwrap();
 }
 
+/// `gelu` (one row of the unary table plus its CPU and CUDA kernels) gives the CPU's values on
+/// the device: f32 and f64, short and long arrays (one block and a full grid), the tails.
+#[test]
+fn gelu_matches_the_cpu() {
+    let Some((_serial, dev)) = gpu() else { return };
+    let m = Manager::new_base();
+    for n in [1usize, 7, 1000, 70_001] {
+        let mut x = floats(n, n as u64);
+        let tails = [0.0, 40.0, -40.0, 1e-30, -1e-30, 6.0, -6.0];
+        for (v, t) in x.iter_mut().zip(tails) {
+            *v = t;
+        }
+        for dtype in [DType::F32, DType::F64] {
+            let cpu = m.from_vec(x.clone(), [n]).unwrap().to_dtype(dtype).unwrap();
+            let gpu = cpu.to_device(dev).unwrap();
+            let read = |a: ndscope::NDArray| -> Vec<f64> {
+                a.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+            };
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-14 };
+            close(
+                &format!("gelu {dtype} [{n}]"),
+                &read(gpu.gelu().unwrap()),
+                &read(cpu.gelu().unwrap()),
+                tol,
+            );
+            gpu.close().unwrap();
+            cpu.close().unwrap();
+        }
+    }
+    let ints = m.zeros([3], DType::I32).unwrap().to_device(dev).unwrap();
+    assert!(matches!(ints.gelu(), Err(Error::DTypeMismatch { .. })));
+    m.close().unwrap();
+}
+
 #[test]
 fn bad_input_is_reported_to_the_thread_that_queued_it() {
     let Some((_serial, dev)) = gpu() else { return };

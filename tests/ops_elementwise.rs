@@ -334,6 +334,102 @@ fn unary_ops_match_reference_on_both_sides_of_the_parallel_threshold(dev: Device
     assert!(matches!(ints.exp(), Err(Error::DTypeMismatch { .. })));
 }
 
+device_tests!(gelu_matches_reference_values);
+/// The exact GELU, `0.5·x·(1 + erf(x/√2))` (PyTorch's default), against reference values
+/// (`x·Φ(x)` computed in high precision), in both float dtypes, on both sides of the parallel
+/// threshold.
+fn gelu_matches_reference_values(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
+    let cases: [(f64, f64); 9] = [
+        (0.0, 0.0),
+        (1.0, 0.8413447460685429),
+        (-1.0, -0.15865525393145707),
+        (2.0, 1.9544997361036416),
+        (-2.0, -0.04550026389635844),
+        (0.5, 0.34573123063700656),
+        (-3.0, -0.004049694094890287),
+        (10.0, 10.0),
+        (-10.0, 0.0),
+    ];
+    let (x, want): (Vec<f64>, Vec<f64>) = cases.iter().copied().unzip();
+    let got = m.from_slice(&x, [x.len()]).unwrap().gelu().unwrap();
+    for (i, (g, w)) in got.to_vec::<f64>().unwrap().iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-15 * w.abs().max(1.0),
+            "f64 gelu({}) = {g}, want {w}",
+            x[i]
+        );
+    }
+    let x32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    let got = m.from_slice(&x32, [x.len()]).unwrap().gelu().unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    for (i, (g, w)) in got.to_vec::<f32>().unwrap().iter().zip(&want).enumerate() {
+        let g = f64::from(*g);
+        assert!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "f32 gelu({}) = {g}, want {w}",
+            x[i]
+        );
+    }
+    // The tails: the identity far right, zero (not NaN) far left, NaN stays NaN, infinities.
+    let tails = m
+        .from_slice(
+            &[40.0f64, -40.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN],
+            [5],
+        )
+        .unwrap();
+    let got = tails.gelu().unwrap().to_vec::<f64>().unwrap();
+    assert_eq!(got[0], 40.0);
+    assert_eq!(got[1], 0.0);
+    assert_eq!(got[2], f64::INFINITY);
+    assert!(got[3].is_nan() || got[3] == 0.0, "gelu(-inf) = {}", got[3]);
+    assert!(got[4].is_nan());
+    // Past the parallel threshold, every element as the one-element result.
+    let n = 40_001;
+    let big: Vec<f64> = values(n, 11).iter().map(|&v| v as f64 / 64.0).collect();
+    let all = m
+        .from_slice(&big, [n])
+        .unwrap()
+        .gelu()
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
+    for i in [0, 1, n / 2, n - 1] {
+        let one = m.from_slice(&big[i..=i], [1]).unwrap().gelu().unwrap();
+        assert_eq!(all[i], one.to_vec::<f64>().unwrap()[0], "element {i}");
+    }
+    m.close().unwrap();
+}
+
+device_tests!(gelu_refuses_integer_dtypes_as_tanh_does);
+/// `gelu` is float-only, like `tanh` and `sigmoid`: integer arrays give the same
+/// `DTypeMismatch` as they do, naming `gelu`.
+fn gelu_refuses_integer_dtypes_as_tanh_does(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
+    for dtype in [DType::I32, DType::I64, DType::U8] {
+        let a = m.zeros([3], dtype).unwrap();
+        let gelu = a.gelu().unwrap_err();
+        let tanh = a.tanh().unwrap_err();
+        assert!(matches!(gelu, Error::DTypeMismatch { .. }), "{gelu}");
+        let text = gelu.to_string();
+        assert!(text.contains("gelu"), "{text}");
+        assert_eq!(
+            strip_site(&text.replace("gelu", "tanh")),
+            strip_site(&tanh.to_string()),
+            "gelu's error is tanh's, named gelu"
+        );
+    }
+    m.close().unwrap();
+}
+
+/// An error message without its ` at file:line:column` call sites.
+fn strip_site(text: &str) -> String {
+    text.split_whitespace()
+        .filter(|w| !w.contains(".rs:"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Two shapes that broadcast: a result shape, and each operand a suffix of it with some
 /// dimensions set to 1.
 fn broadcastable_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {

@@ -6,60 +6,30 @@
 //!   into storage by offset.
 //! - One entry point per op family (binary, unary, compare, reduce, matmul, nn, in place,
 //!   copy/convert, fill/random, shape/gather), in `ops.rs`. Each dispatches on the storage of
-//!   its operands: all on the host runs the CPU kernels (`cpu/`), all on one CUDA device the
-//!   CUDA backend (`cuda/`). The front-ends in `crate::ndarray` validate and place, then call
+//!   its operands: all on the host runs the CPU backend (`cpu/`), all on one CUDA device the
+//!   CUDA backend (`cuda/`), both through the one contract of `contract.rs`; the elementwise
+//!   ops are rows of the tables in `op_table.rs`. The front-ends in `crate::ndarray` validate and place, then call
 //!   these; they never touch a kernel or a host slice.
 //! - Without the `cuda` feature, `cuda/` is a stub with the same items whose device types have
 //!   no values, so no `#[cfg]` spreads through the crate.
 
 pub(crate) mod block;
+pub(crate) mod contract;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 pub(crate) mod layout;
+pub(crate) mod op_table;
 mod ops;
 pub(crate) mod settings;
 mod storage;
 
 pub(crate) use block::Block;
+pub(crate) use op_table::{Binary, Compare, Unary};
 pub(crate) use ops::*;
 pub(crate) use settings::ALLOW_TF32;
 pub(crate) use storage::Storage;
 
 use crate::error::Ctx;
-
-/// The binary elementwise operations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Binary {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Maximum,
-    Minimum,
-}
-
-/// The elementwise comparisons (results are `U8` 0/1; NaN compares false).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Compare {
-    Gt,
-    Lt,
-    Eq,
-}
-
-/// The unary elementwise operations. The first four are defined for every dtype, the rest for
-/// floats only (front-ends check).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Unary {
-    Neg,
-    Abs,
-    Square,
-    Relu,
-    Exp,
-    Log,
-    Sqrt,
-    Tanh,
-    Sigmoid,
-}
 
 /// Which operands of a batched product carry the batch axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -4,10 +4,16 @@
 //! backstop).
 //!
 //! Shapes are passed as dims, dtypes as [`DType`]; the storage's byte length always matches
-//! (front-ends allocate it from the same metadata).
+//! (front-ends allocate it from the same metadata). What each op does is documented once, on
+//! its method of the backend contract (`contract.rs`); the calls are static
+//! (`<Cpu as ElementwiseOps>::unary`).
 
-use super::cpu::ops as cpu;
-use super::cuda;
+use super::contract::{
+    Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, ReduceOps, SgdStep, ShapeOps, SumOf,
+    TransferOps,
+};
+use super::cpu::ops::{self as cpu, Cpu};
+use super::cuda::{self, Cuda};
 use super::{Batched, Binary, Compare, Storage, Unary};
 use crate::error::Ctx;
 use crate::{DType, Element, Error, Result};
@@ -35,43 +41,33 @@ fn mixed(ctx: &Ctx) -> Error {
 
 // ---- copy / convert ----
 
-/// Copies the first `dst.len()` elements of `src` into `dst` (a device read synchronises and
-/// reports earlier kernel errors as `Backend`).
+/// [`TransferOps::read`] of `src`'s device.
 pub(crate) fn read<T: Element>(ctx: &Ctx, src: &Storage, dst: &mut [T]) -> Result<()> {
     match src {
-        Storage::Host(src) => {
-            cpu::read(src, dst);
-            Ok(())
-        }
-        Storage::Cuda(src) => cuda::read(ctx, src, dst),
+        Storage::Host(src) => Cpu::read(ctx, src, dst),
+        Storage::Cuda(src) => Cuda::read(ctx, src, dst),
     }
 }
 
-/// Copies `data` into `dst` (same length).
+/// [`TransferOps::write`] of `dst`'s device.
 pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut Storage, data: &[T]) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::write(dst, data);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::write(ctx, dst, data),
+        Storage::Host(dst) => Cpu::write(ctx, dst, data),
+        Storage::Cuda(dst) => Cuda::write(ctx, dst, data),
     }
 }
 
 /// Copies the bytes of `src` into `dst` (same length), across devices too.
 pub(crate) fn copy(ctx: &Ctx, src: &Storage, dst: &mut Storage) -> Result<()> {
     match (src, dst) {
-        (Storage::Host(src), Storage::Host(dst)) => {
-            cpu::copy(src, dst);
-            Ok(())
-        }
-        (Storage::Host(src), Storage::Cuda(dst)) => cuda::upload(ctx, src, dst),
-        (Storage::Cuda(src), Storage::Host(dst)) => cuda::download(ctx, src, dst),
-        (Storage::Cuda(src), Storage::Cuda(dst)) => cuda::copy(ctx, src, dst),
+        (Storage::Host(src), Storage::Host(dst)) => Cpu::copy(ctx, src, dst),
+        (Storage::Host(src), Storage::Cuda(dst)) => Cuda::upload(ctx, src, dst),
+        (Storage::Cuda(src), Storage::Host(dst)) => Cuda::download(ctx, src, dst),
+        (Storage::Cuda(src), Storage::Cuda(dst)) => Cuda::copy(ctx, src, dst),
     }
 }
 
-/// `dst = src` converted from `from` to `to` elementwise (same device).
+/// [`TransferOps::convert`] from `from` to `to` (same device).
 pub(crate) fn convert(
     ctx: &Ctx,
     from: DType,
@@ -79,9 +75,10 @@ pub(crate) fn convert(
     src: &Storage,
     dst: &mut Storage,
 ) -> Result<()> {
+    let dtypes = (from, to);
     on_device!(ctx, (src, dst),
-        host => { cpu::convert(from, to, src, dst); Ok(()) },
-        cuda => cuda::convert(ctx, from, to, src, dst))
+        host => Cpu::convert(ctx, dtypes, src, dst),
+        cuda => Cuda::convert(ctx, dtypes, src, dst))
 }
 
 /// Waits for the work queued on `device` and reports errors of earlier asynchronous kernels.
@@ -94,29 +91,23 @@ pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
 
 // ---- fill / random ----
 
-/// Sets every byte of `dst` to 0.
+/// [`TransferOps::zero`].
 pub(crate) fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::zero(dst);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::zero(ctx, dst),
+        Storage::Host(dst) => Cpu::zero(ctx, dst),
+        Storage::Cuda(dst) => Cuda::zero(ctx, dst),
     }
 }
 
-/// Sets every element of `dst` to `value` converted to `dtype`.
+/// [`ElementwiseOps::fill`].
 pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut Storage, value: f64) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::fill(dtype, dst, value);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::fill(ctx, dtype, dst, value),
+        Storage::Host(dst) => Cpu::fill(ctx, dtype, dst, value),
+        Storage::Cuda(dst) => Cuda::fill(ctx, dtype, dst, value),
     }
 }
 
-/// `dst[i] = start + i·step` (computed in f64, then converted).
+/// [`ElementwiseOps::arange`].
 pub(crate) fn arange(
     ctx: &Ctx,
     dtype: DType,
@@ -125,69 +116,44 @@ pub(crate) fn arange(
     step: f64,
 ) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::arange(dtype, dst, start, step);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::arange(ctx, dtype, dst, start, step),
+        Storage::Host(dst) => Cpu::arange(ctx, dtype, dst, start, step),
+        Storage::Cuda(dst) => Cuda::arange(ctx, dtype, dst, start, step),
     }
 }
 
-/// The `n × n` identity into `dst` (which may hold anything).
+/// [`ElementwiseOps::eye`].
 pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut Storage, n: usize) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::eye(dtype, dst, n);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::eye(ctx, dtype, dst, n),
+        Storage::Host(dst) => Cpu::eye(ctx, dtype, dst, n),
+        Storage::Cuda(dst) => Cuda::eye(ctx, dtype, dst, n),
     }
 }
 
-/// Standard normals drawn at counters `start..` of the stream `seed`: the same numbers on
-/// every device.
-pub(crate) fn randn(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut Storage,
-    seed: u64,
-    start: u64,
-) -> Result<()> {
+/// [`ElementwiseOps::randn`].
+pub(crate) fn randn(ctx: &Ctx, dtype: DType, dst: &mut Storage, draw: Draw) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::randn(dtype, dst, seed, start);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::randn(ctx, dtype, dst, seed, start),
+        Storage::Host(dst) => Cpu::randn(ctx, dtype, dst, draw),
+        Storage::Cuda(dst) => Cuda::randn(ctx, dtype, dst, draw),
     }
 }
 
-/// Uniforms in `[low, high)` drawn at counters `start..` of the stream `seed` (integers for
-/// integer dtypes): the same numbers on every device.
-#[allow(clippy::too_many_arguments)]
+/// [`ElementwiseOps::rand`].
 pub(crate) fn rand(
     ctx: &Ctx,
     dtype: DType,
     dst: &mut Storage,
-    seed: u64,
-    start: u64,
-    low: f64,
-    high: f64,
+    draw: Draw,
+    range: (f64, f64),
 ) -> Result<()> {
     match dst {
-        Storage::Host(dst) => {
-            cpu::rand(dtype, dst, seed, start, low, high);
-            Ok(())
-        }
-        Storage::Cuda(dst) => cuda::rand(ctx, dtype, dst, seed, start, low, high),
+        Storage::Host(dst) => Cpu::rand(ctx, dtype, dst, draw, range),
+        Storage::Cuda(dst) => Cuda::rand(ctx, dtype, dst, draw, range),
     }
 }
 
 // ---- binary / compare / unary ----
 
-/// `out = op(a, b)` with NumPy broadcasting of `a` and `b` to `out_dims`. An integer division
-/// whose divisor holds 0 gives `on_zero()` and writes nothing.
-#[allow(clippy::too_many_arguments)]
+/// [`ElementwiseOps::binary`].
 pub(crate) fn binary(
     ctx: &Ctx,
     op: Binary,
@@ -198,11 +164,11 @@ pub(crate) fn binary(
     on_zero: &dyn Fn() -> Error,
 ) -> Result<()> {
     on_device!(ctx, (a, b, out),
-        host => cpu::binary(op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero),
-        cuda => cuda::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero))
+        host => Cpu::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero),
+        cuda => Cuda::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero))
 }
 
-/// `out = op(a, value)` with `value` converted to `dtype` (the front-end checked it fits).
+/// [`ElementwiseOps::binary_scalar`].
 pub(crate) fn binary_scalar(
     ctx: &Ctx,
     op: Binary,
@@ -212,11 +178,11 @@ pub(crate) fn binary_scalar(
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::binary_scalar(op, dtype, a, value, out); Ok(()) },
-        cuda => cuda::binary_scalar(ctx, op, dtype, a, value, out))
+        host => Cpu::binary_scalar(ctx, op, dtype, a, value, out),
+        cuda => Cuda::binary_scalar(ctx, op, dtype, a, value, out))
 }
 
-/// `out = op(a, b)` as `U8` 0/1, broadcasting as [`binary`].
+/// [`ElementwiseOps::compare`].
 pub(crate) fn compare(
     ctx: &Ctx,
     op: Compare,
@@ -226,12 +192,11 @@ pub(crate) fn compare(
     (out, out_dims): (&mut Storage, &[usize]),
 ) -> Result<()> {
     on_device!(ctx, (a, b, out),
-        host => { cpu::compare(op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)); Ok(()) },
-        cuda => cuda::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)))
+        host => Cpu::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)),
+        cuda => Cuda::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)))
 }
 
-/// `out = op(a, value)` as `U8` 0/1: floats compare against `value` in their own precision,
-/// integers against the exact value.
+/// [`ElementwiseOps::compare_scalar`].
 pub(crate) fn compare_scalar(
     ctx: &Ctx,
     op: Compare,
@@ -241,11 +206,11 @@ pub(crate) fn compare_scalar(
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::compare_scalar(op, dtype, a, value, out); Ok(()) },
-        cuda => cuda::compare_scalar(ctx, op, dtype, a, value, out))
+        host => Cpu::compare_scalar(ctx, op, dtype, a, value, out),
+        cuda => Cuda::compare_scalar(ctx, op, dtype, a, value, out))
 }
 
-/// `out = op(a)` elementwise.
+/// [`ElementwiseOps::unary`].
 pub(crate) fn unary(
     ctx: &Ctx,
     op: Unary,
@@ -254,11 +219,11 @@ pub(crate) fn unary(
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::unary(op, dtype, a, out); Ok(()) },
-        cuda => cuda::unary(ctx, op, dtype, a, out))
+        host => Cpu::unary(ctx, op, dtype, a, out),
+        cuda => Cuda::unary(ctx, op, dtype, a, out))
 }
 
-/// `out = a^exponent` elementwise (integers through f64, truncated).
+/// [`ElementwiseOps::pow_scalar`].
 pub(crate) fn pow_scalar(
     ctx: &Ctx,
     dtype: DType,
@@ -267,14 +232,13 @@ pub(crate) fn pow_scalar(
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::pow_scalar(dtype, a, exponent, out); Ok(()) },
-        cuda => cuda::pow_scalar(ctx, dtype, a, exponent, out))
+        host => Cpu::pow_scalar(ctx, dtype, a, exponent, out),
+        cuda => Cuda::pow_scalar(ctx, dtype, a, exponent, out))
 }
 
 // ---- in place ----
 
-/// `x = op(x, src)` with `src` broadcast to `x_dims`; `src` `None` means `x` itself. An integer
-/// division whose divisor holds 0 gives `on_zero()` and changes nothing.
+/// [`ElementwiseOps::binary_inplace`].
 pub(crate) fn binary_inplace(
     ctx: &Ctx,
     op: Binary,
@@ -284,32 +248,29 @@ pub(crate) fn binary_inplace(
     on_zero: &dyn Fn() -> Error,
 ) -> Result<()> {
     match (x, src) {
-        (Storage::Host(x), None) => cpu::binary_inplace(op, dtype, (x, x_dims), None, on_zero),
+        (Storage::Host(x), None) => Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero),
         (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
-            cpu::binary_inplace(op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
+            Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
         }
         (Storage::Cuda(x), None) => {
-            cuda::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero)
+            Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero)
         }
         (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
-            cuda::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
+            Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
         }
         _ => Err(mixed(ctx)),
     }
 }
 
-/// `x = x · value` in place.
+/// [`ElementwiseOps::scale_inplace`].
 pub(crate) fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Storage, value: f64) -> Result<()> {
     match x {
-        Storage::Host(x) => {
-            cpu::scale_inplace(dtype, x, value);
-            Ok(())
-        }
-        Storage::Cuda(x) => cuda::scale_inplace(ctx, dtype, x, value),
+        Storage::Host(x) => Cpu::scale_inplace(ctx, dtype, x, value),
+        Storage::Cuda(x) => Cuda::scale_inplace(ctx, dtype, x, value),
     }
 }
 
-/// `x += alpha · src` in place, `src` broadcast to `x_dims` (`None`: `x` itself).
+/// [`ElementwiseOps::axpy`].
 pub(crate) fn axpy(
     ctx: &Ctx,
     dtype: DType,
@@ -318,23 +279,19 @@ pub(crate) fn axpy(
     src: Option<(&Storage, &[usize])>,
 ) -> Result<()> {
     match (x, src) {
-        (Storage::Host(x), None) => {
-            cpu::axpy(dtype, (x, x_dims), alpha, None);
-            Ok(())
-        }
+        (Storage::Host(x), None) => Cpu::axpy(ctx, dtype, (x, x_dims), alpha, None),
         (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
-            cpu::axpy(dtype, (x, x_dims), alpha, Some((s, s_dims)));
-            Ok(())
+            Cpu::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
         }
-        (Storage::Cuda(x), None) => cuda::axpy(ctx, dtype, (x, x_dims), alpha, None),
+        (Storage::Cuda(x), None) => Cuda::axpy(ctx, dtype, (x, x_dims), alpha, None),
         (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
-            cuda::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
+            Cuda::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
         }
         _ => Err(mixed(ctx)),
     }
 }
 
-/// `x = src` broadcast to `x_dims` (a fresh `x` makes this `broadcast_to`).
+/// [`ElementwiseOps::assign`].
 pub(crate) fn assign(
     ctx: &Ctx,
     dtype: DType,
@@ -342,104 +299,87 @@ pub(crate) fn assign(
     (src, src_dims): (&Storage, &[usize]),
 ) -> Result<()> {
     on_device!(ctx, (x, src),
-        host => { cpu::assign(dtype, (x, x_dims), (src, src_dims)); Ok(()) },
-        cuda => cuda::assign(ctx, dtype, (x, x_dims), (src, src_dims)))
+        host => Cpu::assign(ctx, dtype, (x, x_dims), (src, src_dims)),
+        cuda => Cuda::assign(ctx, dtype, (x, x_dims), (src, src_dims)))
 }
 
 // ---- reductions ----
 
-/// The sum (or mean) of `a` (`dims`) over the axes marked in `mask` into `out`: floats keep
-/// their dtype (accumulated in f64), integers give `I64` sums and `F64` means (`to`).
-#[allow(clippy::too_many_arguments)]
+/// [`ReduceOps::sum`].
 pub(crate) fn sum(
     ctx: &Ctx,
-    from: DType,
-    to: DType,
+    of: SumOf,
     (a, dims): (&Storage, &[usize]),
     mask: &[bool],
     out: &mut Storage,
-    mean: bool,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::sum(from, to, (a, dims), mask, out, mean); Ok(()) },
-        cuda => cuda::sum(ctx, from, to, (a, dims), mask, out, mean))
+        host => Cpu::sum(ctx, of, (a, dims), mask, out),
+        cuda => Cuda::sum(ctx, of, (a, dims), mask, out))
 }
 
-/// The sum (or mean) of every element of `a` into the one element of `out` (dtypes as [`sum`]).
-pub(crate) fn sum_all(
-    ctx: &Ctx,
-    from: DType,
-    to: DType,
-    a: &Storage,
-    out: &mut Storage,
-    mean: bool,
-) -> Result<()> {
+/// [`ReduceOps::sum_all`].
+pub(crate) fn sum_all(ctx: &Ctx, of: SumOf, a: &Storage, out: &mut Storage) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::sum_all(from, to, a, out, mean); Ok(()) },
-        cuda => cuda::sum_all(ctx, from, to, a, out, mean))
+        host => Cpu::sum_all(ctx, of, a, out),
+        cuda => Cuda::sum_all(ctx, of, a, out))
 }
 
-/// The maximum (NaN wins) along the middle axis of `a` seen as `[outer, n, inner]`, `n ≥ 1`.
+/// [`ReduceOps::max_axis`].
 pub(crate) fn max_axis(
     ctx: &Ctx,
     dtype: DType,
     a: &Storage,
-    (outer, n, inner): (usize, usize, usize),
+    lanes: Lanes,
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::max_axis(dtype, a, (outer, n, inner), out); Ok(()) },
-        cuda => cuda::max_axis(ctx, dtype, a, (outer, n, inner), out))
+        host => Cpu::max_axis(ctx, dtype, a, lanes, out),
+        cuda => Cuda::max_axis(ctx, dtype, a, lanes, out))
 }
 
-/// The `I64` index of the maximum (first on ties, first NaN) along the middle axis of `a` seen
-/// as `[outer, n, inner]`, `n ≥ 1`.
+/// [`ReduceOps::argmax_axis`].
 pub(crate) fn argmax_axis(
     ctx: &Ctx,
     dtype: DType,
     a: &Storage,
-    (outer, n, inner): (usize, usize, usize),
+    lanes: Lanes,
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::argmax_axis(dtype, a, (outer, n, inner), out); Ok(()) },
-        cuda => cuda::argmax_axis(ctx, dtype, a, (outer, n, inner), out))
+        host => Cpu::argmax_axis(ctx, dtype, a, lanes, out),
+        cuda => Cuda::argmax_axis(ctx, dtype, a, lanes, out))
 }
 
 // ---- matrix products ----
 
-/// `out = a · b` for `[m, k] · [k, n]`, or batched as `batch` says.
-#[allow(clippy::too_many_arguments)]
+/// [`MatmulOps::matmul`].
 pub(crate) fn matmul(
     ctx: &Ctx,
     dtype: DType,
     batch: Option<(Batched, usize)>,
-    (m, k, n): (usize, usize, usize),
+    dims: Mnk,
     a: &Storage,
     b: &Storage,
     out: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (a, b, out),
-        host => { cpu::matmul(dtype, batch, (m, k, n), a, b, out); Ok(()) },
-        cuda => cuda::matmul(ctx, dtype, batch, (m, k, n), a, b, out))
+        host => Cpu::matmul(ctx, dtype, batch, dims, a, b, out),
+        cuda => Cuda::matmul(ctx, dtype, batch, dims, a, b, out))
 }
 
-/// `out = op(a) · op(b)`, or with `accumulate = Some((beta, alpha))`,
-/// `out = beta·out + alpha·op(a)·op(b)`; `a` is stored `[m, k]` (`[k, m]` when `ta`), `b`
-/// `[k, n]` (`[n, k]` when `tb`).
-#[allow(clippy::too_many_arguments)]
+/// [`MatmulOps::gemm`].
 pub(crate) fn gemm(
     ctx: &Ctx,
     dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (a, ta): (&Storage, bool),
-    (b, tb): (&Storage, bool),
+    spec: Gemm,
+    a: &Storage,
+    b: &Storage,
     out: &mut Storage,
-    accumulate: Option<(f64, f64)>,
 ) -> Result<()> {
     on_device!(ctx, (a, b, out),
-        host => { cpu::gemm(dtype, (m, k, n), (a, ta), (b, tb), out, accumulate); Ok(()) },
-        cuda => cuda::gemm(ctx, dtype, (m, k, n), (a, ta), (b, tb), out, accumulate))
+        host => Cpu::gemm(ctx, dtype, spec, a, b, out),
+        cuda => Cuda::gemm(ctx, dtype, spec, a, b, out))
 }
 
 /// Columns per panel of a packed right operand ([`pack_rhs`]).
@@ -465,9 +405,8 @@ pub(crate) fn pack_rhs(
 /// `out = a · b (+ bias) (then ReLU)` for f32 `a` `[m, k]` and `b` packed by [`pack_rhs`].
 pub(crate) fn packed_matmul(
     ctx: &Ctx,
-    (m, k, n): (usize, usize, usize),
-    a: &Storage,
-    packed: &Storage,
+    dims: Mnk,
+    (a, packed): (&Storage, &Storage),
     bias: Option<&Storage>,
     relu: bool,
     out: &mut Storage,
@@ -479,49 +418,44 @@ pub(crate) fn packed_matmul(
     };
     match (a, packed, out) {
         (Storage::Host(a), Storage::Host(packed), Storage::Host(out)) => {
-            cpu::packed_matmul((m, k, n), a, packed, bias, relu, out);
+            cpu::packed_matmul(dims, a, packed, bias, relu, out);
             Ok(())
         }
         _ => Err(mixed(ctx)),
     }
 }
 
-/// One SGD-with-momentum step of a dense layer: `v ← momentum·v + xᵀ·g; w ← w − lr·v`, with
-/// `x` `[k, m]`, `g` `[k, n]`, `v` and `w` `[m, n]` (floats).
-#[allow(clippy::too_many_arguments)]
+/// [`MatmulOps::sgd_dense`].
 pub(crate) fn sgd_dense(
     ctx: &Ctx,
     dtype: DType,
-    (m, k, n): (usize, usize, usize),
+    dims: Mnk,
     (x, g): (&Storage, &Storage),
     (v, w): (&mut Storage, &mut Storage),
-    lr: f64,
-    momentum: f64,
+    step: SgdStep,
 ) -> Result<()> {
     on_device!(ctx, (x, g, v, w),
-        host => { cpu::sgd_dense(dtype, (m, k, n), (x, g), (v, w), lr, momentum); Ok(()) },
-        cuda => cuda::sgd_dense(ctx, dtype, (m, k, n), (x, g), (v, w), lr, momentum))
+        host => Cpu::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step),
+        cuda => Cuda::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step))
 }
 
 // ---- neural-network ops ----
 
-/// Softmax (or log-softmax) along the middle axis of `a` seen as `[outer, n, inner]` (floats).
+/// [`NnOps::softmax`].
 pub(crate) fn softmax(
     ctx: &Ctx,
     dtype: DType,
     a: &Storage,
-    (outer, n, inner): (usize, usize, usize),
+    lanes: Lanes,
     out: &mut Storage,
     log: bool,
 ) -> Result<()> {
     on_device!(ctx, (a, out),
-        host => { cpu::softmax(dtype, a, (outer, n, inner), out, log); Ok(()) },
-        cuda => cuda::softmax(ctx, dtype, a, (outer, n, inner), out, log))
+        host => Cpu::softmax(ctx, dtype, a, lanes, out, log),
+        cuda => Cuda::softmax(ctx, dtype, a, lanes, out, log))
 }
 
-/// The flat position and value of the first index of `indices` (an integer dtype) outside
-/// `0..bound`, if any. On a CUDA device always `None`: the kernels that use the indices check
-/// them and the next wait on the device reports a bad one (no synchronisation here).
+/// [`NnOps::first_bad_index`].
 pub(crate) fn first_bad_index(
     ctx: &Ctx,
     dtype: DType,
@@ -529,58 +463,54 @@ pub(crate) fn first_bad_index(
     bound: usize,
 ) -> Result<Option<(usize, i64)>> {
     match indices {
-        Storage::Host(indices) => Ok(cpu::first_bad_index(dtype, indices, bound)),
-        Storage::Cuda(indices) => cuda::first_bad_index(ctx, dtype, indices, bound),
+        Storage::Host(indices) => Cpu::first_bad_index(ctx, dtype, indices, bound),
+        Storage::Cuda(indices) => Cuda::first_bad_index(ctx, dtype, indices, bound),
     }
 }
 
-/// The one-hot encoding (`[len, depth]` of `to`) of integer `indices` (`from`). The host kernel
-/// checks the indices again under the lock and reports the first bad one without writing; the
-/// device kernel writes zeros for bad ones and reports them at the next wait on the device.
+/// [`NnOps::one_hot`].
 pub(crate) fn one_hot(
     ctx: &Ctx,
-    (from, to): (DType, DType),
+    dtypes: (DType, DType),
     indices: &Storage,
     depth: usize,
     out: &mut Storage,
 ) -> Result<Option<(usize, i64)>> {
     on_device!(ctx, (indices, out),
-        host => Ok(cpu::one_hot((from, to), indices, depth, out)),
-        cuda => cuda::one_hot(ctx, (from, to), indices, depth, out).map(|()| None))
+        host => Cpu::one_hot(ctx, dtypes, indices, depth, out),
+        cuda => Cuda::one_hot(ctx, dtypes, indices, depth, out))
 }
 
-/// `out[o, j] = x[o, indices[o, j], j]` for `x` seen as `[outer, n, inner]`; bad indices as for
-/// [`one_hot`].
-#[allow(clippy::too_many_arguments)]
+/// [`NnOps::pick`].
 pub(crate) fn pick(
     ctx: &Ctx,
-    (dtype, from): (DType, DType),
+    dtypes: (DType, DType),
     x: &Storage,
-    (n, inner): (usize, usize),
+    n_inner: (usize, usize),
     indices: &Storage,
     out: &mut Storage,
 ) -> Result<Option<(usize, i64)>> {
     on_device!(ctx, (x, indices, out),
-        host => Ok(cpu::pick((dtype, from), x, (n, inner), indices, out)),
-        cuda => cuda::pick(ctx, (dtype, from), x, (n, inner), indices, out).map(|()| None))
+        host => Cpu::pick(ctx, dtypes, x, n_inner, indices, out),
+        cuda => Cuda::pick(ctx, dtypes, x, n_inner, indices, out))
 }
 
 // ---- shape / gather ----
 
-/// `dst = srcᵀ` for `src` of `[rows, cols]`.
+/// [`ShapeOps::transpose`].
 pub(crate) fn transpose(
     ctx: &Ctx,
     dtype: DType,
     src: &Storage,
-    (rows, cols): (usize, usize),
+    rows_cols: (usize, usize),
     dst: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (src, dst),
-        host => { cpu::transpose(dtype, src, (rows, cols), dst); Ok(()) },
-        cuda => cuda::transpose(ctx, dtype, src, (rows, cols), dst))
+        host => Cpu::transpose(ctx, dtype, src, rows_cols, dst),
+        cuda => Cuda::transpose(ctx, dtype, src, rows_cols, dst))
 }
 
-/// `dst` = `src` (shape `dims`) with its axes reordered: output axis `k` is input axis `perm[k]`.
+/// [`ShapeOps::permute`].
 pub(crate) fn permute(
     ctx: &Ctx,
     dtype: DType,
@@ -589,27 +519,25 @@ pub(crate) fn permute(
     dst: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (src, dst),
-        host => { cpu::permute(dtype, (src, dims), perm, dst); Ok(()) },
-        cuda => cuda::permute(ctx, dtype, (src, dims), perm, dst))
+        host => Cpu::permute(ctx, dtype, (src, dims), perm, dst),
+        cuda => Cuda::permute(ctx, dtype, (src, dims), perm, dst))
 }
 
-/// For `src` seen as `[outer, n, inner]` elements of `elem` bytes, copies
-/// `[outer, start..start + len, inner]` into `dst`.
+/// [`ShapeOps::narrow`].
 pub(crate) fn narrow(
     ctx: &Ctx,
     elem: usize,
     src: &Storage,
-    (outer, n, inner): (usize, usize, usize),
+    lanes: Lanes,
     start: usize,
     dst: &mut Storage,
 ) -> Result<()> {
     on_device!(ctx, (src, dst),
-        host => { cpu::narrow(elem, src, (outer, n, inner), start, dst); Ok(()) },
-        cuda => cuda::narrow(ctx, elem, src, (outer, n, inner), start, dst))
+        host => Cpu::narrow(ctx, elem, src, lanes, start, dst),
+        cuda => Cuda::narrow(ctx, elem, src, lanes, start, dst))
 }
 
-/// Row `o` of `dst` is row `o` of every source in turn, row `o` of `srcs[k]` being the
-/// `row_bytes[k]` bytes at `o · row_bytes[k]` (`concat` and `stack`).
+/// [`ShapeOps::interleave`]: every source on `dst`'s device.
 pub(crate) fn interleave(
     ctx: &Ctx,
     srcs: &[&Storage],
@@ -626,8 +554,7 @@ pub(crate) fn interleave(
                     Storage::Cuda(_) => return Err(mixed(ctx)),
                 }
             }
-            cpu::interleave(&hosts, row_bytes, outer, dst);
-            Ok(())
+            Cpu::interleave(ctx, &hosts, row_bytes, outer, dst)
         }
         Storage::Cuda(dst) => {
             let mut devices = Vec::with_capacity(srcs.len());
@@ -637,7 +564,7 @@ pub(crate) fn interleave(
                     Storage::Host(_) => return Err(mixed(ctx)),
                 }
             }
-            cuda::interleave(ctx, &devices, row_bytes, outer, dst)
+            Cuda::interleave(ctx, &devices, row_bytes, outer, dst)
         }
     }
 }

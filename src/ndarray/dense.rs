@@ -1,6 +1,6 @@
 //! [`Dense`]: a fully connected layer prepared for inference, its weights packed once.
 
-use crate::backend;
+use crate::backend::{self, contract::Mnk};
 use crate::error::Ctx;
 use crate::{DType, Device, NDArray, Result, Shape};
 
@@ -162,9 +162,8 @@ impl Dense {
         exec::op(&ctx, inputs, shape, DType::F32, |buffers, out| {
             backend::packed_matmul(
                 &ctx,
-                (m, k, n),
-                buffers[0],
-                buffers[1],
+                Mnk { m, k, n },
+                (buffers[0], buffers[1]),
                 buffers.get(2).copied(),
                 relu,
                 out,

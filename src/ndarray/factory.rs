@@ -4,7 +4,7 @@ use parking_lot::Mutex;
 
 use super::exec::{self, Target};
 use crate::arena;
-use crate::backend::{self, Storage};
+use crate::backend::{self, contract::Draw, Storage};
 use crate::error::Ctx;
 use crate::{DType, Element, Manager, NDArray, Result, Shape};
 
@@ -224,7 +224,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            backend::randn(&ctx, dtype, out, seed, start)
+            backend::randn(&ctx, dtype, out, Draw { seed, start })
         })
     }
 
@@ -279,7 +279,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            backend::rand(&ctx, dtype, out, seed, start, low, high)
+            backend::rand(&ctx, dtype, out, Draw { seed, start }, (low, high))
         })
     }
 }

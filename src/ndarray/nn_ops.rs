@@ -1,6 +1,7 @@
 //! Matrix products and the neural-network ops: `matmul` (2-D and batched 3-D), `matmul_t` and
 //! `addmm_` (transposed operands without copies), `softmax`, `log_softmax`, `one_hot`, `pick`.
 
+use crate::backend::contract::{Accumulate, Gemm, Lanes, Mnk, SgdStep};
 use crate::backend::{self, Batched};
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
@@ -129,7 +130,7 @@ impl NDArray {
         let dtype = self.dtype();
         let batch = batch.map(|b| (which, b));
         exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
-            backend::matmul(&ctx, dtype, batch, (m, k, n), a, b, out)
+            backend::matmul(&ctx, dtype, batch, Mnk { m, k, n }, a, b, out)
         })
     }
 
@@ -164,7 +165,15 @@ impl NDArray {
             other,
             Shape::new(&[m, n]),
             dtype,
-            |a, b, out| backend::gemm(&ctx, dtype, (m, k, n), (a, ta), (b, tb), out, None),
+            |a, b, out| {
+                let spec = Gemm {
+                    dims: Mnk { m, k, n },
+                    trans_a: ta,
+                    trans_b: tb,
+                    accumulate: None,
+                };
+                backend::gemm(&ctx, dtype, spec, a, b, out)
+            },
         )
     }
 
@@ -184,7 +193,13 @@ impl NDArray {
         let dtype = self.dtype();
         if m.saturating_mul(8) <= n {
             let ct = exec::op2(ctx, self, other, Shape::new(&[n, m]), dtype, |a, b, out| {
-                backend::gemm(ctx, dtype, (n, k, m), (b, false), (a, !ta), out, None)
+                let spec = Gemm {
+                    dims: Mnk { m: n, k, n: m },
+                    trans_a: false,
+                    trans_b: !ta,
+                    accumulate: None,
+                };
+                backend::gemm(ctx, dtype, spec, b, a, out)
             })?;
             let c = exec::op1(ctx, &ct, Shape::new(&[m, n]), dtype, |ct, out| {
                 backend::transpose(ctx, dtype, ct, (n, m), out)
@@ -202,7 +217,13 @@ impl NDArray {
             |inputs, out| backend::transpose(ctx, dtype, inputs[1], (n, k), out),
         )?;
         let c = exec::op2(ctx, self, &bt, Shape::new(&[m, n]), dtype, |a, b, out| {
-            backend::gemm(ctx, dtype, (m, k, n), (a, ta), (b, false), out, None)
+            let spec = Gemm {
+                dims: Mnk { m, k, n },
+                trans_a: ta,
+                trans_b: false,
+                accumulate: None,
+            };
+            backend::gemm(ctx, dtype, spec, a, b, out)
         });
         bt.close()?;
         c
@@ -259,15 +280,13 @@ impl NDArray {
         let (ta, tb) = transpose.flags();
         let dtype = self.dtype();
         exec::inplace_with2(&ctx, self, a, b, |out, a, b| {
-            backend::gemm(
-                &ctx,
-                dtype,
-                (m, k, n),
-                (a, ta),
-                (b, tb),
-                out,
-                Some((beta, alpha)),
-            )
+            let spec = Gemm {
+                dims: Mnk { m, k, n },
+                trans_a: ta,
+                trans_b: tb,
+                accumulate: Some(Accumulate { alpha, beta }),
+            };
+            backend::gemm(&ctx, dtype, spec, a, b, out)
         })
     }
 
@@ -351,7 +370,8 @@ impl NDArray {
             )));
         }
         exec::inplace2_with2(&ctx, (self, velocity), (x, g), |w, v, x, g| {
-            backend::sgd_dense(&ctx, dtype, (m, k, n), (x, g), (v, w), lr, momentum)
+            let step = SgdStep { lr, momentum };
+            backend::sgd_dense(&ctx, dtype, Mnk { m, k, n }, (x, g), (v, w), step)
         })
     }
 
@@ -361,9 +381,10 @@ impl NDArray {
             return Err(self.dtype_error(&ctx, "f32 or f64"));
         }
         let index = normalize_axis(&ctx, axis, self.shape())?;
-        let (outer, n, inner) = split_at_axis(self.dims(), index);
+        let (outer, len, inner) = split_at_axis(self.dims(), index);
+        let lanes = Lanes { outer, len, inner };
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            backend::softmax(&ctx, dtype, a, (outer, n, inner), out, log)
+            backend::softmax(&ctx, dtype, a, lanes, out, log)
         })
     }
 

@@ -8,6 +8,7 @@
 //! device; shapes broadcast as in NumPy; a refused op allocates and changes nothing; results are
 //! placed by `exec::Target::ResultOf` (active scope, else the first input's owner).
 
+use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
 use crate::backend::{self, Binary, Compare, Unary};
 use crate::dtype::dispatch;
 use crate::error::Ctx;
@@ -141,6 +142,54 @@ pub(crate) fn axes_mask(ctx: &Ctx, axes: &[isize], shape: &Shape) -> Result<Vec<
     Ok(mask)
 }
 
+// The public methods of the elementwise families, one per row of `backend::op_table`, with the
+// row's docs.
+
+macro_rules! unary_front_ends {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident, $dtypes:ident)),* $(,)?) => {
+        impl NDArray {
+            $(
+                $(#[doc = $doc])*
+                #[track_caller]
+                pub fn $name(&self) -> Result<NDArray> {
+                    self.unary(Ctx::new(stringify!($name)), Unary::$variant)
+                }
+            )*
+        }
+    };
+}
+unary_ops!(unary_front_ends);
+
+macro_rules! binary_front_ends {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident)),* $(,)?) => {
+        impl NDArray {
+            $(
+                $(#[doc = $doc])*
+                #[track_caller]
+                pub fn $name(&self, other: &NDArray) -> Result<NDArray> {
+                    self.binary(Ctx::new(stringify!($name)), other, Binary::$variant)
+                }
+            )*
+        }
+    };
+}
+binary_ops!(binary_front_ends);
+
+macro_rules! compare_front_ends {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident, $cmp:tt)),* $(,)?) => {
+        impl NDArray {
+            $(
+                $(#[doc = $doc])*
+                #[track_caller]
+                pub fn $name(&self, other: &NDArray) -> Result<NDArray> {
+                    self.compare(Ctx::new(stringify!($name)), other, Compare::$variant)
+                }
+            )*
+        }
+    };
+}
+compare_ops!(compare_front_ends);
+
 fn division_by_zero(ctx: &Ctx, b: &NDArray) -> Error {
     ctx.invalid(format!(
         "integer division by zero: divisor {} contains 0",
@@ -167,46 +216,6 @@ impl NDArray {
         })
     }
 
-    /// `self + other`, broadcasting.
-    #[track_caller]
-    pub fn add(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("add"), other, Binary::Add)
-    }
-
-    /// `self - other`, broadcasting.
-    #[track_caller]
-    pub fn sub(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("sub"), other, Binary::Sub)
-    }
-
-    /// `self * other` elementwise, broadcasting.
-    #[track_caller]
-    pub fn mul(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("mul"), other, Binary::Mul)
-    }
-
-    /// `self / other` elementwise, broadcasting. Integer division truncates toward zero; an
-    /// integer divisor containing 0 gives `InvalidArgument`. On a CUDA device the kernel checks
-    /// the divisor (no wait for the device): the error comes from the next wait on that device
-    /// (a read such as `to_vec`, or `Device::synchronize`), naming `div` and this call's site,
-    /// and the quotient holds 0 where the divisor did.
-    #[track_caller]
-    pub fn div(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("div"), other, Binary::Div)
-    }
-
-    /// The elementwise maximum, broadcasting; NaN wins.
-    #[track_caller]
-    pub fn maximum(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("maximum"), other, Binary::Maximum)
-    }
-
-    /// The elementwise minimum, broadcasting; NaN wins.
-    #[track_caller]
-    pub fn minimum(&self, other: &NDArray) -> Result<NDArray> {
-        self.binary(Ctx::new("minimum"), other, Binary::Minimum)
-    }
-
     fn compare(&self, ctx: Ctx, other: &NDArray, op: Compare) -> Result<NDArray> {
         check_same(&ctx, self, other)?;
         let shape = broadcast_shapes(&ctx, self.shape(), other.shape())?;
@@ -222,33 +231,6 @@ impl NDArray {
                 (out, so.dims()),
             )
         })
-    }
-
-    /// `self > other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN compares false).
-    ///
-    /// ```
-    /// use ndscope::Manager;
-    /// let m = Manager::new_base();
-    /// let a = m.from_slice(&[1.0f32, 5.0, 3.0], [3])?;
-    /// let b = m.from_slice(&[2.0f32], [1])?;
-    /// assert_eq!(a.gt(&b)?.to_vec::<u8>()?, vec![0, 1, 1]);
-    /// # Ok::<(), ndscope::Error>(())
-    /// ```
-    #[track_caller]
-    pub fn gt(&self, other: &NDArray) -> Result<NDArray> {
-        self.compare(Ctx::new("gt"), other, Compare::Gt)
-    }
-
-    /// `self < other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN compares false).
-    #[track_caller]
-    pub fn lt(&self, other: &NDArray) -> Result<NDArray> {
-        self.compare(Ctx::new("lt"), other, Compare::Lt)
-    }
-
-    /// `self == other` elementwise, broadcasting: a `U8` array of 0 and 1 (NaN equals nothing).
-    #[track_caller]
-    pub fn eq(&self, other: &NDArray) -> Result<NDArray> {
-        self.compare(Ctx::new("eq"), other, Compare::Eq)
     }
 
     fn compare_scalar(&self, ctx: Ctx, value: f64, op: Compare) -> Result<NDArray> {
@@ -343,72 +325,14 @@ impl NDArray {
         })
     }
 
-    /// `max(self, 0)` elementwise.
-    #[track_caller]
-    pub fn relu(&self) -> Result<NDArray> {
-        self.unary(Ctx::new("relu"), Unary::Relu)
-    }
-
     fn unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
         let dtype = self.dtype();
+        if op.float_only() && !dtype.is_float() {
+            return Err(self.dtype_error(&ctx, "f32 or f64"));
+        }
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             backend::unary(&ctx, op, dtype, a, out)
         })
-    }
-
-    /// `-self` elementwise (integers wrap).
-    #[track_caller]
-    pub fn neg(&self) -> Result<NDArray> {
-        self.unary(Ctx::new("neg"), Unary::Neg)
-    }
-
-    /// `|self|` elementwise (integers wrap at their minimum).
-    #[track_caller]
-    pub fn abs(&self) -> Result<NDArray> {
-        self.unary(Ctx::new("abs"), Unary::Abs)
-    }
-
-    /// `self * self` elementwise.
-    #[track_caller]
-    pub fn square(&self) -> Result<NDArray> {
-        self.unary(Ctx::new("square"), Unary::Square)
-    }
-
-    /// The square root elementwise (floats).
-    #[track_caller]
-    pub fn sqrt(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("sqrt"), Unary::Sqrt)
-    }
-
-    /// The hyperbolic tangent elementwise (floats).
-    #[track_caller]
-    pub fn tanh(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("tanh"), Unary::Tanh)
-    }
-
-    /// `1 / (1 + e^-x)` elementwise (floats).
-    #[track_caller]
-    pub fn sigmoid(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("sigmoid"), Unary::Sigmoid)
-    }
-
-    /// `e^x` elementwise (floats).
-    #[track_caller]
-    pub fn exp(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("exp"), Unary::Exp)
-    }
-
-    /// The natural logarithm elementwise (floats).
-    #[track_caller]
-    pub fn log(&self) -> Result<NDArray> {
-        self.float_unary(Ctx::new("log"), Unary::Log)
-    }
-
-    fn float_unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
-        if !self.dtype().is_float() {
-            return Err(self.dtype_error(&ctx, "f32 or f64"));
-        }
-        self.unary(ctx, op)
     }
 
     /// For an in-place op with source `other`: same dtype and device, and `other` broadcasts to

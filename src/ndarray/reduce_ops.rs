@@ -5,7 +5,7 @@
 //! sums are `I64` (wrapping), integer means `F64`; `max` keeps the dtype (NaN wins); `argmax`
 //! is `I64`.
 
-use crate::backend;
+use crate::backend::{self, contract::Lanes, contract::SumOf};
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
@@ -78,7 +78,7 @@ impl NDArray {
         };
         let dims = self.shape().clone();
         exec::op1(&ctx, self, shape, to, |a, out| {
-            backend::sum(&ctx, from, to, (a, dims.dims()), &mask, out, mean)
+            backend::sum(&ctx, SumOf { from, to, mean }, (a, dims.dims()), &mask, out)
         })
     }
 
@@ -105,10 +105,11 @@ impl NDArray {
         let mut mask = vec![false; self.ndim()];
         mask[index] = true;
         let shape = reduced_shape(self.dims(), &mask, keep_dims);
-        let (outer, n, inner) = split_at_axis(self.dims(), index);
+        let (outer, len, inner) = split_at_axis(self.dims(), index);
+        let lanes = Lanes { outer, len, inner };
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, dtype, |a, out| {
-            backend::max_axis(&ctx, dtype, a, (outer, n, inner), out)
+            backend::max_axis(&ctx, dtype, a, lanes, out)
         })
     }
 
@@ -130,10 +131,11 @@ impl NDArray {
         let mut mask = vec![false; self.ndim()];
         mask[index] = true;
         let shape = reduced_shape(self.dims(), &mask, false);
-        let (outer, n, inner) = split_at_axis(self.dims(), index);
+        let (outer, len, inner) = split_at_axis(self.dims(), index);
+        let lanes = Lanes { outer, len, inner };
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, DType::I64, |a, out| {
-            backend::argmax_axis(&ctx, dtype, a, (outer, n, inner), out)
+            backend::argmax_axis(&ctx, dtype, a, lanes, out)
         })
     }
 
@@ -159,7 +161,7 @@ impl NDArray {
             (false, true) => DType::F64,
         };
         exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
-            backend::sum_all(&ctx, from, to, a, out, mean)
+            backend::sum_all(&ctx, SumOf { from, to, mean }, a, out)
         })
     }
 }

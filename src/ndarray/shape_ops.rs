@@ -4,7 +4,7 @@
 //! Every result is a new array holding a copy (placed like any op result), so it behaves as a
 //! value: writing to it in place never changes the input.
 
-use crate::backend;
+use crate::backend::{self, contract::Lanes};
 use crate::error::Ctx;
 use crate::{NDArray, Result, Shape};
 
@@ -148,9 +148,14 @@ impl NDArray {
         let mut out = self.dims().to_vec();
         out[index] = len;
         let (outer, n, inner) = split_at_axis(self.dims(), index);
+        let lanes = Lanes {
+            outer,
+            len: n,
+            inner,
+        };
         let elem = self.dtype().size_in_bytes();
         exec::op1(&ctx, self, Shape::new(&out), self.dtype(), |src, dst| {
-            backend::narrow(&ctx, elem, src, (outer, n, inner), start, dst)
+            backend::narrow(&ctx, elem, src, lanes, start, dst)
         })
     }
 

@@ -78,7 +78,7 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
         return;
     }
     if T::DTYPE.is_float() {
-        gemm_general(m, k, n, a, false, b, false, out, None);
+        gemm_general((m, k, n), (a, false), (b, false), out, None);
     } else {
         int_matmul(k, n, a, b, out);
     }
@@ -88,13 +88,9 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
 /// `which` says. A shared right operand is one product of `(batch·m)×k` by `k×n`. Small
 /// products run in parallel across the batch; large ones one after the other, each split across
 /// the pool.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul_batched<T: Num>(
-    which: Batched,
-    batch: usize,
-    m: usize,
-    k: usize,
-    n: usize,
+    (which, batch): (Batched, usize),
+    (m, k, n): (usize, usize, usize),
     a: &[T],
     b: &[T],
     out: &mut [T],
@@ -126,15 +122,10 @@ pub(crate) fn matmul_batched<T: Num>(
 /// where `op` transposes an operand stored transposed: `a` is stored `[m, k]`, or `[k, m]` when
 /// `ta`; `b` is stored `[k, n]`, or `[n, k]` when `tb`. Floats read the transposed operands
 /// through strides (no copy); integers use a plain loop.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_general<T: Num>(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[T],
-    ta: bool,
-    b: &[T],
-    tb: bool,
+    (m, k, n): (usize, usize, usize),
+    (a, ta): (&[T], bool),
+    (b, tb): (&[T], bool),
     out: &mut [T],
     accumulate: Option<(T, T)>,
 ) {
@@ -305,16 +296,22 @@ mod tests {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
             let (a_in, b_in) = (if ta { &at } else { &a }, if tb { &bt } else { &b });
             let mut out = vec![f64::NAN; m * n];
-            gemm_general(m, k, n, a_in, ta, b_in, tb, &mut out, None);
+            gemm_general((m, k, n), (a_in, ta), (b_in, tb), &mut out, None);
             assert_eq!(out, expect, "ta {ta} tb {tb}");
             let mut acc = vec![2.0; m * n];
-            gemm_general(m, k, n, a_in, ta, b_in, tb, &mut acc, Some((0.5, 3.0)));
+            gemm_general(
+                (m, k, n),
+                (a_in, ta),
+                (b_in, tb),
+                &mut acc,
+                Some((0.5, 3.0)),
+            );
             let want: Vec<f64> = expect.iter().map(|e| 1.0 + 3.0 * e).collect();
             assert_eq!(acc, want, "accumulate ta {ta} tb {tb}");
             let ai: Vec<i64> = a_in.iter().map(|&x| x as i64).collect();
             let bi: Vec<i64> = b_in.iter().map(|&x| (x * 4.0) as i64).collect();
             let mut oi = vec![1i64; m * n];
-            gemm_general(m, k, n, &ai, ta, &bi, tb, &mut oi, Some((2, 1)));
+            gemm_general((m, k, n), (&ai, ta), (&bi, tb), &mut oi, Some((2, 1)));
             let want: Vec<i64> = expect.iter().map(|e| 2 + (e * 4.0) as i64).collect();
             assert_eq!(oi, want, "integers ta {ta} tb {tb}");
         }
@@ -367,7 +364,7 @@ mod tests {
             .map(|i| ((i * 104729) % 1000) as f32 / 991.0 - 0.5)
             .collect();
         let mut pooled = vec![0f32; m * n];
-        gemm_general(m, k, n, &a, false, &b, false, &mut pooled, None);
+        gemm_general((m, k, n), (&a, false), (&b, false), &mut pooled, None);
         let s = split(m, n, k);
         assert!(s.tasks > 1 && s.by_cols);
         let mut serial = vec![0f32; m * n];
@@ -443,6 +440,6 @@ mod tests {
     #[should_panic(expected = "gemm_general: operand lengths")]
     fn gemm_checks_operand_lengths_in_release_builds() {
         let (a, b, mut out) = (vec![1.0f64; 6], vec![1.0f64; 6], vec![0.0f64; 5]);
-        gemm_general(2, 3, 2, &a, true, &b, false, &mut out, None);
+        gemm_general((2, 3, 2), (&a, true), (&b, false), &mut out, None);
     }
 }

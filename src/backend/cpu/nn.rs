@@ -38,7 +38,7 @@ pub(crate) fn softmax<T: Float>(
 }
 
 fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {
-    let max = x[1..].iter().fold(x[0], |m, &v| m.max_nan(v));
+    let max = x[1..].iter().fold(x[0], |m, &v| m.maximum(v));
     if log {
         let sum: f64 = x.iter().map(|&v| v.sub(max).exp().to_f64()).sum();
         let shift = max.add(T::from_f64(sum.ln()));
@@ -64,7 +64,7 @@ fn softmax_columns<T: Float>(x: &[T], width: usize, out: &mut [T], log: bool) {
     let mut max: Vec<T> = x[..width].to_vec();
     for row in x.chunks_exact(width).skip(1) {
         for (m, &v) in max.iter_mut().zip(row) {
-            *m = m.max_nan(v);
+            *m = m.maximum(v);
         }
     }
     let mut sum = vec![0.0f64; width];

@@ -3,7 +3,8 @@
 
 use crate::Element;
 
-/// Arithmetic every element type has.
+/// Arithmetic every element type has: among it the CPU kernels of the binary ops and of the
+/// unary ops on every dtype, named after the op (the rows of `backend::op_table`).
 pub(crate) trait Num: Element {
     fn add(self, other: Self) -> Self;
     fn sub(self, other: Self) -> Self;
@@ -11,10 +12,19 @@ pub(crate) trait Num: Element {
     /// Integer division truncates toward zero and wraps (`MIN / -1 == MIN`); division by zero
     /// gives 0, which front-ends refuse before computing.
     fn div(self, other: Self) -> Self;
-    fn max_nan(self, other: Self) -> Self;
-    fn min_nan(self, other: Self) -> Self;
+    fn maximum(self, other: Self) -> Self;
+    fn minimum(self, other: Self) -> Self;
     fn neg(self) -> Self;
     fn abs(self) -> Self;
+    #[inline(always)]
+    fn square(self) -> Self {
+        self.mul(self)
+    }
+    /// `max(self, 0)`, NaN staying NaN.
+    #[inline(always)]
+    fn relu(self) -> Self {
+        self.maximum(Self::ZERO)
+    }
     fn is_zero(self) -> bool;
     /// `true` for a float NaN; never for integers.
     fn is_nan(self) -> bool;
@@ -44,13 +54,18 @@ pub(crate) fn powi_exact(x: f64, e: f64) -> f64 {
     acc
 }
 
-/// Arithmetic only floats have.
+/// Arithmetic only floats have: the CPU kernels of the float-only unary ops, named after the op
+/// (the rows of `backend::op_table`).
 pub(crate) trait Float: Num {
     fn exp(self) -> Self;
-    fn ln(self) -> Self;
+    /// The natural logarithm.
+    fn log(self) -> Self;
     fn sqrt(self) -> Self;
     fn tanh(self) -> Self;
     fn sigmoid(self) -> Self;
+    /// The exact GELU, `0.5·x·(1 + erf(x/√2))` (PyTorch's default form, computed in the
+    /// element's own precision as PyTorch does; CUDA's `gelu_elem` does the same operations).
+    fn gelu(self) -> Self;
 }
 
 macro_rules! int_num {
@@ -78,11 +93,11 @@ macro_rules! int_num {
                 }
             }
             #[inline(always)]
-            fn max_nan(self, o: Self) -> Self {
+            fn maximum(self, o: Self) -> Self {
                 Ord::max(self, o)
             }
             #[inline(always)]
-            fn min_nan(self, o: Self) -> Self {
+            fn minimum(self, o: Self) -> Self {
                 Ord::min(self, o)
             }
             #[inline(always)]
@@ -123,7 +138,7 @@ int_num!(i64);
 int_num!(u8);
 
 macro_rules! float_num {
-    ($t:ty) => {
+    ($t:ident, $erf:path) => {
         impl Num for $t {
             #[inline(always)]
             fn add(self, o: Self) -> Self {
@@ -142,7 +157,7 @@ macro_rules! float_num {
                 self / o
             }
             #[inline(always)]
-            fn max_nan(self, o: Self) -> Self {
+            fn maximum(self, o: Self) -> Self {
                 if self > o || self.is_nan() {
                     self
                 } else {
@@ -150,7 +165,7 @@ macro_rules! float_num {
                 }
             }
             #[inline(always)]
-            fn min_nan(self, o: Self) -> Self {
+            fn minimum(self, o: Self) -> Self {
                 if self < o || self.is_nan() {
                     self
                 } else {
@@ -189,7 +204,7 @@ macro_rules! float_num {
                 <$t>::exp(self)
             }
             #[inline(always)]
-            fn ln(self) -> Self {
+            fn log(self) -> Self {
                 <$t>::ln(self)
             }
             #[inline(always)]
@@ -210,12 +225,16 @@ macro_rules! float_num {
                     e / (1.0 + e)
                 }
             }
+            #[inline(always)]
+            fn gelu(self) -> Self {
+                0.5 * self * (1.0 + $erf(self * std::$t::consts::FRAC_1_SQRT_2))
+            }
         }
     };
 }
 
-float_num!(f32);
-float_num!(f64);
+float_num!(f32, libm::erff);
+float_num!(f64, libm::erf);
 
 /// Element conversion by Rust's `as`, the rule of `to_dtype` (and of the CUDA kernels'
 /// `convert`): integers to integers wrap (two's complement truncation, as NumPy's `astype` and

@@ -1,593 +1,679 @@
-//! The op families on host buffers: what [`crate::backend`]'s entry points run when every
-//! operand is on the host. Each function picks the element type and calls the loops of this
-//! module's siblings; the closures are generic parameters there, so each loop is compiled per op
-//! and dtype.
+//! The CPU backend: the backend contract (`backend/contract.rs`) on host buffers, what [`crate::backend`]'s entry
+//! points run when every operand is on the host. Each op picks the element type and calls the
+//! loops of this module's siblings; the kernels are generic parameters there, so each loop is
+//! compiled per op and dtype. The elementwise families dispatch from the rows of
+//! `backend::op_table` to the kernels of `num.rs`.
 
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
 use super::{matmul, nn, packed, random, reduce, sgd, shape};
+use crate::backend::contract::{
+    Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand, OperandMut,
+    ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
+};
+use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
 use crate::backend::{Batched, Binary, Compare, Unary};
 use crate::dtype::{dispatch, dispatch_float};
+use crate::error::Ctx;
 use crate::{DType, Element, Error, Result};
 
-/// Runs `$body` with `$f` bound to the closure of binary op `$op` for element type `$t`.
-macro_rules! with_binary {
-    ($op:expr, $t:ty, $f:ident => $body:expr) => {
-        match $op {
-            Binary::Add => {
-                let $f = |x: $t, y: $t| x.add(y);
-                $body
-            }
-            Binary::Sub => {
-                let $f = |x: $t, y: $t| x.sub(y);
-                $body
-            }
-            Binary::Mul => {
-                let $f = |x: $t, y: $t| x.mul(y);
-                $body
-            }
-            Binary::Div => {
-                let $f = |x: $t, y: $t| x.div(y);
-                $body
-            }
-            Binary::Maximum => {
-                let $f = |x: $t, y: $t| x.max_nan(y);
-                $body
-            }
-            Binary::Minimum => {
-                let $f = |x: $t, y: $t| x.min_nan(y);
-                $body
-            }
+/// The CPU backend (host memory, the worker pool).
+pub(crate) struct Cpu;
+
+macro_rules! cpu_binary {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident)),* $(,)?) => {
+        /// Runs `$body` with `$f` bound to the kernel of binary op `$op` (a `Num` method named
+        /// after the op) for element type `$t`.
+        macro_rules! with_binary {
+            ($op:expr, $t:ty, $f:ident => $body:expr) => {
+                match $op {
+                    $(Binary::$variant => {
+                        let $f = <$t as Num>::$name;
+                        $body
+                    })*
+                }
+            };
+        }
+    };
+}
+binary_ops!(cpu_binary);
+
+macro_rules! cpu_compare {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident, $cmp:tt)),* $(,)?) => {
+        /// Runs `$body` with `$f` bound to the predicate of comparison `$op` (generic over the
+        /// operand type, IEEE for floats: NaN compares false).
+        macro_rules! with_compare {
+            ($op:expr, $f:ident => $body:expr) => {
+                match $op {
+                    $(Compare::$variant => {
+                        #[inline(always)]
+                        fn $f<T: PartialOrd>(x: T, y: T) -> bool {
+                            x $cmp y
+                        }
+                        $body
+                    })*
+                }
+            };
+        }
+    };
+}
+compare_ops!(cpu_compare);
+
+/// The CPU kernel of one unary row: a `Num` method for every dtype, a `Float` method for
+/// floats (the front-end refused other dtypes).
+macro_rules! unary_kernel {
+    (any, $name:ident, $dtype:expr, $a:expr, $out:expr) => {
+        dispatch!($dtype, T => elementwise::map($a.as_slice::<T>(), $out.as_mut_slice::<T>(), <T as Num>::$name))
+    };
+    (float, $name:ident, $dtype:expr, $a:expr, $out:expr) => {
+        match $dtype {
+            DType::F32 => elementwise::map($a.as_slice::<f32>(), $out.as_mut_slice(), <f32 as Float>::$name),
+            _ => elementwise::map($a.as_slice::<f64>(), $out.as_mut_slice(), <f64 as Float>::$name),
         }
     };
 }
 
-/// Runs `$body` with `$f` bound to the predicate of comparison `$op` (generic over the operand
-/// type, IEEE for floats: NaN compares false).
-macro_rules! with_compare {
-    ($op:expr, $f:ident => $body:expr) => {
-        match $op {
-            Compare::Gt => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x > y
-                }
-                $body
-            }
-            Compare::Lt => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x < y
-                }
-                $body
-            }
-            Compare::Eq => {
-                #[inline(always)]
-                fn $f<T: PartialOrd>(x: T, y: T) -> bool {
-                    x == y
-                }
-                $body
+macro_rules! cpu_unary {
+    ($($(#[doc = $doc:literal])* ($variant:ident, $name:ident, $dtypes:ident)),* $(,)?) => {
+        /// `out = op(a)`: the row's kernel, per dtype.
+        fn unary_host(op: Unary, dtype: DType, a: &HostBuffer, out: &mut HostBuffer) {
+            match op {
+                $(Unary::$variant => unary_kernel!($dtypes, $name, dtype, a, out),)*
             }
         }
     };
 }
+unary_ops!(cpu_unary);
 
 /// `true` if an integer division by `divisor` would divide by zero.
 fn zero_divisor<T: Num>(op: Binary, divisor: &[T]) -> bool {
     op == Binary::Div && !T::DTYPE.is_float() && divisor.iter().any(|v| v.is_zero())
 }
 
-// ---- copy / convert ----
-
-pub(crate) fn read<T: Element>(src: &HostBuffer, dst: &mut [T]) {
-    dst.copy_from_slice(&src.as_slice::<T>()[..dst.len()]);
+impl Backend for Cpu {
+    type Buffer = HostBuffer;
 }
 
-pub(crate) fn write<T: Element>(dst: &mut HostBuffer, data: &[T]) {
-    dst.as_mut_slice::<T>().copy_from_slice(data);
-}
-
-pub(crate) fn copy(src: &HostBuffer, dst: &mut HostBuffer) {
-    dst.as_bytes_mut().copy_from_slice(src.as_bytes());
-}
-
-pub(crate) fn convert(from: DType, to: DType, src: &HostBuffer, dst: &mut HostBuffer) {
-    if from == to {
-        return copy(src, dst);
+impl TransferOps for Cpu {
+    #[inline]
+    fn read<T: Element>(_: &Ctx, src: &HostBuffer, dst: &mut [T]) -> Result<()> {
+        dst.copy_from_slice(&src.as_slice::<T>()[..dst.len()]);
+        Ok(())
     }
-    dispatch!(from, S => dispatch!(to, D => {
-        elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), <S as CastTo<D>>::cast);
-    }));
-}
 
-// ---- fill / random ----
+    #[inline]
+    fn write<T: Element>(_: &Ctx, dst: &mut HostBuffer, data: &[T]) -> Result<()> {
+        dst.as_mut_slice::<T>().copy_from_slice(data);
+        Ok(())
+    }
 
-pub(crate) fn zero(dst: &mut HostBuffer) {
-    dst.as_bytes_mut().fill(0);
-}
+    #[inline]
+    fn upload(_: &Ctx, src: &HostBuffer, dst: &mut HostBuffer) -> Result<()> {
+        copy_bytes(src, dst);
+        Ok(())
+    }
 
-pub(crate) fn fill(dtype: DType, dst: &mut HostBuffer, value: f64) {
-    dispatch!(dtype, T => {
-        let v = T::from_f64(value);
-        elementwise::map_inplace(dst.as_mut_slice::<T>(), move |_| v);
-    })
-}
+    #[inline]
+    fn download(_: &Ctx, src: &HostBuffer, dst: &mut HostBuffer) -> Result<()> {
+        copy_bytes(src, dst);
+        Ok(())
+    }
 
-pub(crate) fn arange(dtype: DType, dst: &mut HostBuffer, start: f64, step: f64) {
-    dispatch!(dtype, T => {
-        for (i, o) in dst.as_mut_slice::<T>().iter_mut().enumerate() {
-            *o = T::from_f64(start + i as f64 * step);
+    #[inline]
+    fn copy(_: &Ctx, src: &HostBuffer, dst: &mut HostBuffer) -> Result<()> {
+        copy_bytes(src, dst);
+        Ok(())
+    }
+
+    fn convert(
+        _: &Ctx,
+        (from, to): (DType, DType),
+        src: &HostBuffer,
+        dst: &mut HostBuffer,
+    ) -> Result<()> {
+        if from == to {
+            copy_bytes(src, dst);
+            return Ok(());
         }
-    })
+        dispatch!(from, S => dispatch!(to, D => {
+            elementwise::map(src.as_slice::<S>(), dst.as_mut_slice::<D>(), <S as CastTo<D>>::cast);
+        }));
+        Ok(())
+    }
+
+    #[inline]
+    fn zero(_: &Ctx, dst: &mut HostBuffer) -> Result<()> {
+        dst.as_bytes_mut().fill(0);
+        Ok(())
+    }
 }
 
-pub(crate) fn eye(dtype: DType, dst: &mut HostBuffer, n: usize) {
-    zero(dst);
-    dispatch!(dtype, T => {
-        let data = dst.as_mut_slice::<T>();
-        for i in 0..n {
-            data[i * n + i] = T::ONE;
-        }
-    })
-}
-
-pub(crate) fn randn(dtype: DType, dst: &mut HostBuffer, seed: u64, start: u64) {
-    dispatch!(dtype, T => random::fill_normal(dst.as_mut_slice::<T>(), seed, start))
-}
-
-pub(crate) fn rand(dtype: DType, dst: &mut HostBuffer, seed: u64, start: u64, low: f64, high: f64) {
-    dispatch!(dtype, T => random::fill_uniform(dst.as_mut_slice::<T>(), seed, start, low, high))
-}
-
-// ---- binary / compare / unary ----
-
-pub(crate) fn binary(
-    op: Binary,
-    dtype: DType,
-    (a, a_dims): (&HostBuffer, &[usize]),
-    (b, b_dims): (&HostBuffer, &[usize]),
-    (out, out_dims): (&mut HostBuffer, &[usize]),
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    dispatch!(dtype, T => {
-        let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
-        if zero_divisor(op, b) {
-            return Err(on_zero());
-        }
-        let out = out.as_mut_slice::<T>();
-        with_binary!(op, T, f => broadcast_zip(a, a_dims, b, b_dims, out, out_dims, f));
-    });
-    Ok(())
-}
-
-pub(crate) fn binary_scalar(
-    op: Binary,
-    dtype: DType,
-    a: &HostBuffer,
-    value: f64,
-    out: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => {
-        let y = T::from_f64(value);
-        let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
-        with_binary!(op, T, f => elementwise::map(a, out, move |x| f(x, y)));
-    });
-}
-
-pub(crate) fn compare(
-    op: Compare,
-    dtype: DType,
-    (a, a_dims): (&HostBuffer, &[usize]),
-    (b, b_dims): (&HostBuffer, &[usize]),
-    (out, out_dims): (&mut HostBuffer, &[usize]),
-) {
-    dispatch!(dtype, T => {
-        let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
-        let out = out.as_mut_slice::<u8>();
-        with_compare!(op, f => broadcast_zip(a, a_dims, b, b_dims, out, out_dims, |x: T, y: T| u8::from(f(x, y))));
-    });
-}
-
-pub(crate) fn compare_scalar(
-    op: Compare,
-    dtype: DType,
-    a: &HostBuffer,
-    value: f64,
-    out: &mut HostBuffer,
-) {
-    let out = out.as_mut_slice::<u8>();
-    dispatch_float!(dtype, T => {
-        // Floats compare in their own precision, so `x.eq_scalar(0.1)` finds the f32 0.1.
-        let y = T::from_f64(value);
-        with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x, y))));
-    }, _ => {
-        // Integers compare exactly against the f64 value, so `x.gt_scalar(2.5)` is false for 2
-        // (no truncation of the scalar).
+impl ElementwiseOps for Cpu {
+    fn fill(_: &Ctx, dtype: DType, dst: &mut HostBuffer, value: f64) -> Result<()> {
         dispatch!(dtype, T => {
-            with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x.to_f64(), value))));
-        })
-    });
-}
-
-fn float_map(
-    dtype: DType,
-    a: &HostBuffer,
-    out: &mut HostBuffer,
-    f32_fn: impl Fn(f32) -> f32 + Sync,
-    f64_fn: impl Fn(f64) -> f64 + Sync,
-) {
-    match dtype {
-        DType::F32 => elementwise::map(a.as_slice::<f32>(), out.as_mut_slice(), f32_fn),
-        _ => elementwise::map(a.as_slice::<f64>(), out.as_mut_slice(), f64_fn),
+            let v = T::from_f64(value);
+            elementwise::map_inplace(dst.as_mut_slice::<T>(), move |_| v);
+        });
+        Ok(())
     }
-}
 
-pub(crate) fn unary(op: Unary, dtype: DType, a: &HostBuffer, out: &mut HostBuffer) {
-    match op {
-        Unary::Exp => return float_map(dtype, a, out, Float::exp, Float::exp),
-        Unary::Log => return float_map(dtype, a, out, Float::ln, Float::ln),
-        Unary::Sqrt => return float_map(dtype, a, out, Float::sqrt, Float::sqrt),
-        Unary::Tanh => return float_map(dtype, a, out, Float::tanh, Float::tanh),
-        Unary::Sigmoid => return float_map(dtype, a, out, Float::sigmoid, Float::sigmoid),
-        Unary::Neg | Unary::Abs | Unary::Square | Unary::Relu => {}
+    fn arange(_: &Ctx, dtype: DType, dst: &mut HostBuffer, start: f64, step: f64) -> Result<()> {
+        dispatch!(dtype, T => {
+            for (i, o) in dst.as_mut_slice::<T>().iter_mut().enumerate() {
+                *o = T::from_f64(start + i as f64 * step);
+            }
+        });
+        Ok(())
     }
-    dispatch!(dtype, T => {
-        let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
-        match op {
-            Unary::Neg => elementwise::map(a, out, |x| x.neg()),
-            Unary::Abs => elementwise::map(a, out, |x| x.abs()),
-            Unary::Square => elementwise::map(a, out, |x| x.mul(x)),
-            _ => elementwise::map(a, out, |x| x.max_nan(T::ZERO)),
-        }
-    });
-}
 
-pub(crate) fn pow_scalar(dtype: DType, a: &HostBuffer, exponent: f64, out: &mut HostBuffer) {
-    dispatch!(dtype, T => {
-        elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), move |x| x.pow_f64(exponent));
-    });
-}
+    fn eye(_: &Ctx, dtype: DType, dst: &mut HostBuffer, n: usize) -> Result<()> {
+        dst.as_bytes_mut().fill(0);
+        dispatch!(dtype, T => {
+            let data = dst.as_mut_slice::<T>();
+            for i in 0..n {
+                data[i * n + i] = T::ONE;
+            }
+        });
+        Ok(())
+    }
 
-// ---- in place ----
+    fn randn(_: &Ctx, dtype: DType, dst: &mut HostBuffer, draw: Draw) -> Result<()> {
+        dispatch!(dtype, T => random::fill_normal(dst.as_mut_slice::<T>(), draw.seed, draw.start));
+        Ok(())
+    }
 
-pub(crate) fn binary_inplace(
-    op: Binary,
-    dtype: DType,
-    (x, x_dims): (&mut HostBuffer, &[usize]),
-    src: Option<(&HostBuffer, &[usize])>,
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    dispatch!(dtype, T => {
-        if let Some((b, b_dims)) = src {
-            let b = b.as_slice::<T>();
+    fn rand(
+        _: &Ctx,
+        dtype: DType,
+        dst: &mut HostBuffer,
+        draw: Draw,
+        (low, high): (f64, f64),
+    ) -> Result<()> {
+        dispatch!(dtype, T => random::fill_uniform(
+            dst.as_mut_slice::<T>(), draw.seed, draw.start, low, high
+        ));
+        Ok(())
+    }
+
+    fn binary(
+        _: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (a, a_dims): Operand<'_, HostBuffer>,
+        (b, b_dims): Operand<'_, HostBuffer>,
+        (out, out_dims): OperandMut<'_, HostBuffer>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
             if zero_divisor(op, b) {
                 return Err(on_zero());
             }
-            with_binary!(op, T, f => broadcast_zip_inplace(x.as_mut_slice::<T>(), x_dims, b, b_dims, f));
-        } else {
-            let x = x.as_mut_slice::<T>();
-            if zero_divisor(op, x) {
-                return Err(on_zero());
-            }
-            with_binary!(op, T, f => elementwise::map_inplace(x, |v| f(v, v)));
-        }
-    });
-    Ok(())
-}
-
-pub(crate) fn scale_inplace(dtype: DType, x: &mut HostBuffer, value: f64) {
-    dispatch!(dtype, T => {
-        let y = T::from_f64(value);
-        elementwise::map_inplace(x.as_mut_slice::<T>(), move |v| v.mul(y));
-    });
-}
-
-pub(crate) fn axpy(
-    dtype: DType,
-    (x, x_dims): (&mut HostBuffer, &[usize]),
-    alpha: f64,
-    src: Option<(&HostBuffer, &[usize])>,
-) {
-    dispatch!(dtype, T => {
-        let a = T::from_f64(alpha);
-        let target = x.as_mut_slice::<T>();
-        match src {
-            Some((b, b_dims)) => broadcast_zip_inplace(target, x_dims, b.as_slice::<T>(), b_dims, move |v, y| v.add(a.mul(y))),
-            None => elementwise::map_inplace(target, move |v| v.add(a.mul(v))),
-        }
-    });
-}
-
-pub(crate) fn assign(
-    dtype: DType,
-    (x, x_dims): (&mut HostBuffer, &[usize]),
-    (src, src_dims): (&HostBuffer, &[usize]),
-) {
-    dispatch!(dtype, T => broadcast_zip_inplace(
-        x.as_mut_slice::<T>(), x_dims, src.as_slice::<T>(), src_dims, |_, y| y
-    ));
-}
-
-// ---- reductions ----
-
-pub(crate) fn sum(
-    from: DType,
-    to: DType,
-    (a, dims): (&HostBuffer, &[usize]),
-    mask: &[bool],
-    out: &mut HostBuffer,
-    mean: bool,
-) {
-    let count: usize = dims
-        .iter()
-        .zip(mask)
-        .filter(|(_, &r)| r)
-        .map(|(&d, _)| d)
-        .product();
-    let count = count as f64;
-    dispatch_float!(from, T => {
-        let x = a.as_slice::<T>();
-        let conv = |v: T| v.to_f64();
-        let add = |p: f64, q: f64| p + q;
-        if from == DType::F64 && !mean {
-            reduce::fold_axes(x, dims, mask, out.as_mut_slice::<f64>(), 0.0, &conv, &add);
-        } else {
             let out = out.as_mut_slice::<T>();
-            let mut acc = vec![0.0f64; out.len()];
-            reduce::fold_axes(x, dims, mask, &mut acc, 0.0, &conv, &add);
-            for (o, s) in out.iter_mut().zip(acc) {
-                *o = T::from_f64(if mean { s / count } else { s });
-            }
-        }
-    }, _ => {
-        debug_assert_eq!(to, if mean { DType::F64 } else { DType::I64 });
-        dispatch!(from, T => {
-            let x = a.as_slice::<T>();
-            let conv = |v: T| v.to_i64();
-            let add = |p: i64, q: i64| p.wrapping_add(q);
-            if mean {
-                let out = out.as_mut_slice::<f64>();
-                let mut acc = vec![0i64; out.len()];
-                reduce::fold_axes(x, dims, mask, &mut acc, 0, &conv, &add);
-                for (o, s) in out.iter_mut().zip(acc) {
-                    *o = s as f64 / count;
+            with_binary!(op, T, f => broadcast_zip(a, a_dims, b, b_dims, out, out_dims, f));
+        });
+        Ok(())
+    }
+
+    fn binary_scalar(
+        _: &Ctx,
+        op: Binary,
+        dtype: DType,
+        a: &HostBuffer,
+        value: f64,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            let y = T::from_f64(value);
+            let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
+            with_binary!(op, T, f => elementwise::map(a, out, move |x| f(x, y)));
+        });
+        Ok(())
+    }
+
+    fn compare(
+        _: &Ctx,
+        op: Compare,
+        dtype: DType,
+        (a, a_dims): Operand<'_, HostBuffer>,
+        (b, b_dims): Operand<'_, HostBuffer>,
+        (out, out_dims): OperandMut<'_, HostBuffer>,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            let (a, b) = (a.as_slice::<T>(), b.as_slice::<T>());
+            let out = out.as_mut_slice::<u8>();
+            with_compare!(op, f => broadcast_zip(a, a_dims, b, b_dims, out, out_dims, |x: T, y: T| u8::from(f(x, y))));
+        });
+        Ok(())
+    }
+
+    fn compare_scalar(
+        _: &Ctx,
+        op: Compare,
+        dtype: DType,
+        a: &HostBuffer,
+        value: f64,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        let out = out.as_mut_slice::<u8>();
+        dispatch_float!(dtype, T => {
+            // Floats compare in their own precision, so `x.eq_scalar(0.1)` finds the f32 0.1.
+            let y = T::from_f64(value);
+            with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x, y))));
+        }, _ => {
+            // Integers compare exactly against the f64 value, so `x.gt_scalar(2.5)` is false
+            // for 2 (no truncation of the scalar).
+            dispatch!(dtype, T => {
+                with_compare!(op, f => elementwise::map(a.as_slice::<T>(), out, move |x: T| u8::from(f(x.to_f64(), value))));
+            })
+        });
+        Ok(())
+    }
+
+    fn unary(_: &Ctx, op: Unary, dtype: DType, a: &HostBuffer, out: &mut HostBuffer) -> Result<()> {
+        unary_host(op, dtype, a, out);
+        Ok(())
+    }
+
+    fn pow_scalar(
+        _: &Ctx,
+        dtype: DType,
+        a: &HostBuffer,
+        exponent: f64,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            elementwise::map(a.as_slice::<T>(), out.as_mut_slice::<T>(), move |x| x.pow_f64(exponent));
+        });
+        Ok(())
+    }
+
+    fn binary_inplace(
+        _: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, HostBuffer>,
+        src: Option<Operand<'_, HostBuffer>>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            if let Some((b, b_dims)) = src {
+                let b = b.as_slice::<T>();
+                if zero_divisor(op, b) {
+                    return Err(on_zero());
                 }
+                with_binary!(op, T, f => broadcast_zip_inplace(x.as_mut_slice::<T>(), x_dims, b, b_dims, f));
             } else {
-                reduce::fold_axes(x, dims, mask, out.as_mut_slice::<i64>(), 0, &conv, &add);
+                let x = x.as_mut_slice::<T>();
+                if zero_divisor(op, x) {
+                    return Err(on_zero());
+                }
+                with_binary!(op, T, f => elementwise::map_inplace(x, |v| f(v, v)));
             }
-        })
-    });
+        });
+        Ok(())
+    }
+
+    fn scale_inplace(_: &Ctx, dtype: DType, x: &mut HostBuffer, value: f64) -> Result<()> {
+        dispatch!(dtype, T => {
+            let y = T::from_f64(value);
+            elementwise::map_inplace(x.as_mut_slice::<T>(), move |v| v.mul(y));
+        });
+        Ok(())
+    }
+
+    fn axpy(
+        _: &Ctx,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, HostBuffer>,
+        alpha: f64,
+        src: Option<Operand<'_, HostBuffer>>,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            let a = T::from_f64(alpha);
+            let target = x.as_mut_slice::<T>();
+            match src {
+                Some((b, b_dims)) => broadcast_zip_inplace(target, x_dims, b.as_slice::<T>(), b_dims, move |v, y| v.add(a.mul(y))),
+                None => elementwise::map_inplace(target, move |v| v.add(a.mul(v))),
+            }
+        });
+        Ok(())
+    }
+
+    fn assign(
+        _: &Ctx,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, HostBuffer>,
+        (src, src_dims): Operand<'_, HostBuffer>,
+    ) -> Result<()> {
+        dispatch!(dtype, T => broadcast_zip_inplace(
+            x.as_mut_slice::<T>(), x_dims, src.as_slice::<T>(), src_dims, |_, y| y
+        ));
+        Ok(())
+    }
 }
 
-pub(crate) fn sum_all(from: DType, to: DType, a: &HostBuffer, out: &mut HostBuffer, mean: bool) {
-    let n = a.as_bytes().len() / from.size_in_bytes().max(1);
-    dispatch_float!(from, T => {
-        let sum = reduce::sum_float(a.as_slice::<T>());
-        let value = if mean { sum / n as f64 } else { sum };
-        out.as_mut_slice::<T>()[0] = T::from_f64(value);
-    }, _ => {
-        debug_assert_eq!(to, if mean { DType::F64 } else { DType::I64 });
-        dispatch!(from, T => {
-            let sum = reduce::sum_int(a.as_slice::<T>());
-            if mean {
-                out.as_mut_slice::<f64>()[0] = sum as f64 / n as f64;
+impl ReduceOps for Cpu {
+    fn sum(
+        _: &Ctx,
+        SumOf { from, to, mean }: SumOf,
+        (a, dims): Operand<'_, HostBuffer>,
+        mask: &[bool],
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        let count: usize = dims
+            .iter()
+            .zip(mask)
+            .filter(|(_, &r)| r)
+            .map(|(&d, _)| d)
+            .product();
+        let count = count as f64;
+        dispatch_float!(from, T => {
+            let x = a.as_slice::<T>();
+            let conv = |v: T| v.to_f64();
+            let add = |p: f64, q: f64| p + q;
+            if from == DType::F64 && !mean {
+                reduce::fold_axes(x, dims, mask, out.as_mut_slice::<f64>(), 0.0, &conv, &add);
             } else {
-                out.as_mut_slice::<i64>()[0] = sum;
+                let out = out.as_mut_slice::<T>();
+                let mut acc = vec![0.0f64; out.len()];
+                reduce::fold_axes(x, dims, mask, &mut acc, 0.0, &conv, &add);
+                for (o, s) in out.iter_mut().zip(acc) {
+                    *o = T::from_f64(if mean { s / count } else { s });
+                }
             }
-        })
-    });
+        }, _ => {
+            debug_assert_eq!(to, if mean { DType::F64 } else { DType::I64 });
+            dispatch!(from, T => {
+                let x = a.as_slice::<T>();
+                let conv = |v: T| v.to_i64();
+                let add = |p: i64, q: i64| p.wrapping_add(q);
+                if mean {
+                    let out = out.as_mut_slice::<f64>();
+                    let mut acc = vec![0i64; out.len()];
+                    reduce::fold_axes(x, dims, mask, &mut acc, 0, &conv, &add);
+                    for (o, s) in out.iter_mut().zip(acc) {
+                        *o = s as f64 / count;
+                    }
+                } else {
+                    reduce::fold_axes(x, dims, mask, out.as_mut_slice::<i64>(), 0, &conv, &add);
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn sum_all(
+        _: &Ctx,
+        SumOf { from, to, mean }: SumOf,
+        a: &HostBuffer,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        let n = a.as_bytes().len() / from.size_in_bytes().max(1);
+        dispatch_float!(from, T => {
+            let sum = reduce::sum_float(a.as_slice::<T>());
+            let value = if mean { sum / n as f64 } else { sum };
+            out.as_mut_slice::<T>()[0] = T::from_f64(value);
+        }, _ => {
+            debug_assert_eq!(to, if mean { DType::F64 } else { DType::I64 });
+            dispatch!(from, T => {
+                let sum = reduce::sum_int(a.as_slice::<T>());
+                if mean {
+                    out.as_mut_slice::<f64>()[0] = sum as f64 / n as f64;
+                } else {
+                    out.as_mut_slice::<i64>()[0] = sum;
+                }
+            })
+        });
+        Ok(())
+    }
+
+    fn max_axis(
+        _: &Ctx,
+        dtype: DType,
+        a: &HostBuffer,
+        Lanes { outer, len, inner }: Lanes,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => reduce::fold_axis(
+            a.as_slice::<T>(), outer, len, inner, out.as_mut_slice::<T>(),
+            &|v: T| v, &|p: T, q: T| Num::maximum(p, q),
+        ));
+        Ok(())
+    }
+
+    fn argmax_axis(
+        _: &Ctx,
+        dtype: DType,
+        a: &HostBuffer,
+        Lanes { outer, len, inner }: Lanes,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => reduce::argmax_axis(
+            a.as_slice::<T>(), outer, len, inner, out.as_mut_slice::<i64>(),
+        ));
+        Ok(())
+    }
 }
 
-pub(crate) fn max_axis(
-    dtype: DType,
-    a: &HostBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => reduce::fold_axis(
-        a.as_slice::<T>(), outer, n, inner, out.as_mut_slice::<T>(),
-        &|v: T| v, &|p: T, q: T| p.max_nan(q),
-    ));
+impl MatmulOps for Cpu {
+    fn matmul(
+        _: &Ctx,
+        dtype: DType,
+        batch: Option<(Batched, usize)>,
+        Mnk { m, k, n }: Mnk,
+        a: &HostBuffer,
+        b: &HostBuffer,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => {
+            let (a, b, out) = (a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>());
+            match batch {
+                None => matmul::matmul(m, k, n, a, b, out),
+                Some(batch) => matmul::matmul_batched(batch, (m, k, n), a, b, out),
+            }
+        });
+        Ok(())
+    }
+
+    fn gemm(
+        _: &Ctx,
+        dtype: DType,
+        spec: Gemm,
+        a: &HostBuffer,
+        b: &HostBuffer,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        let Mnk { m, k, n } = spec.dims;
+        dispatch!(dtype, T => matmul::gemm_general(
+            (m, k, n), (a.as_slice::<T>(), spec.trans_a), (b.as_slice::<T>(), spec.trans_b),
+            out.as_mut_slice::<T>(),
+            spec.accumulate.map(|s| (T::from_f64(s.beta), T::from_f64(s.alpha)))
+        ));
+        Ok(())
+    }
+
+    fn sgd_dense(
+        _: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, g): (&HostBuffer, &HostBuffer),
+        (v, w): (&mut HostBuffer, &mut HostBuffer),
+        step: SgdStep,
+    ) -> Result<()> {
+        dispatch_float!(dtype, T => sgd::sgd_dense(
+            dims, (x.as_slice::<T>(), g.as_slice::<T>()),
+            (v.as_mut_slice::<T>(), w.as_mut_slice::<T>()),
+            (T::from_f64(step.lr), T::from_f64(step.momentum))
+        ), _ => {});
+        Ok(())
+    }
 }
 
-pub(crate) fn argmax_axis(
-    dtype: DType,
-    a: &HostBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => reduce::argmax_axis(
-        a.as_slice::<T>(), outer, n, inner, out.as_mut_slice::<i64>(),
-    ));
-}
-
-// ---- matrix products ----
-
-pub(crate) fn matmul(
-    dtype: DType,
-    batch: Option<(Batched, usize)>,
-    (m, k, n): (usize, usize, usize),
-    a: &HostBuffer,
-    b: &HostBuffer,
-    out: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => {
-        let (a, b, out) = (a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>());
-        match batch {
-            None => matmul::matmul(m, k, n, a, b, out),
-            Some((which, batch)) => matmul::matmul_batched(which, batch, m, k, n, a, b, out),
+impl NnOps for Cpu {
+    fn softmax(
+        _: &Ctx,
+        dtype: DType,
+        a: &HostBuffer,
+        Lanes { outer, len, inner }: Lanes,
+        out: &mut HostBuffer,
+        log: bool,
+    ) -> Result<()> {
+        match dtype {
+            DType::F32 => nn::softmax(
+                a.as_slice::<f32>(),
+                outer,
+                len,
+                inner,
+                out.as_mut_slice(),
+                log,
+            ),
+            _ => nn::softmax(
+                a.as_slice::<f64>(),
+                outer,
+                len,
+                inner,
+                out.as_mut_slice(),
+                log,
+            ),
         }
-    });
+        Ok(())
+    }
+
+    fn first_bad_index(
+        _: &Ctx,
+        dtype: DType,
+        indices: &HostBuffer,
+        bound: usize,
+    ) -> Result<Option<(usize, i64)>> {
+        Ok(dispatch!(dtype, I => nn::first_out_of_range(indices.as_slice::<I>(), bound)))
+    }
+
+    fn one_hot(
+        _: &Ctx,
+        (from, to): (DType, DType),
+        indices: &HostBuffer,
+        depth: usize,
+        out: &mut HostBuffer,
+    ) -> Result<Option<(usize, i64)>> {
+        dispatch!(from, I => {
+            let idx = indices.as_slice::<I>();
+            if let Some(bad) = nn::first_out_of_range(idx, depth) {
+                return Ok(Some(bad));
+            }
+            dispatch!(to, T => nn::one_hot(idx, depth, out.as_mut_slice::<T>()));
+        });
+        Ok(None)
+    }
+
+    fn pick(
+        _: &Ctx,
+        (dtype, from): (DType, DType),
+        x: &HostBuffer,
+        (n, inner): (usize, usize),
+        indices: &HostBuffer,
+        out: &mut HostBuffer,
+    ) -> Result<Option<(usize, i64)>> {
+        dispatch!(from, I => {
+            let idx = indices.as_slice::<I>();
+            if let Some(bad) = nn::first_out_of_range(idx, n) {
+                return Ok(Some(bad));
+            }
+            dispatch!(dtype, T => nn::pick(x.as_slice::<T>(), n, inner, idx, out.as_mut_slice::<T>()));
+        });
+        Ok(None)
+    }
 }
 
-pub(crate) fn gemm(
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (a, ta): (&HostBuffer, bool),
-    (b, tb): (&HostBuffer, bool),
-    out: &mut HostBuffer,
-    accumulate: Option<(f64, f64)>,
-) {
-    dispatch!(dtype, T => matmul::gemm_general(
-        m, k, n, a.as_slice::<T>(), ta, b.as_slice::<T>(), tb, out.as_mut_slice::<T>(),
-        accumulate.map(|(beta, alpha)| (T::from_f64(beta), T::from_f64(alpha)))
-    ));
+impl ShapeOps for Cpu {
+    fn transpose(
+        _: &Ctx,
+        dtype: DType,
+        src: &HostBuffer,
+        (rows, cols): (usize, usize),
+        dst: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => shape::transpose(src.as_slice::<T>(), rows, cols, dst.as_mut_slice::<T>()));
+        Ok(())
+    }
+
+    fn permute(
+        _: &Ctx,
+        dtype: DType,
+        (src, dims): Operand<'_, HostBuffer>,
+        perm: &[usize],
+        dst: &mut HostBuffer,
+    ) -> Result<()> {
+        dispatch!(dtype, T => shape::permute(src.as_slice::<T>(), dims, perm, dst.as_mut_slice::<T>()));
+        Ok(())
+    }
+
+    fn narrow(
+        _: &Ctx,
+        elem: usize,
+        src: &HostBuffer,
+        Lanes { outer, len, inner }: Lanes,
+        start: usize,
+        dst: &mut HostBuffer,
+    ) -> Result<()> {
+        shape::narrow(
+            src.as_bytes(),
+            outer,
+            len,
+            inner * elem,
+            start,
+            dst.as_bytes_mut(),
+        );
+        Ok(())
+    }
+
+    fn interleave(
+        _: &Ctx,
+        srcs: &[&HostBuffer],
+        row_bytes: &[usize],
+        outer: usize,
+        dst: &mut HostBuffer,
+    ) -> Result<()> {
+        let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
+        shape::interleave(&srcs, row_bytes, outer, dst.as_bytes_mut());
+        Ok(())
+    }
 }
 
+#[inline]
+fn copy_bytes(src: &HostBuffer, dst: &mut HostBuffer) {
+    dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+}
+
+// ---- CPU only: packed right operands (a `Dense` layer's f32 weights) ----
+
+/// Columns per panel of a packed right operand.
 pub(crate) const PACK_COLUMNS: usize = packed::NR;
 
+/// Packs the f32 `[k, n]` operand `b` into `out` for [`packed_matmul`].
 pub(crate) fn pack_rhs((k, n): (usize, usize), b: &HostBuffer, out: &mut HostBuffer) {
     packed::pack(k, n, b.as_slice::<f32>(), out.as_mut_slice::<f32>());
 }
 
+/// `out = a · b (+ bias) (then ReLU)` for f32 `a` `[m, k]` and `b` packed by [`pack_rhs`].
 pub(crate) fn packed_matmul(
-    (m, k, n): (usize, usize, usize),
+    dims: Mnk,
     a: &HostBuffer,
     b: &HostBuffer,
     bias: Option<&HostBuffer>,
     relu: bool,
     out: &mut HostBuffer,
 ) {
+    let epilogue = packed::Epilogue {
+        bias: bias.map(HostBuffer::as_slice::<f32>),
+        relu,
+    };
     packed::packed_matmul(
-        m,
-        k,
-        n,
+        dims,
         a.as_slice::<f32>(),
         b.as_slice::<f32>(),
-        bias.map(HostBuffer::as_slice::<f32>),
-        relu,
+        epilogue,
         out.as_mut_slice::<f32>(),
     );
-}
-
-pub(crate) fn sgd_dense(
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (x, g): (&HostBuffer, &HostBuffer),
-    (v, w): (&mut HostBuffer, &mut HostBuffer),
-    lr: f64,
-    momentum: f64,
-) {
-    dispatch_float!(dtype, T => sgd::sgd_dense(
-        m, k, n, x.as_slice::<T>(), g.as_slice::<T>(), v.as_mut_slice::<T>(),
-        w.as_mut_slice::<T>(), T::from_f64(lr), T::from_f64(momentum)
-    ), _ => {});
-}
-
-// ---- neural-network ops ----
-
-pub(crate) fn softmax(
-    dtype: DType,
-    a: &HostBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut HostBuffer,
-    log: bool,
-) {
-    match dtype {
-        DType::F32 => nn::softmax(
-            a.as_slice::<f32>(),
-            outer,
-            n,
-            inner,
-            out.as_mut_slice(),
-            log,
-        ),
-        _ => nn::softmax(
-            a.as_slice::<f64>(),
-            outer,
-            n,
-            inner,
-            out.as_mut_slice(),
-            log,
-        ),
-    }
-}
-
-pub(crate) fn first_bad_index(
-    dtype: DType,
-    indices: &HostBuffer,
-    bound: usize,
-) -> Option<(usize, i64)> {
-    dispatch!(dtype, I => nn::first_out_of_range(indices.as_slice::<I>(), bound))
-}
-
-pub(crate) fn one_hot(
-    (from, to): (DType, DType),
-    indices: &HostBuffer,
-    depth: usize,
-    out: &mut HostBuffer,
-) -> Option<(usize, i64)> {
-    dispatch!(from, I => {
-        let idx = indices.as_slice::<I>();
-        if let Some(bad) = nn::first_out_of_range(idx, depth) {
-            return Some(bad);
-        }
-        dispatch!(to, T => nn::one_hot(idx, depth, out.as_mut_slice::<T>()));
-    });
-    None
-}
-
-pub(crate) fn pick(
-    (dtype, from): (DType, DType),
-    x: &HostBuffer,
-    (n, inner): (usize, usize),
-    indices: &HostBuffer,
-    out: &mut HostBuffer,
-) -> Option<(usize, i64)> {
-    dispatch!(from, I => {
-        let idx = indices.as_slice::<I>();
-        if let Some(bad) = nn::first_out_of_range(idx, n) {
-            return Some(bad);
-        }
-        dispatch!(dtype, T => nn::pick(x.as_slice::<T>(), n, inner, idx, out.as_mut_slice::<T>()));
-    });
-    None
-}
-
-// ---- shape / gather ----
-
-pub(crate) fn transpose(
-    dtype: DType,
-    src: &HostBuffer,
-    (rows, cols): (usize, usize),
-    dst: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => shape::transpose(src.as_slice::<T>(), rows, cols, dst.as_mut_slice::<T>()));
-}
-
-pub(crate) fn permute(
-    dtype: DType,
-    (src, dims): (&HostBuffer, &[usize]),
-    perm: &[usize],
-    dst: &mut HostBuffer,
-) {
-    dispatch!(dtype, T => shape::permute(src.as_slice::<T>(), dims, perm, dst.as_mut_slice::<T>()));
-}
-
-pub(crate) fn narrow(
-    elem: usize,
-    src: &HostBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    start: usize,
-    dst: &mut HostBuffer,
-) {
-    shape::narrow(
-        src.as_bytes(),
-        outer,
-        n,
-        inner * elem,
-        start,
-        dst.as_bytes_mut(),
-    );
-}
-
-pub(crate) fn interleave(
-    srcs: &[&HostBuffer],
-    row_bytes: &[usize],
-    outer: usize,
-    dst: &mut HostBuffer,
-) {
-    let srcs: Vec<&[u8]> = srcs.iter().map(|b| b.as_bytes()).collect();
-    shape::interleave(&srcs, row_bytes, outer, dst.as_bytes_mut());
 }

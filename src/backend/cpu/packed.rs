@@ -20,6 +20,7 @@
 //! does not depend on the batch it came in.
 
 use super::pool::{self, SendPtr};
+use crate::backend::contract::Mnk;
 
 /// Columns per panel (two AVX vectors).
 pub(crate) const NR: usize = 16;
@@ -64,33 +65,34 @@ pub(crate) fn pack(k: usize, n: usize, b: &[f32], out: &mut [f32]) {
     }
 }
 
+/// What a packed product does to its sums before it stores them: add a bias of `n` floats,
+/// then apply ReLU (a dense layer's epilogue).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Epilogue<'a> {
+    /// Added to every row.
+    pub bias: Option<&'a [f32]>,
+    /// ReLU after the bias.
+    pub relu: bool,
+}
+
 /// `out = a · b (+ bias) (then ReLU)`, with `a` `[m, k]` and `out` `[m, n]` row-major and
-/// contiguous, `packed` the `[k, n]` operand as [`pack`] wrote it and `bias` `n` floats.
-#[allow(clippy::too_many_arguments)]
+/// contiguous, `packed` the `[k, n]` operand as [`pack`] wrote it.
 pub(crate) fn packed_matmul(
-    m: usize,
-    k: usize,
-    n: usize,
+    dims: Mnk,
     a: &[f32],
     packed: &[f32],
-    bias: Option<&[f32]>,
-    relu: bool,
+    epilogue: Epilogue<'_>,
     out: &mut [f32],
 ) {
-    product(m, k, n, a, packed, bias, relu, out, true);
+    product(dims, (a, packed), epilogue, out, true);
 }
 
 /// [`packed_matmul`] with the AVX2 kernel when `avx2` is asked for and the CPU has AVX2 and FMA,
 /// else the portable one.
-#[allow(clippy::too_many_arguments)]
 fn product(
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    packed: &[f32],
-    bias: Option<&[f32]>,
-    relu: bool,
+    Mnk { m, k, n }: Mnk,
+    (a, packed): (&[f32], &[f32]),
+    Epilogue { bias, relu }: Epilogue<'_>,
     out: &mut [f32],
     avx2: bool,
 ) {
@@ -474,7 +476,13 @@ mod tests {
             for (bias, relu) in [(None, false), (Some(&bias[..]), false), (Some(&bias), true)] {
                 let want = reference(m, k, n, &a, &b, bias, relu);
                 let mut out = vec![f32::NAN; m * n];
-                packed_matmul(m, k, n, &a, &packed, bias, relu, &mut out);
+                packed_matmul(
+                    Mnk { m, k, n },
+                    &a,
+                    &packed,
+                    Epilogue { bias, relu },
+                    &mut out,
+                );
                 assert_eq!(
                     out,
                     want,
@@ -483,7 +491,13 @@ mod tests {
                 );
                 // The portable kernel gives the same sums.
                 out.iter_mut().for_each(|o| *o = f32::NAN);
-                product(m, k, n, &a, &packed, bias, relu, &mut out, false);
+                product(
+                    Mnk { m, k, n },
+                    (&a, &packed),
+                    Epilogue { bias, relu },
+                    &mut out,
+                    false,
+                );
                 assert_eq!(out, want, "portable, m {m} k {k} n {n}");
             }
         }
@@ -493,6 +507,12 @@ mod tests {
     #[should_panic(expected = "packed_matmul: lengths")]
     fn checks_lengths_in_release_builds() {
         let (a, packed, mut out) = (vec![1.0f32; 6], vec![1.0f32; 16], vec![0.0f32; 4]);
-        packed_matmul(2, 3, 2, &a, &packed, None, false, &mut out);
+        packed_matmul(
+            Mnk { m: 2, k: 3, n: 2 },
+            &a,
+            &packed,
+            Epilogue::default(),
+            &mut out,
+        );
     }
 }

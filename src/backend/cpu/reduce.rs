@@ -247,7 +247,6 @@ pub(crate) fn fold_axis<T, A, C, F>(
 /// Size-1 axes are ignored and adjacent axes of the same kind merged, so a reduction is one
 /// [`fold_axis`] per run of reduced axes (a sum over the last or first axis of a contiguous
 /// array is a single pass). Later passes fold the accumulators with `comb`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn fold_axes<T, A, C, F>(
     x: &[T],
     dims: &[usize],

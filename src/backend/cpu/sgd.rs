@@ -17,6 +17,7 @@ use super::elementwise::zip_inplace;
 use super::matmul::gemm_general;
 use super::num::Num;
 use super::pool::{self, SendPtr};
+use crate::backend::contract::Mnk;
 
 /// Rows of `v`/`w` per register tile.
 const MR: usize = 4;
@@ -37,18 +38,13 @@ thread_local! {
 
 /// `v ← momentum·v + xᵀ·g; w ← w − lr·v` (with `momentum == 0`, `v ← xᵀ·g`: the old `v` is not
 /// read). `x` is `[k, m]`, `g` `[k, n]`, `v` and `w` `[m, n]`, all row-major and contiguous.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn sgd_dense<T: Num>(
-    m: usize,
-    k: usize,
-    n: usize,
-    x: &[T],
-    g: &[T],
-    v: &mut [T],
-    w: &mut [T],
-    lr: T,
-    momentum: T,
+    dims: Mnk,
+    (x, g): (&[T], &[T]),
+    (v, w): (&mut [T], &mut [T]),
+    (lr, momentum): (T, T),
 ) {
+    let Mnk { m, k, n } = dims;
     // Checked in release builds too: the fused kernel writes through raw pointers.
     assert!(
         x.len() == k * m && g.len() == k * n && v.len() == m * n && w.len() == m * n,
@@ -71,10 +67,10 @@ pub(crate) fn sgd_dense<T: Num>(
             )
         };
         let (lr, momentum) = (lr.to_f64() as f32, momentum.to_f64() as f32);
-        return fused(m, k, n, x, g, v, w, lr, momentum);
+        return fused(dims, (x, g), (v, w), (lr, momentum));
     }
     let accumulate = (momentum != T::ZERO).then_some((momentum, T::ONE));
-    gemm_general(m, k, n, x, true, g, false, v, accumulate);
+    gemm_general((m, k, n), (x, true), (g, false), v, accumulate);
     let neg_lr = T::ZERO.sub(lr);
     zip_inplace(w, v, move |w, v| w.add(neg_lr.mul(v)));
 }
@@ -107,18 +103,13 @@ pub(crate) fn tiles_per_task(m: usize, k: usize, n: usize) -> usize {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn fused(
-    m: usize,
-    k: usize,
-    n: usize,
-    x: &[f32],
-    g: &[f32],
-    v: &mut [f32],
-    w: &mut [f32],
-    lr: f32,
-    momentum: f32,
+    dims: Mnk,
+    (x, g): (&[f32], &[f32]),
+    (v, w): (&mut [f32], &mut [f32]),
+    (lr, momentum): (f32, f32),
 ) {
+    let Mnk { m, k, n } = dims;
     let tiles = m.div_ceil(MR);
     let chunks = n.div_ceil(NR);
     let mut fresh = (Vec::new(), Vec::new());
@@ -161,16 +152,11 @@ fn fused(
             // stay mutably borrowed until `run` returns.
             unsafe {
                 avx512::rows(
-                    m,
-                    k,
-                    n,
-                    xpack,
-                    gpack,
-                    vp.get(),
-                    wp.get(),
+                    (m, k, n),
+                    (xpack, gpack),
+                    (vp.get(), wp.get()),
                     first..last,
-                    lr,
-                    momentum,
+                    (lr, momentum),
                 )
             };
             #[cfg(not(target_arch = "x86_64"))]
@@ -192,19 +178,13 @@ mod avx512 {
     /// AVX-512F must be available; `xpack` must hold `m.div_ceil(MR)` tiles of `k·MR`, `gpack`
     /// `n.div_ceil(NR)` chunks of `k·NR` elements; `v` and `w` must point to `m·n` elements, and
     /// nothing else may access the rows of `tiles` meanwhile.
-    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn rows(
-        m: usize,
-        k: usize,
-        n: usize,
-        xpack: &[f32],
-        gpack: &[f32],
-        v: *mut f32,
-        w: *mut f32,
+        (m, k, n): (usize, usize, usize),
+        (xpack, gpack): (&[f32], &[f32]),
+        (v, w): (*mut f32, *mut f32),
         tiles: Range<usize>,
-        lr: f32,
-        momentum: f32,
+        rates: (f32, f32),
     ) {
         let chunks = n.div_ceil(NR);
         assert!(xpack.len() >= tiles.end * k * MR && gpack.len() == chunks * k * NR);
@@ -225,16 +205,11 @@ mod avx512 {
                 // k·NR elements.
                 unsafe {
                     tile(
-                        k,
-                        n,
-                        xt,
-                        gc,
-                        v.add(offset),
-                        w.add(offset),
-                        rows,
-                        masks,
-                        lr,
-                        momentum,
+                        (k, n),
+                        (xt, gc),
+                        (v.add(offset), w.add(offset)),
+                        (rows, masks),
+                        rates,
                     )
                 };
             }
@@ -284,20 +259,14 @@ mod avx512 {
     ///
     /// # Safety
     /// As for [`rows`], for this tile: `v` and `w` point to its first element, rows `ld` apart.
-    #[allow(clippy::too_many_arguments)]
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn tile(
-        k: usize,
-        ld: usize,
-        xt: &[f32],
-        gc: &[f32],
-        v: *mut f32,
-        w: *mut f32,
-        rows: usize,
-        masks: [__mmask16; NV],
-        lr: f32,
-        momentum: f32,
+        (k, ld): (usize, usize),
+        (xt, gc): (&[f32], &[f32]),
+        (v, w): (*mut f32, *mut f32),
+        (rows, masks): (usize, [__mmask16; NV]),
+        (lr, momentum): (f32, f32),
     ) {
         let mut acc = [[_mm512_setzero_ps(); NV]; MR];
         for (xs, gs) in xt.chunks_exact(MR).zip(gc.chunks_exact(NR)).take(k) {
@@ -387,7 +356,12 @@ mod tests {
                     v.fill(f32::NAN); // not read without momentum
                 }
                 for _ in 0..2 {
-                    sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.1, momentum as f32);
+                    sgd_dense(
+                        Mnk { m, k, n },
+                        (&x, &g),
+                        (&mut v, &mut w),
+                        (0.1, momentum as f32),
+                    );
                     reference((m, k, n), &x, &g, &mut rv, &mut rw, 0.1, momentum);
                 }
                 for (i, (got, want)) in v.iter().zip(&rv).chain(w.iter().zip(&rw)).enumerate() {
@@ -403,7 +377,7 @@ mod tests {
         let x: Vec<f64> = (0..k * m).map(|i| (i % 4) as f64).collect();
         let g: Vec<f64> = (0..k * n).map(|i| (i % 3) as f64).collect();
         let (mut v, mut w) = (vec![1.0; m * n], vec![2.0; m * n]);
-        sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.5, 0.5);
+        sgd_dense(Mnk { m, k, n }, (&x, &g), (&mut v, &mut w), (0.5, 0.5));
         for i in 0..m {
             for j in 0..n {
                 let dot: f64 = (0..k).map(|p| x[p * m + i] * g[p * n + j]).sum();
@@ -421,7 +395,7 @@ mod tests {
         let (m, k, n) = (2, 3, 4);
         let (x, g) = (vec![1.0f32; k * m], vec![1.0f32; k * n]);
         let (mut v, mut w) = (vec![0.0f32; m * n + 1], vec![0.0f32; m * n]);
-        sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.1, 0.9);
+        sgd_dense(Mnk { m, k, n }, (&x, &g), (&mut v, &mut w), (0.1, 0.9));
     }
 
     /// Outputs whose last row ends in vectors with no column of the matrix (n = 16 + 1 with four
@@ -435,7 +409,7 @@ mod tests {
             let g: Vec<f32> = (0..k * n).map(|i| 1.0 - i as f32 * 0.25).collect();
             let mut v = vec![1.0f32; m * n];
             let mut w = vec![2.0f32; m * n];
-            sgd_dense(m, k, n, &x, &g, &mut v, &mut w, 0.5, 0.5);
+            sgd_dense(Mnk { m, k, n }, (&x, &g), (&mut v, &mut w), (0.5, 0.5));
             for i in 0..m {
                 for j in 0..n {
                     let dot: f32 = (0..k).map(|p| x[p * m + i] * g[p * n + j]).sum();

@@ -16,23 +16,17 @@ const TILE: usize = 32;
 /// and written row by row to `dst`, so every cache line of `src` and `dst` is touched in one
 /// burst. Scattering straight into `dst` instead thrashes the cache when the row stride is a
 /// power of two (1024 × 1024 f32: every row of a tile maps to the same cache set).
-#[allow(clippy::too_many_arguments)]
 fn transpose_tiles<T: Copy + Default>(
-    src: &[T],
-    s0: usize,
-    s_b: usize,
-    na: usize,
-    nb: usize,
-    dst: &mut [T],
-    d0: usize,
-    d_a: usize,
+    (src, s0, s_b): (&[T], usize, usize),
+    (na, nb): (usize, usize),
+    (dst, d0, d_a): (&mut [T], usize, usize),
 ) {
     #[cfg(target_arch = "x86_64")]
     if std::mem::size_of::<T>() == 4 && avx2() {
         // SAFETY: T is a 4-byte `Copy` element type (f32 or i32 here), so its bits can move
         // through f32 lanes unchanged: the kernel only loads, shuffles and stores, never
         // computes; AVX2 was just detected.
-        return unsafe { transpose_4byte_avx2(src, s0, s_b, na, nb, dst, d0, d_a) };
+        return unsafe { transpose_4byte_avx2((src, s0, s_b), (na, nb), (dst, d0, d_a)) };
     }
     let mut buf = [[T::default(); TILE]; TILE];
     for ab in (0..na).step_by(TILE) {
@@ -82,16 +76,10 @@ fn avx2() -> bool {
 /// kernel only moves values), and the CPU must support AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn transpose_4byte_avx2<T: Copy + Default>(
-    src: &[T],
-    s0: usize,
-    s_b: usize,
-    na: usize,
-    nb: usize,
-    dst: &mut [T],
-    d0: usize,
-    d_a: usize,
+    (src, s0, s_b): (&[T], usize, usize),
+    (na, nb): (usize, usize),
+    (dst, d0, d_a): (&mut [T], usize, usize),
 ) {
     use std::arch::x86_64::*;
     // Every element touched below: a < na, b < nb.
@@ -176,13 +164,13 @@ pub(crate) fn transpose<T: Copy + Default + Send + Sync>(
         return;
     }
     if dst.len() < PAR_MIN || pool::threads() < 2 {
-        return transpose_tiles(src, 0, cols, cols, rows, dst, 0, rows);
+        return transpose_tiles((src, 0, cols), (cols, rows), (dst, 0, rows));
     }
     // Whole tiles of destination rows per task.
     let per_task = chunk_len(dst.len()).div_ceil(rows).next_multiple_of(TILE);
     pool::for_each_chunk_mut(dst, per_task * rows, |t, d| {
         let count = d.len() / rows;
-        transpose_tiles(src, t * per_task, cols, count, rows, d, 0, rows);
+        transpose_tiles((src, t * per_task, cols), (count, rows), (d, 0, rows));
     });
 }
 
@@ -300,7 +288,11 @@ fn gather_tiled<T: Copy + Default + Send + Sync>(
             let base = offset_of(first + k, outer);
             for mi in 0..middle_count {
                 let s0 = base + offset_of(mi, middle);
-                transpose_tiles(src, s0, s_b, na, nb, region_dst, mi * nb, middle_count * nb);
+                transpose_tiles(
+                    (src, s0, s_b),
+                    (na, nb),
+                    (region_dst, mi * nb, middle_count * nb),
+                );
             }
         }
     };

@@ -16,6 +16,7 @@ use cudarc::driver::sys::CUfunction;
 use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
+use crate::backend::{Binary, Compare, Unary};
 use crate::error::Ctx;
 use crate::{DType, Result};
 
@@ -57,46 +58,14 @@ impl Types {
     }
 }
 
-/// Kernels taking one dtype, named `<base>_<dtype>`.
+/// Kernels taking one dtype, named `<base>_<dtype>` (besides those of the elementwise families,
+/// listed by their op tables).
 const ONE_DTYPE: &[(&str, Types)] = &[
     ("fill", Types::All),
     ("arange", Types::All),
     ("eye", Types::All),
     ("randn", Types::All),
     ("rand", Types::All),
-    ("add", Types::All),
-    ("sub", Types::All),
-    ("mul", Types::All),
-    ("div", Types::All),
-    ("maximum", Types::All),
-    ("minimum", Types::All),
-    ("add_scalar", Types::All),
-    ("sub_scalar", Types::All),
-    ("mul_scalar", Types::All),
-    ("div_scalar", Types::All),
-    ("maximum_scalar", Types::All),
-    ("minimum_scalar", Types::All),
-    ("add_inplace", Types::All),
-    ("sub_inplace", Types::All),
-    ("mul_inplace", Types::All),
-    ("div_inplace", Types::All),
-    ("maximum_inplace", Types::All),
-    ("minimum_inplace", Types::All),
-    ("gt", Types::All),
-    ("lt", Types::All),
-    ("eq", Types::All),
-    ("gt_scalar", Types::All),
-    ("lt_scalar", Types::All),
-    ("eq_scalar", Types::All),
-    ("neg", Types::All),
-    ("abs", Types::All),
-    ("square", Types::All),
-    ("relu", Types::All),
-    ("exp", Types::Float),
-    ("log", Types::Float),
-    ("sqrt", Types::Float),
-    ("tanh", Types::Float),
-    ("sigmoid", Types::Float),
     ("pow", Types::All),
     ("scale", Types::All),
     ("axpy", Types::All),
@@ -140,7 +109,25 @@ type Key = (&'static str, u8, u8);
 /// Every kernel the backend may launch: its lookup key and its name in the kernel source.
 fn expected() -> Vec<(Key, String)> {
     let mut all = Vec::new();
-    for &(base, types) in ONE_DTYPE {
+    // The elementwise families' kernels, from their rows in `backend::op_table`.
+    let binary = Binary::ALL.iter().flat_map(|op| {
+        let (array, scalar, inplace) = op.kernel_names();
+        [array, scalar, inplace].map(|name| (name, Types::All))
+    });
+    let compare = Compare::ALL.iter().flat_map(|op| {
+        let (array, scalar) = op.kernel_names();
+        [array, scalar].map(|name| (name, Types::All))
+    });
+    let unary = Unary::ALL.iter().map(|op| {
+        let types = if op.float_only() {
+            Types::Float
+        } else {
+            Types::All
+        };
+        (op.kernel_name(), types)
+    });
+    let table: Vec<(&'static str, Types)> = binary.chain(compare).chain(unary).collect();
+    for &(base, types) in ONE_DTYPE.iter().chain(&table) {
         for d in types.dtypes() {
             all.push(((base, dtype_code(d), NO_DTYPE), format!("{base}_{d}")));
         }

@@ -1,10 +1,15 @@
 //! The CUDA backend's items in a build without the `cuda` feature. Its device types have no
 //! values, so every function taking one is unreachable and compiles to nothing; the functions
-//! that create device memory say why they cannot.
+//! that create device memory say why they cannot. The op families are generated from the
+//! backend contract (`backend/contract.rs`), so their signatures are not written here.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::backend::contract::{
+    backend_contract, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
+    OperandMut, ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
+};
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::{Batched, Binary, Block, Compare, Storage, Unary};
 use crate::error::Ctx;
@@ -84,282 +89,37 @@ pub(crate) fn synchronize(ctx: &Ctx, ordinal: usize) -> Result<()> {
     Err(unavailable(ctx, ordinal))
 }
 
-type Src<'a> = (&'a DeviceBuffer, &'a [usize]);
-type Dst<'a> = (&'a mut DeviceBuffer, &'a [usize]);
+/// The CUDA backend of this build: its buffers have no values, so no op can be called.
+pub(crate) struct Cuda;
 
-pub(crate) fn read<T: Element>(_: &Ctx, src: &DeviceBuffer, _: &mut [T]) -> Result<()> {
-    match *src {}
+impl Backend for Cuda {
+    type Buffer = DeviceBuffer;
 }
-pub(crate) fn write<T: Element>(_: &Ctx, dst: &mut DeviceBuffer, _: &[T]) -> Result<()> {
-    match *dst {}
+
+/// Implements every op family of the contract for [`Cuda`], each method matching on a buffer
+/// parameter (`=> witness` in the contract) whose type has no values: the signatures come from
+/// the contract itself, so the stub cannot drift from the real backend.
+macro_rules! uninhabited_backend {
+    ($(
+        $(#[doc = $family_doc:literal])*
+        trait $family:ident {
+            $(
+                $(#[doc = $doc:literal])*
+                fn $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),* $(,)?)
+                    -> $ret:ty => $witness:expr;
+            )*
+        }
+    )*) => {
+        $(
+            impl $family for Cuda {
+                $(
+                    #[allow(unused_variables)]
+                    fn $name $(<$g: $bound>)? ($($arg: $ty),*) -> $ret {
+                        match *$witness {}
+                    }
+                )*
+            }
+        )*
+    };
 }
-pub(crate) fn upload(_: &Ctx, _: &HostBuffer, dst: &mut DeviceBuffer) -> Result<()> {
-    match *dst {}
-}
-pub(crate) fn download(_: &Ctx, src: &DeviceBuffer, _: &mut HostBuffer) -> Result<()> {
-    match *src {}
-}
-pub(crate) fn copy(_: &Ctx, src: &DeviceBuffer, _: &mut DeviceBuffer) -> Result<()> {
-    match *src {}
-}
-pub(crate) fn convert(
-    _: &Ctx,
-    _: DType,
-    _: DType,
-    src: &DeviceBuffer,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *src {}
-}
-pub(crate) fn zero(_: &Ctx, dst: &mut DeviceBuffer) -> Result<()> {
-    match *dst {}
-}
-pub(crate) fn fill(_: &Ctx, _: DType, dst: &mut DeviceBuffer, _: f64) -> Result<()> {
-    match *dst {}
-}
-pub(crate) fn arange(_: &Ctx, _: DType, dst: &mut DeviceBuffer, _: f64, _: f64) -> Result<()> {
-    match *dst {}
-}
-pub(crate) fn eye(_: &Ctx, _: DType, dst: &mut DeviceBuffer, _: usize) -> Result<()> {
-    match *dst {}
-}
-pub(crate) fn randn(_: &Ctx, _: DType, dst: &mut DeviceBuffer, _: u64, _: u64) -> Result<()> {
-    match *dst {}
-}
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rand(
-    _: &Ctx,
-    _: DType,
-    dst: &mut DeviceBuffer,
-    _: u64,
-    _: u64,
-    _: f64,
-    _: f64,
-) -> Result<()> {
-    match *dst {}
-}
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn binary(
-    _: &Ctx,
-    _: Binary,
-    _: DType,
-    a: Src<'_>,
-    _: Src<'_>,
-    _: Dst<'_>,
-    _: &dyn Fn() -> Error,
-) -> Result<()> {
-    match *a.0 {}
-}
-pub(crate) fn binary_scalar(
-    _: &Ctx,
-    _: Binary,
-    _: DType,
-    a: &DeviceBuffer,
-    _: f64,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn compare(
-    _: &Ctx,
-    _: Compare,
-    _: DType,
-    a: Src<'_>,
-    _: Src<'_>,
-    _: Dst<'_>,
-) -> Result<()> {
-    match *a.0 {}
-}
-pub(crate) fn compare_scalar(
-    _: &Ctx,
-    _: Compare,
-    _: DType,
-    a: &DeviceBuffer,
-    _: f64,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn unary(
-    _: &Ctx,
-    _: Unary,
-    _: DType,
-    a: &DeviceBuffer,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn pow_scalar(
-    _: &Ctx,
-    _: DType,
-    a: &DeviceBuffer,
-    _: f64,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn binary_inplace(
-    _: &Ctx,
-    _: Binary,
-    _: DType,
-    x: Dst<'_>,
-    _: Option<Src<'_>>,
-    _: &dyn Fn() -> Error,
-) -> Result<()> {
-    match *x.0 {}
-}
-pub(crate) fn scale_inplace(_: &Ctx, _: DType, x: &mut DeviceBuffer, _: f64) -> Result<()> {
-    match *x {}
-}
-pub(crate) fn axpy(_: &Ctx, _: DType, x: Dst<'_>, _: f64, _: Option<Src<'_>>) -> Result<()> {
-    match *x.0 {}
-}
-pub(crate) fn assign(_: &Ctx, _: DType, x: Dst<'_>, _: Src<'_>) -> Result<()> {
-    match *x.0 {}
-}
-pub(crate) fn sum(
-    _: &Ctx,
-    _: DType,
-    _: DType,
-    a: Src<'_>,
-    _: &[bool],
-    _: &mut DeviceBuffer,
-    _: bool,
-) -> Result<()> {
-    match *a.0 {}
-}
-pub(crate) fn sum_all(
-    _: &Ctx,
-    _: DType,
-    _: DType,
-    a: &DeviceBuffer,
-    _: &mut DeviceBuffer,
-    _: bool,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn max_axis(
-    _: &Ctx,
-    _: DType,
-    a: &DeviceBuffer,
-    _: (usize, usize, usize),
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn argmax_axis(
-    _: &Ctx,
-    _: DType,
-    a: &DeviceBuffer,
-    _: (usize, usize, usize),
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn matmul(
-    _: &Ctx,
-    _: DType,
-    _: Option<(Batched, usize)>,
-    _: (usize, usize, usize),
-    a: &DeviceBuffer,
-    _: &DeviceBuffer,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn gemm(
-    _: &Ctx,
-    _: DType,
-    _: (usize, usize, usize),
-    a: (&DeviceBuffer, bool),
-    _: (&DeviceBuffer, bool),
-    _: &mut DeviceBuffer,
-    _: Option<(f64, f64)>,
-) -> Result<()> {
-    match *a.0 {}
-}
-pub(crate) fn sgd_dense(
-    _: &Ctx,
-    _: DType,
-    _: (usize, usize, usize),
-    xg: (&DeviceBuffer, &DeviceBuffer),
-    _: (&mut DeviceBuffer, &mut DeviceBuffer),
-    _: f64,
-    _: f64,
-) -> Result<()> {
-    match *xg.0 {}
-}
-pub(crate) fn softmax(
-    _: &Ctx,
-    _: DType,
-    a: &DeviceBuffer,
-    _: (usize, usize, usize),
-    _: &mut DeviceBuffer,
-    _: bool,
-) -> Result<()> {
-    match *a {}
-}
-pub(crate) fn first_bad_index(
-    _: &Ctx,
-    _: DType,
-    indices: &DeviceBuffer,
-    _: usize,
-) -> Result<Option<(usize, i64)>> {
-    match *indices {}
-}
-pub(crate) fn one_hot(
-    _: &Ctx,
-    _: (DType, DType),
-    indices: &DeviceBuffer,
-    _: usize,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *indices {}
-}
-pub(crate) fn pick(
-    _: &Ctx,
-    _: (DType, DType),
-    x: &DeviceBuffer,
-    _: (usize, usize),
-    _: &DeviceBuffer,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *x {}
-}
-pub(crate) fn transpose(
-    _: &Ctx,
-    _: DType,
-    src: &DeviceBuffer,
-    _: (usize, usize),
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *src {}
-}
-pub(crate) fn permute(
-    _: &Ctx,
-    _: DType,
-    src: Src<'_>,
-    _: &[usize],
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *src.0 {}
-}
-pub(crate) fn narrow(
-    _: &Ctx,
-    _: usize,
-    src: &DeviceBuffer,
-    _: (usize, usize, usize),
-    _: usize,
-    _: &mut DeviceBuffer,
-) -> Result<()> {
-    match *src {}
-}
-pub(crate) fn interleave(
-    _: &Ctx,
-    _: &[&DeviceBuffer],
-    _: &[usize],
-    _: usize,
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    match *dst {}
-}
+backend_contract!(uninhabited_backend);

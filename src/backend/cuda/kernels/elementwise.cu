@@ -258,10 +258,19 @@ __device__ __forceinline__ f64 sigmoid_elem(f64 x) {
     f64 e = exp(x);
     return e / (1.0 + e);
 }
+// The exact GELU, 0.5·x·(1 + erf(x/√2)) (PyTorch's default form), in the element's own
+// precision: the operations of the CPU's `Float::gelu`.
+__device__ __forceinline__ f32 gelu_elem(f32 x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
+}
+__device__ __forceinline__ f64 gelu_elem(f64 x) {
+    return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
+}
 #define FLOAT_UNARY(T)                         \
     UNARY_OP(exp, e_exp(x), T)                 \
     UNARY_OP(log, e_log(x), T)                 \
     UNARY_OP(sqrt, e_sqrt(x), T)               \
     UNARY_OP(tanh, e_tanh(x), T)               \
-    UNARY_OP(sigmoid, sigmoid_elem(x), T)
+    UNARY_OP(sigmoid, sigmoid_elem(x), T)      \
+    UNARY_OP(gelu, gelu_elem(x), T)
 FOR_FLOAT(FLOAT_UNARY)

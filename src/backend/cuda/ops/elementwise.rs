@@ -10,6 +10,8 @@ use super::launch::{
     Strided, MODE_SELF,
 };
 use super::transfer::copy_bytes;
+use super::Cuda;
+use crate::backend::contract::{Draw, ElementwiseOps};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::Gpu;
 use crate::backend::cuda::kernels::Function;
@@ -19,92 +21,6 @@ use crate::error::Ctx;
 use crate::{DType, Error, Result};
 
 // ---- fill / random ----
-
-pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, value: f64) -> Result<()> {
-    let gpu = dst.gpu();
-    let n = elements(dst, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "fill", dtype)?;
-    // SAFETY: fill_<T>(T* out, u64 n, T v); `dst` is locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, v = scalar(dtype, value))
-    }
-}
-
-pub(crate) fn arange(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut DeviceBuffer,
-    start: f64,
-    step: f64,
-) -> Result<()> {
-    let gpu = dst.gpu();
-    let n = elements(dst, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "arange", dtype)?;
-    // SAFETY: arange_<T>(T* out, u64 n, f64 start, f64 step); `dst` is locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, first = start, delta = step)
-    }
-}
-
-pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, n: usize) -> Result<()> {
-    let gpu = dst.gpu();
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "eye", dtype)?;
-    let total = (n * n) as u64;
-    // SAFETY: eye_<T>(T* out, u64 side); `dst` is locked storage of `gpu` of side² elements.
-    unsafe { launch!(ctx, gpu, f, linear(gpu, total); out = dst.ptr(), side = n as u64) }
-}
-
-pub(crate) fn randn(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut DeviceBuffer,
-    seed: u64,
-    start: u64,
-) -> Result<()> {
-    let gpu = dst.gpu();
-    let n = elements(dst, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "randn", dtype)?;
-    // SAFETY: randn_<T>(T* out, u64 n, u64 seed, u64 start); `dst` is locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, s = seed, first = start)
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rand(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut DeviceBuffer,
-    seed: u64,
-    start: u64,
-    low: f64,
-    high: f64,
-) -> Result<()> {
-    let gpu = dst.gpu();
-    let n = elements(dst, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "rand", dtype)?;
-    // SAFETY: rand_<T>(T* out, u64 n, u64 seed, u64 start, f64 low, f64 high); `dst` is locked
-    // storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n);
-            out = dst.ptr(), count = n, s = seed, first = start, lo = low, hi = high)
-    }
-}
 
 // ---- binary / compare / unary ----
 
@@ -147,163 +63,6 @@ fn launch_map<P: Copy + Arg>(
     }
 }
 
-fn binary_name(op: Binary) -> (&'static str, &'static str, &'static str) {
-    match op {
-        Binary::Add => ("add", "add_scalar", "add_inplace"),
-        Binary::Sub => ("sub", "sub_scalar", "sub_inplace"),
-        Binary::Mul => ("mul", "mul_scalar", "mul_inplace"),
-        Binary::Div => ("div", "div_scalar", "div_inplace"),
-        Binary::Maximum => ("maximum", "maximum_scalar", "maximum_inplace"),
-        Binary::Minimum => ("minimum", "minimum_scalar", "minimum_inplace"),
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn binary(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    (a, a_dims): Src<'_>,
-    (b, b_dims): Src<'_>,
-    (out, out_dims): Dst<'_>,
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
-    let n = size(out_dims) as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    if op == Binary::Div && !dtype.is_float() {
-        // The divisor is checked by the kernel; a 0 is reported at the next wait.
-        let f = gpu.kernels.one(ctx, "div_checked", dtype)?;
-        let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
-        return checked_launch(
-            ctx,
-            gpu,
-            || Refusal::Zero(on_zero()),
-            |flag, key| {
-                // SAFETY: div_checked_<T>(const T* a, const T* b, T* out, u64 n, int mode,
-                // Strided s, u64* flag, u64 key); the three buffers are locked storage of
-                // `gpu`, addressed within their sizes by `mode` and `s`; `flag` is the
-                // device's check word, which lives as long as the device.
-                unsafe {
-                    launch!(ctx, gpu, f, linear(gpu, n);
-                        pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode,
-                        s = strided, pf = flag, k = key)
-                }
-            },
-        );
-    }
-    let f = gpu.kernels.one(ctx, binary_name(op).0, dtype)?;
-    launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
-}
-
-pub(crate) fn binary_scalar(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    a: &DeviceBuffer,
-    value: f64,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let n = elements(out, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, binary_name(op).1, dtype)?;
-    launch_map(ctx, gpu, f, (a, out), n, scalar(dtype, value))
-}
-
-fn compare_name(op: Compare) -> (&'static str, &'static str) {
-    match op {
-        Compare::Gt => ("gt", "gt_scalar"),
-        Compare::Lt => ("lt", "lt_scalar"),
-        Compare::Eq => ("eq", "eq_scalar"),
-    }
-}
-
-pub(crate) fn compare(
-    ctx: &Ctx,
-    op: Compare,
-    dtype: DType,
-    (a, a_dims): Src<'_>,
-    (b, b_dims): Src<'_>,
-    (out, out_dims): Dst<'_>,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
-    let n = size(out_dims) as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, compare_name(op).0, dtype)?;
-    launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
-}
-
-pub(crate) fn compare_scalar(
-    ctx: &Ctx,
-    op: Compare,
-    dtype: DType,
-    a: &DeviceBuffer,
-    value: f64,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let n = elements(a, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, compare_name(op).1, dtype)?;
-    launch_map(ctx, gpu, f, (a, out), n, value)
-}
-
-fn unary_name(op: Unary) -> &'static str {
-    match op {
-        Unary::Neg => "neg",
-        Unary::Abs => "abs",
-        Unary::Square => "square",
-        Unary::Relu => "relu",
-        Unary::Exp => "exp",
-        Unary::Log => "log",
-        Unary::Sqrt => "sqrt",
-        Unary::Tanh => "tanh",
-        Unary::Sigmoid => "sigmoid",
-    }
-}
-
-pub(crate) fn unary(
-    ctx: &Ctx,
-    op: Unary,
-    dtype: DType,
-    a: &DeviceBuffer,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let n = elements(out, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, unary_name(op), dtype)?;
-    // SAFETY: <op>_<T>(const T* a, T* out, u64 n); locked storage of `gpu`.
-    unsafe { launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n) }
-}
-
-pub(crate) fn pow_scalar(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &DeviceBuffer,
-    exponent: f64,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let n = elements(out, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "pow", dtype)?;
-    launch_map(ctx, gpu, f, (a, out), n, exponent)
-}
-
 // ---- in place ----
 
 /// The source operand of an in-place kernel: its address and addressing mode (the target
@@ -321,82 +80,6 @@ fn inplace_operand(
             Ok((b.ptr(), mode, s))
         }
     }
-}
-
-pub(crate) fn binary_inplace(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    (x, x_dims): Dst<'_>,
-    src: Option<Src<'_>>,
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    let gpu = x.gpu();
-    let n = size(x_dims) as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
-    if op == Binary::Div && !dtype.is_float() {
-        // The divisor is checked by the kernel; a 0 is reported at the next wait.
-        let f = gpu.kernels.one(ctx, "div_checked_inplace", dtype)?;
-        return checked_launch(
-            ctx,
-            gpu,
-            || Refusal::Zero(on_zero()),
-            |flag, key| {
-                // SAFETY: div_checked_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s,
-                // u64* flag, u64 key); locked storage of `gpu`, the source addressed within its
-                // size; `flag` is the device's check word.
-                unsafe {
-                    launch!(ctx, gpu, f, linear(gpu, n);
-                        px = x.ptr(), pb = b, count = n, m = mode, s = strided, pf = flag,
-                        k = key)
-                }
-            },
-        );
-    }
-    let f = gpu.kernels.one(ctx, binary_name(op).2, dtype)?;
-    // SAFETY: <op>_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s); locked storage of
-    // `gpu`, the source addressed within its size.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n);
-            px = x.ptr(), pb = b, count = n, m = mode, s = strided)
-    }
-}
-
-pub(crate) fn scale_inplace(
-    ctx: &Ctx,
-    dtype: DType,
-    x: &mut DeviceBuffer,
-    value: f64,
-) -> Result<()> {
-    let gpu = x.gpu();
-    let n = elements(x, dtype);
-    if n == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "scale", dtype)?;
-    // SAFETY: scale_<T>(T* x, u64 n, T v); locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, linear(gpu, n); px = x.ptr(), count = n, v = scalar(dtype, value))
-    }
-}
-
-pub(crate) fn axpy(
-    ctx: &Ctx,
-    dtype: DType,
-    (x, x_dims): Dst<'_>,
-    alpha: f64,
-    src: Option<Src<'_>>,
-) -> Result<()> {
-    let gpu = x.gpu();
-    let n = size(x_dims) as u64;
-    if n == 0 {
-        return Ok(());
-    }
-    let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
-    axpy_raw(ctx, gpu, dtype, (x.ptr(), n), alpha, (b, mode, strided))
 }
 
 /// `x += alpha · b` over `n` elements at `x`.
@@ -420,7 +103,6 @@ pub(super) fn axpy_raw(
 
 /// `dst[i] = src[offset(i)]` for `dst` of `dst_dims` and source strides `src_strides` (per dst
 /// dim), moving elements of `elem` bytes.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn gather(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -449,22 +131,300 @@ pub(super) fn gather(
     }
 }
 
-pub(crate) fn assign(
-    ctx: &Ctx,
-    dtype: DType,
-    (x, x_dims): Dst<'_>,
-    (src, src_dims): Src<'_>,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[x.gpu(), src.gpu()])?;
-    gather(
-        ctx,
-        gpu,
-        dtype.size_in_bytes(),
-        (
-            src.ptr(),
-            size(src_dims),
-            broadcast_strides(src_dims, x_dims),
-        ),
-        (x.ptr(), x_dims),
-    )
+impl ElementwiseOps for Cuda {
+    fn fill(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, value: f64) -> Result<()> {
+        let gpu = dst.gpu();
+        let n = elements(dst, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "fill", dtype)?;
+        // SAFETY: fill_<T>(T* out, u64 n, T v); `dst` is locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, v = scalar(dtype, value))
+        }
+    }
+
+    fn arange(
+        ctx: &Ctx,
+        dtype: DType,
+        dst: &mut DeviceBuffer,
+        start: f64,
+        step: f64,
+    ) -> Result<()> {
+        let gpu = dst.gpu();
+        let n = elements(dst, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "arange", dtype)?;
+        // SAFETY: arange_<T>(T* out, u64 n, f64 start, f64 step); `dst` is locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, first = start, delta = step)
+        }
+    }
+
+    fn eye(ctx: &Ctx, dtype: DType, dst: &mut DeviceBuffer, n: usize) -> Result<()> {
+        let gpu = dst.gpu();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "eye", dtype)?;
+        let total = (n * n) as u64;
+        // SAFETY: eye_<T>(T* out, u64 side); `dst` is locked storage of `gpu` of side² elements.
+        unsafe { launch!(ctx, gpu, f, linear(gpu, total); out = dst.ptr(), side = n as u64) }
+    }
+
+    fn randn(
+        ctx: &Ctx,
+        dtype: DType,
+        dst: &mut DeviceBuffer,
+        Draw { seed, start }: Draw,
+    ) -> Result<()> {
+        let gpu = dst.gpu();
+        let n = elements(dst, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "randn", dtype)?;
+        // SAFETY: randn_<T>(T* out, u64 n, u64 seed, u64 start); `dst` is locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n); out = dst.ptr(), count = n, s = seed, first = start)
+        }
+    }
+
+    fn rand(
+        ctx: &Ctx,
+        dtype: DType,
+        dst: &mut DeviceBuffer,
+        Draw { seed, start }: Draw,
+        (low, high): (f64, f64),
+    ) -> Result<()> {
+        let gpu = dst.gpu();
+        let n = elements(dst, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "rand", dtype)?;
+        // SAFETY: rand_<T>(T* out, u64 n, u64 seed, u64 start, f64 low, f64 high); `dst` is locked
+        // storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n);
+                out = dst.ptr(), count = n, s = seed, first = start, lo = low, hi = high)
+        }
+    }
+
+    fn binary(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (a, a_dims): Src<'_>,
+        (b, b_dims): Src<'_>,
+        (out, out_dims): Dst<'_>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        let n = size(out_dims) as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        if op == Binary::Div && !dtype.is_float() {
+            // The divisor is checked by the kernel; a 0 is reported at the next wait.
+            let f = gpu.kernels.one(ctx, "div_checked", dtype)?;
+            let (mode, strided) = broadcast(ctx, a_dims, b_dims, out_dims)?;
+            return checked_launch(
+                ctx,
+                gpu,
+                || Refusal::Zero(on_zero()),
+                |flag, key| {
+                    // SAFETY: div_checked_<T>(const T* a, const T* b, T* out, u64 n, int mode,
+                    // Strided s, u64* flag, u64 key); the three buffers are locked storage of
+                    // `gpu`, addressed within their sizes by `mode` and `s`; `flag` is the
+                    // device's check word, which lives as long as the device.
+                    unsafe {
+                        launch!(ctx, gpu, f, linear(gpu, n);
+                            pa = a.ptr(), pb = b.ptr(), po = out.ptr(), count = n, m = mode,
+                            s = strided, pf = flag, k = key)
+                    }
+                },
+            );
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_names().0, dtype)?;
+        launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
+    }
+
+    fn binary_scalar(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        a: &DeviceBuffer,
+        value: f64,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let n = elements(out, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_names().1, dtype)?;
+        launch_map(ctx, gpu, f, (a, out), n, scalar(dtype, value))
+    }
+
+    fn compare(
+        ctx: &Ctx,
+        op: Compare,
+        dtype: DType,
+        (a, a_dims): Src<'_>,
+        (b, b_dims): Src<'_>,
+        (out, out_dims): Dst<'_>,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        let n = size(out_dims) as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_names().0, dtype)?;
+        launch_broadcast(ctx, gpu, f, (a, a_dims), (b, b_dims), (out, out_dims))
+    }
+
+    fn compare_scalar(
+        ctx: &Ctx,
+        op: Compare,
+        dtype: DType,
+        a: &DeviceBuffer,
+        value: f64,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let n = elements(a, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_names().1, dtype)?;
+        launch_map(ctx, gpu, f, (a, out), n, value)
+    }
+
+    fn unary(
+        ctx: &Ctx,
+        op: Unary,
+        dtype: DType,
+        a: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let n = elements(out, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_name(), dtype)?;
+        // SAFETY: <op>_<T>(const T* a, T* out, u64 n); locked storage of `gpu`.
+        unsafe { launch!(ctx, gpu, f, linear(gpu, n); pa = a.ptr(), po = out.ptr(), count = n) }
+    }
+
+    fn pow_scalar(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &DeviceBuffer,
+        exponent: f64,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let n = elements(out, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "pow", dtype)?;
+        launch_map(ctx, gpu, f, (a, out), n, exponent)
+    }
+
+    fn binary_inplace(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (x, x_dims): Dst<'_>,
+        src: Option<Src<'_>>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        let gpu = x.gpu();
+        let n = size(x_dims) as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
+        if op == Binary::Div && !dtype.is_float() {
+            // The divisor is checked by the kernel; a 0 is reported at the next wait.
+            let f = gpu.kernels.one(ctx, "div_checked_inplace", dtype)?;
+            return checked_launch(
+                ctx,
+                gpu,
+                || Refusal::Zero(on_zero()),
+                |flag, key| {
+                    // SAFETY: div_checked_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s,
+                    // u64* flag, u64 key); locked storage of `gpu`, the source addressed within its
+                    // size; `flag` is the device's check word.
+                    unsafe {
+                        launch!(ctx, gpu, f, linear(gpu, n);
+                            px = x.ptr(), pb = b, count = n, m = mode, s = strided, pf = flag,
+                            k = key)
+                    }
+                },
+            );
+        }
+        let f = gpu.kernels.one(ctx, op.kernel_names().2, dtype)?;
+        // SAFETY: <op>_inplace_<T>(T* x, const T* b, u64 n, int mode, Strided s); locked storage of
+        // `gpu`, the source addressed within its size.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n);
+                px = x.ptr(), pb = b, count = n, m = mode, s = strided)
+        }
+    }
+
+    fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut DeviceBuffer, value: f64) -> Result<()> {
+        let gpu = x.gpu();
+        let n = elements(x, dtype);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "scale", dtype)?;
+        // SAFETY: scale_<T>(T* x, u64 n, T v); locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, n); px = x.ptr(), count = n, v = scalar(dtype, value))
+        }
+    }
+
+    fn axpy(
+        ctx: &Ctx,
+        dtype: DType,
+        (x, x_dims): Dst<'_>,
+        alpha: f64,
+        src: Option<Src<'_>>,
+    ) -> Result<()> {
+        let gpu = x.gpu();
+        let n = size(x_dims) as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let (b, mode, strided) = inplace_operand(ctx, (x, x_dims), src)?;
+        axpy_raw(ctx, gpu, dtype, (x.ptr(), n), alpha, (b, mode, strided))
+    }
+
+    fn assign(
+        ctx: &Ctx,
+        dtype: DType,
+        (x, x_dims): Dst<'_>,
+        (src, src_dims): Src<'_>,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[x.gpu(), src.gpu()])?;
+        gather(
+            ctx,
+            gpu,
+            dtype.size_in_bytes(),
+            (
+                src.ptr(),
+                size(src_dims),
+                broadcast_strides(src_dims, x_dims),
+            ),
+            (x.ptr(), x_dims),
+        )
+    }
 }

@@ -7,6 +7,8 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use super::elementwise::axpy_raw;
 use super::launch::{elements, linear, memset, same_gpu, scalar, Strided, MODE_SAME};
+use super::Cuda;
+use crate::backend::contract::{Accumulate, Gemm, MatmulOps, Mnk, SgdStep};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{blas_error, Gpu};
 use crate::backend::Batched;
@@ -24,60 +26,61 @@ fn int_dim(ctx: &Ctx, value: usize) -> Result<i32> {
     })
 }
 
+/// Products on device memory: `c = beta·c + alpha·op(a)·op(b)` (or `c = op(a)·op(b)`, as
+/// `spec` says), `batch` of them, the i-th at element offsets `i·steps` of `a`, `b` and `c`.
+#[derive(Clone, Copy)]
+struct Products {
+    /// Sizes, transposes and accumulation of each product.
+    spec: Gemm,
+    /// The left operands.
+    a: CUdeviceptr,
+    /// The right operands.
+    b: CUdeviceptr,
+    /// The results, `c_len` elements in all.
+    c: CUdeviceptr,
+    /// Elements at `c`.
+    c_len: usize,
+    /// How many products.
+    batch: usize,
+    /// Element offsets between consecutive products in `a`, `b` and `c`.
+    steps: (usize, usize, usize),
+}
+
 /// Most products of one strided batched cuBLAS call: cuBLAS puts the batch in a grid dimension
 /// limited to 65535 blocks, so larger batches are split into several calls.
 const MAX_BLAS_BATCH: usize = 65_535;
 
 /// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
-#[allow(clippy::too_many_arguments)]
-fn blas_gemm(
-    ctx: &Ctx,
-    gpu: &Gpu,
-    dtype: DType,
-    dims: (usize, usize, usize),
-    (a, ta): (CUdeviceptr, bool),
-    (b, tb): (CUdeviceptr, bool),
-    c: CUdeviceptr,
-    scales: (f64, f64),
-    (batch, steps): (usize, (usize, usize, usize)),
-) -> Result<()> {
+fn blas_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
     let elem = dtype.size_in_bytes() as u64;
     let mut done = 0;
-    while done < batch {
-        let count = (batch - done).min(MAX_BLAS_BATCH);
+    while done < p.batch {
+        let count = (p.batch - done).min(MAX_BLAS_BATCH);
         let at = |base: CUdeviceptr, step: usize| base + (done * step) as u64 * elem;
-        blas_batch(
-            ctx,
-            gpu,
-            dtype,
-            dims,
-            (at(a, steps.0), ta),
-            (at(b, steps.1), tb),
-            at(c, steps.2),
-            scales,
-            (count, steps),
-        )?;
+        let part = Products {
+            a: at(p.a, p.steps.0),
+            b: at(p.b, p.steps.1),
+            c: at(p.c, p.steps.2),
+            batch: count,
+            ..p
+        };
+        blas_batch(ctx, gpu, dtype, part)?;
         done += count;
     }
     Ok(())
 }
 
-/// `c = beta·c + alpha·op(a)·op(b)` for `batch` (at most [`MAX_BLAS_BATCH`]) row-major float
-/// products (`a` `[m, k]`, or `[k, m]` with `ta`; `b` `[k, n]`, or `[n, k]` with `tb`), the
-/// i-th at element offsets `i·steps`. A row-major product is the column-major product of the
-/// transposes, so cuBLAS computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
-#[allow(clippy::too_many_arguments)]
-fn blas_batch(
-    ctx: &Ctx,
-    gpu: &Gpu,
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (a, ta): (CUdeviceptr, bool),
-    (b, tb): (CUdeviceptr, bool),
-    c: CUdeviceptr,
-    (beta, alpha): (f64, f64),
-    (batch, steps): (usize, (usize, usize, usize)),
-) -> Result<()> {
+/// `p.batch` (at most [`MAX_BLAS_BATCH`]) row-major float products (`a` `[m, k]`, or `[k, m]`
+/// with `trans_a`; `b` `[k, n]`, or `[n, k]` with `trans_b`). A row-major product is the
+/// column-major product of the transposes, so cuBLAS computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
+fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
+    let Mnk { m, k, n } = p.spec.dims;
+    let (ta, tb) = (p.spec.trans_a, p.spec.trans_b);
+    let (a, b, c, batch, steps) = (p.a, p.b, p.c, p.batch, p.steps);
+    let Accumulate { alpha, beta } = p.spec.accumulate.unwrap_or(Accumulate {
+        alpha: 1.0,
+        beta: 0.0,
+    });
     let op = |t: bool| {
         if t {
             blas::cublasOperation_t::CUBLAS_OP_T
@@ -191,22 +194,17 @@ fn blas_batch(
         .map_err(|e| blas_error(ctx, "cuBLAS gemm", e))
 }
 
-/// `c = beta·c + alpha·op(a)·op(b)` (or `= op(a)·op(b)` without `accumulate`) for integers.
-#[allow(clippy::too_many_arguments)]
-fn int_gemm(
-    ctx: &Ctx,
-    gpu: &Gpu,
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (a, ta): (CUdeviceptr, bool),
-    (b, tb): (CUdeviceptr, bool),
-    c: CUdeviceptr,
-    accumulate: Option<(f64, f64)>,
-    (batch, steps): (usize, (usize, usize)),
-) -> Result<()> {
-    let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
-    let (b_rs, b_cs) = if tb { (1, k) } else { (n, 1) };
-    let (beta, alpha) = accumulate.unwrap_or((0.0, 1.0));
+/// The products for integers.
+fn int_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
+    let Mnk { m, k, n } = p.spec.dims;
+    let (a, b, c, batch, steps) = (p.a, p.b, p.c, p.batch, p.steps);
+    let accumulate = p.spec.accumulate;
+    let (a_rs, a_cs) = if p.spec.trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if p.spec.trans_b { (1, k) } else { (n, 1) };
+    let Accumulate { alpha, beta } = accumulate.unwrap_or(Accumulate {
+        alpha: 1.0,
+        beta: 0.0,
+    });
     let f = gpu.kernels.one(ctx, "matmul", dtype)?;
     let total = (batch * m * n) as u64;
     // SAFETY: matmul_<T>(const T* a, const T* b, T* c, u64 m, u64 k, u64 n, u64 a_rs, u64 a_cs,
@@ -224,26 +222,16 @@ fn int_gemm(
 /// The product with the edge cases handled: nothing to compute for an empty result, and for
 /// `k == 0` the result is `beta·c` (or zeros), which cuBLAS would refuse (its leading dimension
 /// would be 0).
-#[allow(clippy::too_many_arguments)]
-fn product(
-    ctx: &Ctx,
-    gpu: &Gpu,
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    a: (CUdeviceptr, bool),
-    b: (CUdeviceptr, bool),
-    c: (CUdeviceptr, usize),
-    accumulate: Option<(f64, f64)>,
-    (batch, steps): (usize, (usize, usize, usize)),
-) -> Result<()> {
-    if m == 0 || n == 0 || batch == 0 {
+fn product(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
+    let Mnk { m, k, n } = p.spec.dims;
+    if m == 0 || n == 0 || p.batch == 0 {
         return Ok(());
     }
-    let (c, c_len) = c;
+    let (c, c_len) = (p.c, p.c_len);
     if k == 0 {
-        return match accumulate {
+        return match p.spec.accumulate {
             // `beta = 0` does not read `c` (a NaN there must not survive as 0·NaN).
-            Some((beta, _)) if beta != 0.0 => {
+            Some(Accumulate { beta, .. }) if beta != 0.0 => {
                 let f = gpu.kernels.one(ctx, "scale", dtype)?;
                 // SAFETY: scale_<T>(T* x, u64 n, T v); `c` is locked storage of `gpu` with
                 // `c_len` elements.
@@ -256,124 +244,112 @@ fn product(
         };
     }
     if dtype.is_float() {
-        blas_gemm(
-            ctx,
-            gpu,
-            dtype,
-            (m, k, n),
-            a,
-            b,
-            c,
-            accumulate.unwrap_or((0.0, 1.0)),
-            (batch, steps),
-        )
+        blas_gemm(ctx, gpu, dtype, p)
     } else {
-        int_gemm(
+        int_gemm(ctx, gpu, dtype, p)
+    }
+}
+
+impl MatmulOps for Cuda {
+    fn matmul(
+        ctx: &Ctx,
+        dtype: DType,
+        batch: Option<(Batched, usize)>,
+        Mnk { m, k, n }: Mnk,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        let (count, (m, steps)) = match batch {
+            None => (1, (m, (0, 0, 0))),
+            // A shared right operand: one product of (batch·m) rows.
+            Some((Batched::Left, batch)) => (1, (batch * m, (0, 0, 0))),
+            Some((Batched::Both, batch)) => (batch, (m, (m * k, k * n, m * n))),
+            Some((Batched::Right, batch)) => (batch, (m, (0, k * n, m * n))),
+        };
+        let spec = Gemm {
+            dims: Mnk { m, k, n },
+            trans_a: false,
+            trans_b: false,
+            accumulate: None,
+        };
+        let products = Products {
+            spec,
+            a: a.ptr(),
+            b: b.ptr(),
+            c: out.ptr(),
+            c_len: elements(out, dtype) as usize,
+            batch: count,
+            steps,
+        };
+        product(ctx, gpu, dtype, products)
+    }
+
+    fn gemm(
+        ctx: &Ctx,
+        dtype: DType,
+        spec: Gemm,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        let products = Products {
+            spec,
+            a: a.ptr(),
+            b: b.ptr(),
+            c: out.ptr(),
+            c_len: elements(out, dtype) as usize,
+            batch: 1,
+            steps: (0, 0, 0),
+        };
+        product(ctx, gpu, dtype, products)
+    }
+
+    fn sgd_dense(
+        ctx: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, g): (&DeviceBuffer, &DeviceBuffer),
+        (v, w): (&mut DeviceBuffer, &mut DeviceBuffer),
+        SgdStep { lr, momentum }: SgdStep,
+    ) -> Result<()> {
+        let Mnk { m, n, .. } = dims;
+        let gpu = same_gpu(ctx, &[x.gpu(), g.gpu(), v.gpu(), w.gpu()])?;
+        let len = m * n;
+        if len == 0 {
+            return Ok(());
+        }
+        // v ← momentum·v + xᵀ·g, then w ← w − lr·v: two launches, in stream order. Without
+        // momentum the old v is not read (a plain product: cuBLAS with beta 0, or zeros for an
+        // empty batch), as on the CPU: a NaN left in v does not survive.
+        let spec = Gemm {
+            dims,
+            trans_a: true,
+            trans_b: false,
+            accumulate: (momentum != 0.0).then_some(Accumulate {
+                alpha: 1.0,
+                beta: momentum,
+            }),
+        };
+        let products = Products {
+            spec,
+            a: x.ptr(),
+            b: g.ptr(),
+            c: v.ptr(),
+            c_len: len,
+            batch: 1,
+            steps: (0, 0, 0),
+        };
+        product(ctx, gpu, dtype, products)?;
+        axpy_raw(
             ctx,
             gpu,
             dtype,
-            (m, k, n),
-            a,
-            b,
-            c,
-            accumulate,
-            (batch, (steps.0, steps.1)),
+            (w.ptr(), len as u64),
+            -lr,
+            (v.ptr(), MODE_SAME, Strided::none()),
         )
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul(
-    ctx: &Ctx,
-    dtype: DType,
-    batch: Option<(Batched, usize)>,
-    (m, k, n): (usize, usize, usize),
-    a: &DeviceBuffer,
-    b: &DeviceBuffer,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
-    let c = (out.ptr(), elements(out, dtype) as usize);
-    let (count, (m, steps)) = match batch {
-        None => (1, (m, (0, 0, 0))),
-        // A shared right operand: one product of (batch·m) rows.
-        Some((Batched::Left, batch)) => (1, (batch * m, (0, 0, 0))),
-        Some((Batched::Both, batch)) => (batch, (m, (m * k, k * n, m * n))),
-        Some((Batched::Right, batch)) => (batch, (m, (0, k * n, m * n))),
-    };
-    product(
-        ctx,
-        gpu,
-        dtype,
-        (m, k, n),
-        (a.ptr(), false),
-        (b.ptr(), false),
-        c,
-        None,
-        (count, steps),
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm(
-    ctx: &Ctx,
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (a, ta): (&DeviceBuffer, bool),
-    (b, tb): (&DeviceBuffer, bool),
-    out: &mut DeviceBuffer,
-    accumulate: Option<(f64, f64)>,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
-    let c = (out.ptr(), elements(out, dtype) as usize);
-    product(
-        ctx,
-        gpu,
-        dtype,
-        (m, k, n),
-        (a.ptr(), ta),
-        (b.ptr(), tb),
-        c,
-        accumulate,
-        (1, (0, 0, 0)),
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn sgd_dense(
-    ctx: &Ctx,
-    dtype: DType,
-    (m, k, n): (usize, usize, usize),
-    (x, g): (&DeviceBuffer, &DeviceBuffer),
-    (v, w): (&mut DeviceBuffer, &mut DeviceBuffer),
-    lr: f64,
-    momentum: f64,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[x.gpu(), g.gpu(), v.gpu(), w.gpu()])?;
-    let len = m * n;
-    if len == 0 {
-        return Ok(());
-    }
-    // v ← momentum·v + xᵀ·g, then w ← w − lr·v: two launches, in stream order. Without
-    // momentum the old v is not read (a plain product: cuBLAS with beta 0, or zeros for an
-    // empty batch), as on the CPU: a NaN left in v does not survive.
-    product(
-        ctx,
-        gpu,
-        dtype,
-        (m, k, n),
-        (x.ptr(), true),
-        (g.ptr(), false),
-        (v.ptr(), len),
-        (momentum != 0.0).then_some((momentum, 1.0)),
-        (1, (0, 0, 0)),
-    )?;
-    axpy_raw(
-        ctx,
-        gpu,
-        dtype,
-        (w.ptr(), len as u64),
-        -lr,
-        (v.ptr(), MODE_SAME, Strided::none()),
-    )
 }

@@ -1,6 +1,7 @@
 //! The op families on one CUDA device: kernel launches (`kernels/*.cu`), cuBLAS for float
 //! matrix products, driver copies, and host↔device transfers through page-locked staging memory.
-//! One file per family, as in the CPU backend; this file re-exports their entry points.
+//! One file per family, as in the CPU backend, each implementing its family's trait of the
+//! backend contract for [`Cuda`].
 //!
 //! - `launch.rs`: launch configurations, kernel arguments, operand addressing, `same_gpu`.
 //! - `error.rs`: the checks reported at the next wait, and waiting (`synchronize`).
@@ -28,16 +29,16 @@ mod reduce;
 mod shape;
 mod transfer;
 
-pub(crate) use elementwise::{
-    arange, assign, axpy, binary, binary_inplace, binary_scalar, compare, compare_scalar, eye,
-    fill, pow_scalar, rand, randn, scale_inplace, unary,
-};
 pub(crate) use error::synchronize;
-pub(crate) use matmul::{gemm, matmul, sgd_dense};
-pub(crate) use nn::{first_bad_index, one_hot, pick, softmax};
-pub(crate) use reduce::{argmax_axis, max_axis, sum, sum_all};
-pub(crate) use shape::{interleave, narrow, permute, transpose};
-pub(crate) use transfer::{convert, copy, download, read, upload, write, zero};
+
+/// The CUDA backend: the backend contract (`backend/contract.rs`) on device memory, one op
+/// family per file of this directory (`impl ElementwiseOps for Cuda` in `elementwise.rs`, and so
+/// on).
+pub(crate) struct Cuda;
+
+impl crate::backend::contract::Backend for Cuda {
+    type Buffer = crate::backend::cuda::buffer::DeviceBuffer;
+}
 
 #[cfg(test)]
 mod tests {
@@ -45,6 +46,7 @@ mod tests {
 
     use super::launch::{linear, scalar};
     use super::*;
+    use crate::backend::contract::ElementwiseOps;
     use crate::backend::cuda::buffer::DeviceBuffer;
     use crate::backend::cuda::device::Gpu;
     use crate::error::Ctx;
@@ -117,7 +119,7 @@ mod tests {
         } else {
             3.5
         };
-        fill(&ctx, DType::F32, &mut buf, f64::from(value)).unwrap();
+        Cuda::fill(&ctx, DType::F32, &mut buf, f64::from(value)).unwrap();
         // SAFETY: as above.
         let queued = unsafe { peek(buf.ptr()) };
         assert_eq!(

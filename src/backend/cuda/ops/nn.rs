@@ -5,6 +5,8 @@
 use super::error::{checked_launch, Refusal};
 use super::launch::{blocks, elements, linear, same_gpu, Config, THREADS};
 use super::reduce::{chunks_for, fold_config};
+use super::Cuda;
+use crate::backend::contract::{Lanes, NnOps};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::Gpu;
 use crate::backend::layout::Pass;
@@ -48,48 +50,6 @@ fn softmax_split(
     Ok(())
 }
 
-pub(crate) fn softmax(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &DeviceBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut DeviceBuffer,
-    log: bool,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let columns = (outer * inner) as u64;
-    if columns == 0 || n == 0 {
-        return Ok(());
-    }
-    if inner == 1 {
-        let chunks = chunks_for(gpu, Pass { outer, n, inner });
-        if chunks > 1 {
-            return softmax_split(ctx, gpu, dtype, (a, out), (outer, n, chunks), log);
-        }
-    }
-    let f = gpu.kernels.one(ctx, "softmax", dtype)?;
-    let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
-    // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log, u32 tpr);
-    // locked storage of `gpu`.
-    unsafe {
-        launch!(ctx, gpu, f, cfg;
-            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
-            lg = i32::from(log), t = tpr)
-    }
-}
-
-/// Indices on a CUDA device are checked by the kernels that use them (`pick`, `one_hot`): a
-/// bad one is reported at the next wait for the device, with the op and its call site, so
-/// nothing is checked here and no op waits for the device.
-pub(crate) fn first_bad_index(
-    _ctx: &Ctx,
-    _dtype: DType,
-    _indices: &DeviceBuffer,
-    _bound: usize,
-) -> Result<Option<(usize, i64)>> {
-    Ok(None)
-}
-
 /// The error for indices into an empty range, which every index is outside.
 fn empty_range(ctx: &Ctx, count: u64, from: DType, what: &str) -> Error {
     ctx.invalid(format!(
@@ -98,73 +58,123 @@ fn empty_range(ctx: &Ctx, count: u64, from: DType, what: &str) -> Error {
     ))
 }
 
-pub(crate) fn one_hot(
-    ctx: &Ctx,
-    (from, to): (DType, DType),
-    indices: &DeviceBuffer,
-    depth: usize,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[indices.gpu(), out.gpu()])?;
-    let count = elements(indices, from);
-    let total = count * depth as u64;
-    if depth == 0 && count > 0 {
-        // No index is below 0: known without looking.
-        return Err(empty_range(ctx, count, from, "the depth"));
-    }
-    if total == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
-    let refusal = || Refusal::Index {
-        count,
-        from,
-        bound: depth,
-        what: "the depth",
-    };
-    checked_launch(ctx, gpu, refusal, |flag, key| {
-        // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth, u64* flag,
-        // u64 key); locked storage of `gpu` (`out` holds count·depth elements); `flag` is the
-        // device's check word.
-        unsafe {
-            launch!(ctx, gpu, f, linear(gpu, total);
-                pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64, pf = flag,
-                k = key)
+impl NnOps for Cuda {
+    fn softmax(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &DeviceBuffer,
+        Lanes {
+            outer,
+            len: n,
+            inner,
+        }: Lanes,
+        out: &mut DeviceBuffer,
+        log: bool,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let columns = (outer * inner) as u64;
+        if columns == 0 || n == 0 {
+            return Ok(());
         }
-    })
-}
+        if inner == 1 {
+            let chunks = chunks_for(gpu, Pass { outer, n, inner });
+            if chunks > 1 {
+                return softmax_split(ctx, gpu, dtype, (a, out), (outer, n, chunks), log);
+            }
+        }
+        let f = gpu.kernels.one(ctx, "softmax", dtype)?;
+        let (cfg, tpr) = fold_config(gpu, Pass { outer, n, inner }, 1);
+        // SAFETY: softmax_<T>(const T* x, T* out, u64 outer, u64 n, u64 inner, int log, u32 tpr);
+        // locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+                lg = i32::from(log), t = tpr)
+        }
+    }
 
-pub(crate) fn pick(
-    ctx: &Ctx,
-    (dtype, from): (DType, DType),
-    x: &DeviceBuffer,
-    (n, inner): (usize, usize),
-    indices: &DeviceBuffer,
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[x.gpu(), indices.gpu(), out.gpu()])?;
-    let count = elements(indices, from);
-    if n == 0 && count > 0 {
-        return Err(empty_range(ctx, count, from, "the size of the axis"));
+    /// Indices on a CUDA device are checked by the kernels that use them (`pick`, `one_hot`): a
+    /// bad one is reported at the next wait for the device, with the op and its call site, so
+    /// nothing is checked here and no op waits for the device.
+    fn first_bad_index(
+        _ctx: &Ctx,
+        _dtype: DType,
+        _indices: &DeviceBuffer,
+        _bound: usize,
+    ) -> Result<Option<(usize, i64)>> {
+        Ok(None)
     }
-    if count == 0 || inner == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
-    let refusal = || Refusal::Index {
-        count,
-        from,
-        bound: n,
-        what: "the size of the axis",
-    };
-    checked_launch(ctx, gpu, refusal, |flag, key| {
-        // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner,
-        // u64* flag, u64 key); locked storage of `gpu`; indices outside the axis read nothing;
-        // `flag` is the device's check word.
-        unsafe {
-            launch!(ctx, gpu, f, linear(gpu, count);
-                px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
-                i = inner as u64, pf = flag, k = key)
+
+    fn one_hot(
+        ctx: &Ctx,
+        (from, to): (DType, DType),
+        indices: &DeviceBuffer,
+        depth: usize,
+        out: &mut DeviceBuffer,
+    ) -> Result<Option<(usize, i64)>> {
+        let gpu = same_gpu(ctx, &[indices.gpu(), out.gpu()])?;
+        let count = elements(indices, from);
+        let total = count * depth as u64;
+        if depth == 0 && count > 0 {
+            // No index is below 0: known without looking.
+            return Err(empty_range(ctx, count, from, "the depth"));
         }
-    })
+        if total == 0 {
+            return Ok(None);
+        }
+        let f = gpu.kernels.two(ctx, "one_hot", from, to)?;
+        let refusal = || Refusal::Index {
+            count,
+            from,
+            bound: depth,
+            what: "the depth",
+        };
+        checked_launch(ctx, gpu, refusal, |flag, key| {
+            // SAFETY: one_hot_<I>_<T>(const I* idx, T* out, u64 count, u64 depth, u64* flag,
+            // u64 key); locked storage of `gpu` (`out` holds count·depth elements); `flag` is the
+            // device's check word.
+            unsafe {
+                launch!(ctx, gpu, f, linear(gpu, total);
+                    pi = indices.ptr(), po = out.ptr(), n = count, d = depth as u64, pf = flag,
+                    k = key)
+            }
+        })
+        .map(|()| None)
+    }
+
+    fn pick(
+        ctx: &Ctx,
+        (dtype, from): (DType, DType),
+        x: &DeviceBuffer,
+        (n, inner): (usize, usize),
+        indices: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<Option<(usize, i64)>> {
+        let gpu = same_gpu(ctx, &[x.gpu(), indices.gpu(), out.gpu()])?;
+        let count = elements(indices, from);
+        if n == 0 && count > 0 {
+            return Err(empty_range(ctx, count, from, "the size of the axis"));
+        }
+        if count == 0 || inner == 0 {
+            return Ok(None);
+        }
+        let f = gpu.kernels.two(ctx, "pick", dtype, from)?;
+        let refusal = || Refusal::Index {
+            count,
+            from,
+            bound: n,
+            what: "the size of the axis",
+        };
+        checked_launch(ctx, gpu, refusal, |flag, key| {
+            // SAFETY: pick_<T>_<I>(const T* x, const I* idx, T* out, u64 count, u64 n, u64 inner,
+            // u64* flag, u64 key); locked storage of `gpu`; indices outside the axis read nothing;
+            // `flag` is the device's check word.
+            unsafe {
+                launch!(ctx, gpu, f, linear(gpu, count);
+                    px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
+                    i = inner as u64, pf = flag, k = key)
+            }
+        })
+        .map(|()| None)
+    }
 }

@@ -4,7 +4,8 @@
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::launch::{blocks, elements, same_gpu, Config, Src, THREADS};
-use super::transfer::convert;
+use super::Cuda;
+use crate::backend::contract::{Lanes, ReduceOps, SumOf, TransferOps};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::Gpu;
 use crate::backend::layout::{reduction_passes, Pass};
@@ -61,7 +62,6 @@ pub(super) fn fold_config(gpu: &Gpu, pass: Pass, chunks: usize) -> (Config, u32)
 }
 
 /// One `sum_<in>_<out>` launch.
-#[allow(clippy::too_many_arguments)]
 fn sum_launch(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -95,7 +95,6 @@ fn accumulator(from: DType) -> DType {
 
 /// Folds one pass of a sum from `x` (`from`) into `out` (`to`), through partial sums in
 /// `partial` when the rows are long and few.
-#[allow(clippy::too_many_arguments)]
 fn sum_pass(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -118,41 +117,6 @@ fn sum_pass(
         inner: pass.inner,
     };
     sum_launch(ctx, gpu, (partial, acc), out, second, 1, mean)
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn sum(
-    ctx: &Ctx,
-    from: DType,
-    to: DType,
-    (a, dims): Src<'_>,
-    mask: &[bool],
-    out: &mut DeviceBuffer,
-    mean: bool,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    if out.bytes() == 0 {
-        return Ok(());
-    }
-    let passes = reduction_passes(dims, mask);
-    if passes.is_empty() {
-        // Every reduced axis has size 1: the sum (and the mean) of one element is that element.
-        return convert(ctx, from, to, a, out);
-    }
-    let count: usize = dims
-        .iter()
-        .zip(mask)
-        .filter(|(_, &r)| r)
-        .map(|(&d, _)| d)
-        .product();
-    sum_passes(
-        ctx,
-        gpu,
-        (a.ptr(), from),
-        (out.ptr(), to),
-        &passes,
-        mean.then_some(count as f64),
-    )
 }
 
 /// Runs the passes of a sum, accumulating between passes in scratch memory.
@@ -201,31 +165,6 @@ fn sum_passes(
     Ok(())
 }
 
-pub(crate) fn sum_all(
-    ctx: &Ctx,
-    from: DType,
-    to: DType,
-    a: &DeviceBuffer,
-    out: &mut DeviceBuffer,
-    mean: bool,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let n = elements(a, from) as usize;
-    let pass = Pass {
-        outer: 1,
-        n,
-        inner: 1,
-    };
-    sum_passes(
-        ctx,
-        gpu,
-        (a.ptr(), from),
-        (out.ptr(), to),
-        &[pass],
-        mean.then_some(n as f64),
-    )
-}
-
 fn max_launch(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -245,91 +184,156 @@ fn max_launch(
     }
 }
 
-pub(crate) fn max_axis(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &DeviceBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    if outer * inner == 0 {
-        return Ok(());
+impl ReduceOps for Cuda {
+    fn sum(
+        ctx: &Ctx,
+        SumOf { from, to, mean }: SumOf,
+        (a, dims): Src<'_>,
+        mask: &[bool],
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        if out.bytes() == 0 {
+            return Ok(());
+        }
+        let passes = reduction_passes(dims, mask);
+        if passes.is_empty() {
+            // Every reduced axis has size 1: the sum (and the mean) of one element is that element.
+            return Cuda::convert(ctx, (from, to), a, out);
+        }
+        let count: usize = dims
+            .iter()
+            .zip(mask)
+            .filter(|(_, &r)| r)
+            .map(|(&d, _)| d)
+            .product();
+        sum_passes(
+            ctx,
+            gpu,
+            (a.ptr(), from),
+            (out.ptr(), to),
+            &passes,
+            mean.then_some(count as f64),
+        )
     }
-    let pass = Pass { outer, n, inner };
-    let chunks = chunks_for(gpu, pass);
-    if chunks == 1 {
-        return max_launch(ctx, gpu, dtype, (a.ptr(), out.ptr()), pass, 1);
-    }
-    let mut scratch = gpu.scratch();
-    let partial = scratch.ensure(ctx, gpu, outer * chunks * inner * dtype.size_in_bytes())?;
-    max_launch(ctx, gpu, dtype, (a.ptr(), partial), pass, chunks)?;
-    // The partial maxima, [outer, chunks, inner].
-    let second = Pass {
-        outer,
-        n: chunks,
-        inner,
-    };
-    max_launch(ctx, gpu, dtype, (partial, out.ptr()), second, 1)
-}
 
-pub(crate) fn argmax_axis(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &DeviceBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    out: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
-    let columns = (outer * inner) as u64;
-    if columns == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.one(ctx, "argmax", dtype)?;
-    let pass = Pass { outer, n, inner };
-    // Few long rows are split into slices (inner == 1 only): partial (value, index) pairs in
-    // scratch, then `argmax_parts`.
-    let chunks = if inner == 1 { chunks_for(gpu, pass) } else { 1 };
-    let (cfg, tpr) = fold_config(gpu, pass, chunks);
-    if chunks == 1 {
-        // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr,
-        // u64 chunks, T* part_v, i64* part_i); locked storage of `gpu`; with one chunk the
-        // partial arrays are not touched (`out` stands in for them).
-        return unsafe {
-            launch!(ctx, gpu, f, cfg;
-                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
-                i = inner as u64, t = tpr, parts = 1u64, pv = out.ptr(), pi = out.ptr())
+    fn sum_all(
+        ctx: &Ctx,
+        SumOf { from, to, mean }: SumOf,
+        a: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let n = elements(a, from) as usize;
+        let pass = Pass {
+            outer: 1,
+            n,
+            inner: 1,
         };
+        sum_passes(
+            ctx,
+            gpu,
+            (a.ptr(), from),
+            (out.ptr(), to),
+            &[pass],
+            mean.then_some(n as f64),
+        )
     }
-    let segments = outer * chunks;
-    let elem = dtype.size_in_bytes();
-    let mut scratch = gpu.scratch();
-    // The indices first (8-byte aligned), then the values.
-    let part_i = scratch.ensure(ctx, gpu, segments * (8 + elem))?;
-    let part_v = part_i + (segments * 8) as u64;
-    // SAFETY: as above; `part_v` and `part_i` are scratch of `gpu` (held under its lock) with
-    // room for `outer · chunks` values and indices.
-    unsafe {
-        launch!(ctx, gpu, f, cfg;
-            px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
-            t = tpr, parts = chunks as u64, pv = part_v, pi = part_i)?
-    };
-    let g = gpu.kernels.one(ctx, "argmax_parts", dtype)?;
-    let (cfg, tpr) = fold_config(
-        gpu,
-        Pass {
+
+    fn max_axis(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &DeviceBuffer,
+        Lanes {
+            outer,
+            len: n,
+            inner,
+        }: Lanes,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        if outer * inner == 0 {
+            return Ok(());
+        }
+        let pass = Pass { outer, n, inner };
+        let chunks = chunks_for(gpu, pass);
+        if chunks == 1 {
+            return max_launch(ctx, gpu, dtype, (a.ptr(), out.ptr()), pass, 1);
+        }
+        let mut scratch = gpu.scratch();
+        let partial = scratch.ensure(ctx, gpu, outer * chunks * inner * dtype.size_in_bytes())?;
+        max_launch(ctx, gpu, dtype, (a.ptr(), partial), pass, chunks)?;
+        // The partial maxima, [outer, chunks, inner].
+        let second = Pass {
             outer,
             n: chunks,
-            inner: 1,
-        },
-        1,
-    );
-    // SAFETY: argmax_parts_<T>(const T* part_v, const i64* part_i, i64* out, u64 outer,
-    // u64 chunks, u32 tpr); the scratch written just before (stream order) and `out`, locked
-    // storage of `gpu` with `outer` indices.
-    unsafe {
-        launch!(ctx, gpu, g, cfg;
-            pv = part_v, pi = part_i, po = out.ptr(), o = outer as u64, c = chunks as u64,
-            t = tpr)
+            inner,
+        };
+        max_launch(ctx, gpu, dtype, (partial, out.ptr()), second, 1)
+    }
+
+    fn argmax_axis(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &DeviceBuffer,
+        Lanes {
+            outer,
+            len: n,
+            inner,
+        }: Lanes,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[a.gpu(), out.gpu()])?;
+        let columns = (outer * inner) as u64;
+        if columns == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "argmax", dtype)?;
+        let pass = Pass { outer, n, inner };
+        // Few long rows are split into slices (inner == 1 only): partial (value, index) pairs in
+        // scratch, then `argmax_parts`.
+        let chunks = if inner == 1 { chunks_for(gpu, pass) } else { 1 };
+        let (cfg, tpr) = fold_config(gpu, pass, chunks);
+        if chunks == 1 {
+            // SAFETY: argmax_<T>(const T* x, i64* out, u64 outer, u64 n, u64 inner, u32 tpr,
+            // u64 chunks, T* part_v, i64* part_i); locked storage of `gpu`; with one chunk the
+            // partial arrays are not touched (`out` stands in for them).
+            return unsafe {
+                launch!(ctx, gpu, f, cfg;
+                    px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64,
+                    i = inner as u64, t = tpr, parts = 1u64, pv = out.ptr(), pi = out.ptr())
+            };
+        }
+        let segments = outer * chunks;
+        let elem = dtype.size_in_bytes();
+        let mut scratch = gpu.scratch();
+        // The indices first (8-byte aligned), then the values.
+        let part_i = scratch.ensure(ctx, gpu, segments * (8 + elem))?;
+        let part_v = part_i + (segments * 8) as u64;
+        // SAFETY: as above; `part_v` and `part_i` are scratch of `gpu` (held under its lock) with
+        // room for `outer · chunks` values and indices.
+        unsafe {
+            launch!(ctx, gpu, f, cfg;
+                px = a.ptr(), po = out.ptr(), o = outer as u64, len = n as u64, i = inner as u64,
+                t = tpr, parts = chunks as u64, pv = part_v, pi = part_i)?
+        };
+        let g = gpu.kernels.one(ctx, "argmax_parts", dtype)?;
+        let (cfg, tpr) = fold_config(
+            gpu,
+            Pass {
+                outer,
+                n: chunks,
+                inner: 1,
+            },
+            1,
+        );
+        // SAFETY: argmax_parts_<T>(const T* part_v, const i64* part_i, i64* out, u64 outer,
+        // u64 chunks, u32 tpr); the scratch written just before (stream order) and `out`, locked
+        // storage of `gpu` with `outer` indices.
+        unsafe {
+            launch!(ctx, gpu, g, cfg;
+                pv = part_v, pi = part_i, po = out.ptr(), o = outer as u64, c = chunks as u64,
+                t = tpr)
+        }
     }
 }

@@ -5,6 +5,8 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use super::elementwise::gather;
 use super::launch::{blocks, linear, same_gpu, size, Config, Src};
+use super::Cuda;
+use crate::backend::contract::{Lanes, ShapeOps};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::Gpu;
 use crate::backend::layout::contiguous_strides;
@@ -13,53 +15,7 @@ use crate::{DType, Result};
 
 // ---- shape / gather ----
 
-pub(crate) fn transpose(
-    ctx: &Ctx,
-    dtype: DType,
-    src: &DeviceBuffer,
-    (rows, cols): (usize, usize),
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
-    if rows == 0 || cols == 0 {
-        return Ok(());
-    }
-    let f = gpu.kernels.sized(ctx, "transpose", dtype.size_in_bytes())?;
-    let tiles = (rows.div_ceil(32) * cols.div_ceil(32)) as u64;
-    let cfg = Config {
-        blocks: blocks(gpu, tiles, 1),
-        threads: (32, 8),
-    };
-    // SAFETY: transpose_b<N>(const T* src, T* dst, u64 rows, u64 cols); locked storage of `gpu`
-    // holding rows·cols elements each.
-    unsafe {
-        launch!(ctx, gpu, f, cfg;
-            ps = src.ptr(), pd = dst.ptr(), r = rows as u64, c = cols as u64)
-    }
-}
-
-pub(crate) fn permute(
-    ctx: &Ctx,
-    dtype: DType,
-    (src, dims): Src<'_>,
-    perm: &[usize],
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
-    let in_strides = contiguous_strides(dims);
-    let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
-    let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
-    gather(
-        ctx,
-        gpu,
-        dtype.size_in_bytes(),
-        (src.ptr(), size(dims), strides),
-        (dst.ptr(), &out_dims),
-    )
-}
-
 /// Copies `rows` rows of `cols` elements of `elem` bytes between pitched layouts.
-#[allow(clippy::too_many_arguments)]
 fn copy_rows(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -82,54 +38,105 @@ fn copy_rows(
     }
 }
 
-pub(crate) fn narrow(
-    ctx: &Ctx,
-    elem: usize,
-    src: &DeviceBuffer,
-    (outer, n, inner): (usize, usize, usize),
-    start: usize,
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
-    let row = dst.bytes().checked_div(outer * elem).unwrap_or(0);
-    let offset = (start * inner * elem) as u64;
-    copy_rows(
-        ctx,
-        gpu,
-        elem,
-        (src.ptr() + offset, n * inner),
-        (dst.ptr(), row),
-        (outer, row),
-    )
-}
+impl ShapeOps for Cuda {
+    fn transpose(
+        ctx: &Ctx,
+        dtype: DType,
+        src: &DeviceBuffer,
+        (rows, cols): (usize, usize),
+        dst: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.sized(ctx, "transpose", dtype.size_in_bytes())?;
+        let tiles = (rows.div_ceil(32) * cols.div_ceil(32)) as u64;
+        let cfg = Config {
+            blocks: blocks(gpu, tiles, 1),
+            threads: (32, 8),
+        };
+        // SAFETY: transpose_b<N>(const T* src, T* dst, u64 rows, u64 cols); locked storage of `gpu`
+        // holding rows·cols elements each.
+        unsafe {
+            launch!(ctx, gpu, f, cfg;
+                ps = src.ptr(), pd = dst.ptr(), r = rows as u64, c = cols as u64)
+        }
+    }
 
-pub(crate) fn interleave(
-    ctx: &Ctx,
-    srcs: &[&DeviceBuffer],
-    row_bytes: &[usize],
-    outer: usize,
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    let mut gpus: Vec<&Gpu> = srcs.iter().map(|s| s.gpu()).collect();
-    gpus.push(dst.gpu());
-    let gpu = same_gpu(ctx, &gpus)?;
-    let total: usize = row_bytes.iter().sum();
-    // Rows are whole elements: copy them as the widest element size dividing every length.
-    let elem = [8, 4, 1]
-        .into_iter()
-        .find(|&e| total.is_multiple_of(e) && row_bytes.iter().all(|b| b.is_multiple_of(e)))
-        .unwrap_or(1);
-    let mut at = 0;
-    for (src, &len) in srcs.iter().zip(row_bytes) {
+    fn permute(
+        ctx: &Ctx,
+        dtype: DType,
+        (src, dims): Src<'_>,
+        perm: &[usize],
+        dst: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+        let in_strides = contiguous_strides(dims);
+        let out_dims: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+        let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
+        gather(
+            ctx,
+            gpu,
+            dtype.size_in_bytes(),
+            (src.ptr(), size(dims), strides),
+            (dst.ptr(), &out_dims),
+        )
+    }
+
+    fn narrow(
+        ctx: &Ctx,
+        elem: usize,
+        src: &DeviceBuffer,
+        Lanes {
+            outer,
+            len: n,
+            inner,
+        }: Lanes,
+        start: usize,
+        dst: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+        let row = dst.bytes().checked_div(outer * elem).unwrap_or(0);
+        let offset = (start * inner * elem) as u64;
         copy_rows(
             ctx,
             gpu,
             elem,
-            (src.ptr(), len / elem),
-            (dst.ptr() + at as u64, total / elem),
-            (outer, len / elem),
-        )?;
-        at += len;
+            (src.ptr() + offset, n * inner),
+            (dst.ptr(), row),
+            (outer, row),
+        )
     }
-    Ok(())
+
+    fn interleave(
+        ctx: &Ctx,
+        srcs: &[&DeviceBuffer],
+        row_bytes: &[usize],
+        outer: usize,
+        dst: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let mut gpus: Vec<&Gpu> = srcs.iter().map(|s| s.gpu()).collect();
+        gpus.push(dst.gpu());
+        let gpu = same_gpu(ctx, &gpus)?;
+        let total: usize = row_bytes.iter().sum();
+        // Rows are whole elements: copy them as the widest element size dividing every length.
+        let elem = [8, 4, 1]
+            .into_iter()
+            .find(|&e| total.is_multiple_of(e) && row_bytes.iter().all(|b| b.is_multiple_of(e)))
+            .unwrap_or(1);
+        let mut at = 0;
+        for (src, &len) in srcs.iter().zip(row_bytes) {
+            copy_rows(
+                ctx,
+                gpu,
+                elem,
+                (src.ptr(), len / elem),
+                (dst.ptr() + at as u64, total / elem),
+                (outer, len / elem),
+            )?;
+            at += len;
+        }
+        Ok(())
+    }
 }

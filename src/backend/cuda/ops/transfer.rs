@@ -6,6 +6,8 @@ use cudarc::driver::sys::{self, CUdeviceptr};
 
 use super::error::{reporting, wait_all};
 use super::launch::{elements, linear, memset, same_gpu};
+use super::Cuda;
+use crate::backend::contract::TransferOps;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{Gpu, STAGING};
@@ -113,46 +115,6 @@ fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
 }
 
-pub(crate) fn read<T: Element>(ctx: &Ctx, src: &DeviceBuffer, dst: &mut [T]) -> Result<()> {
-    let bytes = std::mem::size_of_val(dst);
-    // SAFETY: element types are plain numbers valid for every bit pattern; the length is in
-    // bytes.
-    let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
-    let gpu = src.gpu();
-    reporting(ctx, gpu, || device_to_host(ctx, gpu, src.ptr(), out, false))
-}
-
-pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut DeviceBuffer, data: &[T]) -> Result<()> {
-    host_to_device(ctx, dst.gpu(), bytes_of(data), dst.ptr(), false)
-}
-
-pub(crate) fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut DeviceBuffer) -> Result<()> {
-    host_to_device(ctx, dst.gpu(), src.as_bytes(), dst.ptr(), src.is_pinned())
-}
-
-pub(crate) fn download(ctx: &Ctx, src: &DeviceBuffer, dst: &mut HostBuffer) -> Result<()> {
-    let pinned = dst.is_pinned();
-    let gpu = src.gpu();
-    reporting(ctx, gpu, || {
-        device_to_host(ctx, gpu, src.ptr(), dst.as_bytes_mut(), pinned)
-    })
-}
-
-pub(crate) fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<()> {
-    let bytes = src.bytes().min(dst.bytes());
-    if bytes == 0 {
-        return Ok(());
-    }
-    let (from, to) = (src.gpu(), dst.gpu());
-    if from.ordinal != to.ordinal {
-        // Between two devices: through the host.
-        let mut host = vec![0u8; bytes];
-        device_to_host(ctx, from, src.ptr(), &mut host, false)?;
-        return host_to_device(ctx, to, &host, dst.ptr(), false);
-    }
-    copy_bytes(ctx, from, src.ptr(), dst.ptr(), bytes)
-}
-
 /// Copies `bytes` bytes between two device addresses of `gpu`, in stream order.
 pub(super) fn copy_bytes(
     ctx: &Ctx,
@@ -169,26 +131,67 @@ pub(super) fn copy_bytes(
         .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoDAsync", e))
 }
 
-pub(crate) fn zero(ctx: &Ctx, dst: &mut DeviceBuffer) -> Result<()> {
-    memset(ctx, dst.gpu(), dst.ptr(), 0, dst.bytes())
-}
+impl TransferOps for Cuda {
+    fn read<T: Element>(ctx: &Ctx, src: &DeviceBuffer, dst: &mut [T]) -> Result<()> {
+        let bytes = std::mem::size_of_val(dst);
+        // SAFETY: element types are plain numbers valid for every bit pattern; the length is in
+        // bytes.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), bytes) };
+        let gpu = src.gpu();
+        reporting(ctx, gpu, || device_to_host(ctx, gpu, src.ptr(), out, false))
+    }
 
-pub(crate) fn convert(
-    ctx: &Ctx,
-    from: DType,
-    to: DType,
-    src: &DeviceBuffer,
-    dst: &mut DeviceBuffer,
-) -> Result<()> {
-    if from == to {
-        return copy(ctx, src, dst);
+    fn write<T: Element>(ctx: &Ctx, dst: &mut DeviceBuffer, data: &[T]) -> Result<()> {
+        host_to_device(ctx, dst.gpu(), bytes_of(data), dst.ptr(), false)
     }
-    let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
-    let n = elements(dst, to);
-    if n == 0 {
-        return Ok(());
+
+    fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut DeviceBuffer) -> Result<()> {
+        host_to_device(ctx, dst.gpu(), src.as_bytes(), dst.ptr(), src.is_pinned())
     }
-    let f = gpu.kernels.two(ctx, "cast", from, to)?;
-    // SAFETY: cast_<from>_<to>(const S* a, D* out, u64 n); both are locked storage of `gpu`.
-    unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src.ptr(), out = dst.ptr(), count = n) }
+
+    fn download(ctx: &Ctx, src: &DeviceBuffer, dst: &mut HostBuffer) -> Result<()> {
+        let pinned = dst.is_pinned();
+        let gpu = src.gpu();
+        reporting(ctx, gpu, || {
+            device_to_host(ctx, gpu, src.ptr(), dst.as_bytes_mut(), pinned)
+        })
+    }
+
+    fn copy(ctx: &Ctx, src: &DeviceBuffer, dst: &mut DeviceBuffer) -> Result<()> {
+        let bytes = src.bytes().min(dst.bytes());
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (from, to) = (src.gpu(), dst.gpu());
+        if from.ordinal != to.ordinal {
+            // Between two devices: through the host.
+            let mut host = vec![0u8; bytes];
+            device_to_host(ctx, from, src.ptr(), &mut host, false)?;
+            return host_to_device(ctx, to, &host, dst.ptr(), false);
+        }
+        copy_bytes(ctx, from, src.ptr(), dst.ptr(), bytes)
+    }
+
+    fn convert(
+        ctx: &Ctx,
+        (from, to): (DType, DType),
+        src: &DeviceBuffer,
+        dst: &mut DeviceBuffer,
+    ) -> Result<()> {
+        if from == to {
+            return Cuda::copy(ctx, src, dst);
+        }
+        let gpu = same_gpu(ctx, &[src.gpu(), dst.gpu()])?;
+        let n = elements(dst, to);
+        if n == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.two(ctx, "cast", from, to)?;
+        // SAFETY: cast_<from>_<to>(const S* a, D* out, u64 n); both are locked storage of `gpu`.
+        unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src.ptr(), out = dst.ptr(), count = n) }
+    }
+
+    fn zero(ctx: &Ctx, dst: &mut DeviceBuffer) -> Result<()> {
+        memset(ctx, dst.gpu(), dst.ptr(), 0, dst.bytes())
+    }
 }

@@ -1,0 +1,434 @@
+//! The backend contract: the one list of the ops a backend runs, with their signatures, written
+//! once in `backend_contract!`, one trait per op family ([`TransferOps`], [`ElementwiseOps`],
+//! [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) over a [`Backend`]'s buffer type. The
+//! CPU backend (`cpu::ops::Cpu`) and the CUDA backend (`cuda::Cuda`, one family per file of
+//! `cuda/ops/`) implement them; the CUDA-off stub's implementation is generated from the same
+//! list (`cuda/stub.rs`), so its signatures are never written again and the compiler checks
+//! all three against one contract. The entry points in `ops.rs` pick a backend from the
+//! operands' storage and call it statically (`<Cpu as ElementwiseOps>::unary(..)`): no trait
+//! object, no cost.
+//!
+//! Parameters that travel together are the small `Copy` structs below ([`Mnk`], [`Gemm`],
+//! [`Lanes`], [`SumOf`], [`SgdStep`], [`Draw`]).
+//!
+//! Every op takes the op's [`Ctx`] first (for errors), returns `Result` (the CPU never fails
+//! where the device may), and names its buffers `Self::Buffer`: host bytes for the CPU, memory
+//! of one device for CUDA. A backend checks that the buffers of one call are on one device.
+
+use super::{Batched, Binary, Compare, Unary};
+use crate::backend::cpu::buffer::HostBuffer;
+use crate::error::Ctx;
+use crate::{DType, Element, Error, Result};
+
+/// A buffer and the shape it holds (ops that broadcast or walk strides).
+pub(crate) type Operand<'a, B> = (&'a B, &'a [usize]);
+
+/// A buffer written by the op and the shape it holds.
+pub(crate) type OperandMut<'a, B> = (&'a mut B, &'a [usize]);
+
+/// The sizes of a matrix product `[m, k] · [k, n] → [m, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Mnk {
+    /// Rows of the left operand and of the result.
+    pub m: usize,
+    /// The contracted dimension.
+    pub k: usize,
+    /// Columns of the right operand and of the result.
+    pub n: usize,
+}
+
+/// `out = beta·out + alpha·(the product)` instead of `out = (the product)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Accumulate {
+    /// The factor of the product.
+    pub alpha: f64,
+    /// The factor of `out`'s old value; 0 does not read it (a NaN there does not survive).
+    pub beta: f64,
+}
+
+/// A general matrix product `op(a) · op(b)`: `a` is stored `[m, k]` (`[k, m]` when
+/// `trans_a`), `b` `[k, n]` (`[n, k]` when `trans_b`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Gemm {
+    /// The product's sizes.
+    pub dims: Mnk,
+    /// `a` is stored transposed.
+    pub trans_a: bool,
+    /// `b` is stored transposed.
+    pub trans_b: bool,
+    /// Accumulate into `out` instead of overwriting it.
+    pub accumulate: Option<Accumulate>,
+}
+
+/// An array seen as `[outer, len, inner]`, the op running along the middle axis (reductions
+/// along one axis, softmax, narrow).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Lanes {
+    /// The product of the axes before the middle one.
+    pub outer: usize,
+    /// The middle axis's length.
+    pub len: usize,
+    /// The product of the axes after the middle one.
+    pub inner: usize,
+}
+
+/// What a sum reads and writes: floats keep their dtype (accumulated in f64), integers give
+/// `I64` sums and `F64` means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SumOf {
+    /// The input's dtype.
+    pub from: DType,
+    /// The result's dtype.
+    pub to: DType,
+    /// The mean instead of the sum.
+    pub mean: bool,
+}
+
+/// The hyper-parameters of an SGD-with-momentum step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SgdStep {
+    /// The learning rate.
+    pub lr: f64,
+    /// The momentum (0 is plain SGD).
+    pub momentum: f64,
+}
+
+/// Where random numbers are drawn: counters `start..` of the stream `seed` (the same numbers
+/// on every device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Draw {
+    /// The stream.
+    pub seed: u64,
+    /// The counter of the first element.
+    pub start: u64,
+}
+
+/// The backend contract, handed to `$consumer` as a list of method signatures, each with its
+/// docs and, after `=>`, a buffer parameter every call has (the stub matches on it: where the
+/// backend's buffer type has no values, the method cannot be called).
+macro_rules! backend_contract {
+    ($consumer:ident) => {
+        $consumer! {
+            /// Copies within and across devices, conversions.
+            trait TransferOps {
+                /// Copies the first `dst.len()` elements of `src` into `dst` (a device read
+                /// synchronises and reports earlier kernel errors as `Backend`).
+                fn read<T: Element>(ctx: &Ctx, src: &Self::Buffer, dst: &mut [T]) -> Result<()> => src;
+                /// Copies `data` into `dst` (same length).
+                fn write<T: Element>(ctx: &Ctx, dst: &mut Self::Buffer, data: &[T]) -> Result<()> => dst;
+                /// Copies the bytes of host memory `src` into `dst` (same length).
+                fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut Self::Buffer) -> Result<()> => dst;
+                /// Copies the bytes of `src` into host memory `dst` (same length).
+                fn download(ctx: &Ctx, src: &Self::Buffer, dst: &mut HostBuffer) -> Result<()> => src;
+                /// Copies the bytes of `src` into `dst` (same length).
+                fn copy(ctx: &Ctx, src: &Self::Buffer, dst: &mut Self::Buffer) -> Result<()> => src;
+                /// `dst = src` converted from `dtypes.0` to `dtypes.1` elementwise.
+                fn convert(
+                    ctx: &Ctx,
+                    dtypes: (DType, DType),
+                    src: &Self::Buffer,
+                    dst: &mut Self::Buffer,
+                ) -> Result<()> => src;
+                /// Sets every byte of `dst` to 0.
+                fn zero(ctx: &Ctx, dst: &mut Self::Buffer) -> Result<()> => dst;
+            }
+
+            /// Fills, random numbers, and the elementwise families (unary, binary, comparison,
+            /// in place).
+            trait ElementwiseOps {
+                /// Sets every element of `dst` to `value` converted to `dtype`.
+                fn fill(ctx: &Ctx, dtype: DType, dst: &mut Self::Buffer, value: f64) -> Result<()> => dst;
+                /// `dst[i] = start + i·step` (computed in f64, then converted).
+                fn arange(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    dst: &mut Self::Buffer,
+                    start: f64,
+                    step: f64,
+                ) -> Result<()> => dst;
+                /// The `n × n` identity into `dst` (which may hold anything).
+                fn eye(ctx: &Ctx, dtype: DType, dst: &mut Self::Buffer, n: usize) -> Result<()> => dst;
+                /// Standard normals drawn at `draw`.
+                fn randn(ctx: &Ctx, dtype: DType, dst: &mut Self::Buffer, draw: Draw) -> Result<()> => dst;
+                /// Uniforms in `[range.0, range.1)` drawn at `draw` (integers for integer dtypes).
+                fn rand(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    dst: &mut Self::Buffer,
+                    draw: Draw,
+                    range: (f64, f64),
+                ) -> Result<()> => dst;
+
+                /// `out = op(a, b)` with NumPy broadcasting of `a` and `b` to `out`'s shape. An
+                /// integer division whose divisor holds 0 gives `on_zero()` and writes nothing (or,
+                /// on a device, reports it at the next wait).
+                fn binary(
+                    ctx: &Ctx,
+                    op: Binary,
+                    dtype: DType,
+                    a: Operand<'_, Self::Buffer>,
+                    b: Operand<'_, Self::Buffer>,
+                    out: OperandMut<'_, Self::Buffer>,
+                    on_zero: &dyn Fn() -> Error,
+                ) -> Result<()> => a.0;
+                /// `out = op(a, value)` with `value` converted to `dtype` (the front-end checked it
+                /// fits).
+                fn binary_scalar(
+                    ctx: &Ctx,
+                    op: Binary,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    value: f64,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// `out = op(a, b)` as `U8` 0/1, broadcasting as [`ElementwiseOps::binary`].
+                fn compare(
+                    ctx: &Ctx,
+                    op: Compare,
+                    dtype: DType,
+                    a: Operand<'_, Self::Buffer>,
+                    b: Operand<'_, Self::Buffer>,
+                    out: OperandMut<'_, Self::Buffer>,
+                ) -> Result<()> => a.0;
+                /// `out = op(a, value)` as `U8` 0/1: floats compare against `value` in their own
+                /// precision, integers against the exact value.
+                fn compare_scalar(
+                    ctx: &Ctx,
+                    op: Compare,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    value: f64,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// `out = op(a)` elementwise (float-only ops get float dtypes: front-ends check).
+                fn unary(
+                    ctx: &Ctx,
+                    op: Unary,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// `out = a^exponent` elementwise (integers through f64, truncated).
+                fn pow_scalar(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    exponent: f64,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+
+                /// `x = op(x, src)` with `src` broadcast to `x`'s shape; `src` `None` means `x`
+                /// itself. An integer division whose divisor holds 0 gives `on_zero()` and changes
+                /// nothing (or, on a device, reports it at the next wait).
+                fn binary_inplace(
+                    ctx: &Ctx,
+                    op: Binary,
+                    dtype: DType,
+                    x: OperandMut<'_, Self::Buffer>,
+                    src: Option<Operand<'_, Self::Buffer>>,
+                    on_zero: &dyn Fn() -> Error,
+                ) -> Result<()> => x.0;
+                /// `x = x · value` in place.
+                fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Self::Buffer, value: f64) -> Result<()> => x;
+                /// `x += alpha · src` in place, `src` broadcast to `x`'s shape (`None`: `x` itself).
+                fn axpy(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    x: OperandMut<'_, Self::Buffer>,
+                    alpha: f64,
+                    src: Option<Operand<'_, Self::Buffer>>,
+                ) -> Result<()> => x.0;
+                /// `x = src` broadcast to `x`'s shape (a fresh `x` makes this `broadcast_to`).
+                fn assign(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    x: OperandMut<'_, Self::Buffer>,
+                    src: Operand<'_, Self::Buffer>,
+                ) -> Result<()> => x.0;
+            }
+
+            /// Reductions.
+            trait ReduceOps {
+                /// The sum (or mean, as `of` says) of `a` over the axes marked in `mask` into `out`.
+                fn sum(
+                    ctx: &Ctx,
+                    of: SumOf,
+                    a: Operand<'_, Self::Buffer>,
+                    mask: &[bool],
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a.0;
+                /// The sum (or mean) of every element of `a` into the one element of `out`.
+                fn sum_all(ctx: &Ctx, of: SumOf, a: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> => a;
+                /// The maximum (NaN wins) along the middle axis of `a` seen as `lanes`
+                /// (`lanes.len ≥ 1`).
+                fn max_axis(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    lanes: Lanes,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// The `I64` index of the maximum (first on ties, first NaN) along the middle axis
+                /// of `a` seen as `lanes` (`lanes.len ≥ 1`).
+                fn argmax_axis(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    lanes: Lanes,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+            }
+
+            /// Matrix products and the fused dense SGD step.
+            trait MatmulOps {
+                /// `out = a · b` for `[m, k] · [k, n]`, or batched as `batch` says.
+                fn matmul(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    batch: Option<(Batched, usize)>,
+                    dims: Mnk,
+                    a: &Self::Buffer,
+                    b: &Self::Buffer,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// `out = op(a) · op(b)`, or accumulated into `out`, as `spec` says.
+                fn gemm(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    spec: Gemm,
+                    a: &Self::Buffer,
+                    b: &Self::Buffer,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => a;
+                /// One SGD-with-momentum step of a dense layer: `v ← momentum·v + xᵀ·g;
+                /// w ← w − lr·v`, with `x` `[k, m]`, `g` `[k, n]`, `v` and `w` `[m, n]` (floats).
+                fn sgd_dense(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    dims: Mnk,
+                    xg: (&Self::Buffer, &Self::Buffer),
+                    vw: (&mut Self::Buffer, &mut Self::Buffer),
+                    step: SgdStep,
+                ) -> Result<()> => xg.0;
+            }
+
+            /// Neural-network ops.
+            trait NnOps {
+                /// Softmax (or log-softmax) along the middle axis of `a` seen as `lanes` (floats).
+                fn softmax(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    a: &Self::Buffer,
+                    lanes: Lanes,
+                    out: &mut Self::Buffer,
+                    log: bool,
+                ) -> Result<()> => a;
+                /// The flat position and value of the first index of `indices` (an integer dtype)
+                /// outside `0..bound`, if any. A device answers `None`: its kernels check the
+                /// indices they use and the next wait reports a bad one.
+                fn first_bad_index(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    indices: &Self::Buffer,
+                    bound: usize,
+                ) -> Result<Option<(usize, i64)>> => indices;
+                /// The one-hot encoding (`[len, depth]` of `dtypes.1`) of integer `indices`
+                /// (`dtypes.0`). The host checks the indices and returns the first bad one without
+                /// writing; a device writes zeros for bad ones, reports them at the next wait and
+                /// returns `None`.
+                fn one_hot(
+                    ctx: &Ctx,
+                    dtypes: (DType, DType),
+                    indices: &Self::Buffer,
+                    depth: usize,
+                    out: &mut Self::Buffer,
+                ) -> Result<Option<(usize, i64)>> => indices;
+                /// `out[o, j] = x[o, indices[o, j], j]` for `x` (`dtypes.0`) seen as
+                /// `[outer, n, inner]` (`n_inner`), `indices` of `dtypes.1`; bad indices as for
+                /// [`NnOps::one_hot`].
+                fn pick(
+                    ctx: &Ctx,
+                    dtypes: (DType, DType),
+                    x: &Self::Buffer,
+                    n_inner: (usize, usize),
+                    indices: &Self::Buffer,
+                    out: &mut Self::Buffer,
+                ) -> Result<Option<(usize, i64)>> => x;
+            }
+
+            /// Copies that rearrange elements.
+            trait ShapeOps {
+                /// `dst = srcᵀ` for `src` of `[rows, cols]`.
+                fn transpose(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    src: &Self::Buffer,
+                    rows_cols: (usize, usize),
+                    dst: &mut Self::Buffer,
+                ) -> Result<()> => src;
+                /// `dst` = `src` with its axes reordered: output axis `k` is input axis `perm[k]`.
+                fn permute(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    src: Operand<'_, Self::Buffer>,
+                    perm: &[usize],
+                    dst: &mut Self::Buffer,
+                ) -> Result<()> => src.0;
+                /// For `src` seen as `lanes` of elements of `elem` bytes, copies
+                /// `[outer, start..start + l, inner]` into `dst` (`l` from `dst`'s size).
+                fn narrow(
+                    ctx: &Ctx,
+                    elem: usize,
+                    src: &Self::Buffer,
+                    lanes: Lanes,
+                    start: usize,
+                    dst: &mut Self::Buffer,
+                ) -> Result<()> => src;
+                /// Row `o` of `dst` is row `o` of every source in turn, row `o` of `srcs[k]` being
+                /// the `row_bytes[k]` bytes at `o · row_bytes[k]` (`concat` and `stack`).
+                fn interleave(
+                    ctx: &Ctx,
+                    srcs: &[&Self::Buffer],
+                    row_bytes: &[usize],
+                    outer: usize,
+                    dst: &mut Self::Buffer,
+                ) -> Result<()> => dst;
+            }
+        }
+    };
+}
+#[cfg_attr(feature = "cuda", allow(unused_imports))]
+pub(crate) use backend_contract;
+
+macro_rules! define_backend {
+    ($(
+        $(#[doc = $family_doc:literal])*
+        trait $family:ident {
+            $(
+                $(#[doc = $doc:literal])*
+                fn $name:ident $(<$g:ident: $bound:path>)? ($($arg:ident: $ty:ty),* $(,)?)
+                    -> $ret:ty => $witness:expr;
+            )*
+        }
+    )*) => {
+        $(
+            $(#[doc = $family_doc])*
+            pub(crate) trait $family: Backend {
+                $(
+                    $(#[doc = $doc])*
+                    fn $name $(<$g: $bound>)? ($($arg: $ty),*) -> $ret;
+                )*
+            }
+        )*
+    };
+}
+backend_contract!(define_backend);
+
+/// A backend: its memory type, on which the op families ([`TransferOps`], [`ElementwiseOps`],
+/// [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) work. Implemented by the CPU backend,
+/// the CUDA backend, and (without the `cuda` feature) the CUDA stub, whose buffers have no
+/// values.
+pub(crate) trait Backend {
+    /// The backend's memory: host bytes, or memory of one CUDA device.
+    type Buffer;
+}
