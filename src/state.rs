@@ -73,7 +73,8 @@ pub(crate) struct State {
     pending: Vec<Deferred>,
 }
 
-pub(crate) static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
+/// The arena lock and the state it guards (taken through [`lock`] only).
+static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
 
 /// The locked arena. Dropping it unlocks, then finishes the work that had to wait for a data
 /// lock (see the module docs): freeing the bytes of arrays closed while a kernel used them, and
@@ -128,7 +129,7 @@ pub(crate) fn lock() -> Arena {
 }
 
 /// Work that waits for an array's data lock, done after the arena lock is released.
-pub(crate) enum Deferred {
+enum Deferred {
     /// Free the bytes of a closed array (once the kernel using them is done).
     Free(Arc<ArrayShared>),
     /// Copy an array's bytes into `to` and switch it over, unless a later move (`moves` no
@@ -190,20 +191,6 @@ impl Deferred {
             }
         }
     }
-}
-
-/// What a new array is: its metadata, as [`State::insert_array`] takes it.
-pub(crate) struct NewArray {
-    pub shape: Shape,
-    pub dtype: DType,
-    pub device: Device,
-    pub created_at: Site,
-}
-
-/// Storage for a new array, and where it lives.
-pub(crate) struct Allocation {
-    pub buffer: Storage,
-    pub place: Place,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -342,6 +329,20 @@ impl State {
 // ---------------------------------------------------------------------------------------------
 // Arrays: the owners' lists, creating and closing
 // ---------------------------------------------------------------------------------------------
+
+/// What a new array is: its metadata, as [`State::insert_array`] takes it.
+pub(crate) struct NewArray {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: Device,
+    pub created_at: Site,
+}
+
+/// Storage for a new array, and where it lives.
+pub(crate) struct Allocation {
+    pub buffer: Storage,
+    pub place: Place,
+}
 
 impl State {
     fn list_mut(&mut self, owner: Owner) -> &mut ArrayList {
@@ -1397,13 +1398,17 @@ mod tests {
         let owner = state.system.key;
         let storage = Storage::alloc(&ctx, Device::Cpu, 16).unwrap();
         let live = state.insert_array(
-            Shape::new(&[4]),
-            DType::F32,
-            Device::Cpu,
-            ctx.at,
-            storage,
+            NewArray {
+                shape: Shape::new(&[4]),
+                dtype: DType::F32,
+                device: Device::Cpu,
+                created_at: ctx.at,
+            },
+            Allocation {
+                buffer: storage,
+                place: Place::Heap,
+            },
             Owner::Manager(owner),
-            Place::Heap,
         );
         let stale = ArrayShared {
             key: live.key,

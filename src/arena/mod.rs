@@ -66,6 +66,7 @@ impl ArrayShared {
         }
     }
 
+    /// The bytes of its elements.
     pub fn nbytes(&self) -> usize {
         self.shape.size() * self.dtype.size_in_bytes()
     }
@@ -220,6 +221,7 @@ pub(crate) struct Lender {
 }
 
 impl Lender {
+    /// The lender's name, for messages.
     pub fn describe(&self) -> String {
         match &self.shared {
             Some(shared) => shared.describe(),
@@ -228,6 +230,8 @@ impl Lender {
     }
 }
 
+/// An open array's entry in the arena: its owner, borrow chain, place in its owner's list and
+/// where its bytes live.
 pub(crate) struct ArrayEntry {
     pub shared: Arc<ArrayShared>,
     pub owner: Owner,
@@ -239,6 +243,7 @@ pub(crate) struct ArrayEntry {
 }
 
 impl ArrayEntry {
+    /// Whether it is borrowed (it goes back to a lender when its holder closes).
     pub fn is_borrowed(&self) -> bool {
         !self.returns.is_empty()
     }
@@ -272,6 +277,8 @@ impl ManagerShared {
     }
 }
 
+/// An open manager's entry in the arena: its place in the tree, its arrays, cap, workspace cycle
+/// and workspaces.
 pub(crate) struct ManagerEntry {
     pub shared: Arc<ManagerShared>,
     pub parent: Option<ManagerKey>,

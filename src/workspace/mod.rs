@@ -4,7 +4,8 @@
 //! (a [`Scope`](crate::Scope)); arrays created in it (or in its sub-managers) bump-allocate from
 //! the block, and closing the scope ends the cycle and keeps the memory for the next one. After
 //! the block is sized (learned), a steady loop allocates nothing from the system. The cycle's
-//! scope is made in the manager layer (`manager/cycle.rs`); the allocator is `alloc.rs`.
+//! scope is made by the state (`crate::state`) and handed out by `handle.rs`; the allocator is
+//! `alloc.rs`.
 //!
 //! ```
 //! use ndscope::{DType, Manager, WorkspaceConfig};
@@ -133,6 +134,7 @@ pub struct WorkspaceStats {
     pub initialized: bool,
 }
 
+/// What a [`Workspace`] handle points to (and its arena entry, [`WorkspaceEntry::shared`]).
 pub(crate) struct WorkspaceShared {
     pub key: WorkspaceKey,
     pub name: Arc<str>,
@@ -182,6 +184,7 @@ impl WorkspaceEntry {
         self.block.as_ref().map_or(0, |b| b.capacity())
     }
 
+    /// The workspace's figures now.
     pub fn stats(&self) -> WorkspaceStats {
         WorkspaceStats {
             capacity: self.capacity(),
