@@ -319,7 +319,7 @@ impl State {
     }
 
     /// `'name' (m12)` of a live manager key.
-    pub fn describe_manager(&self, key: ManagerKey) -> String {
+    fn describe_manager(&self, key: ManagerKey) -> String {
         self.managers
             .get(key)
             .map_or_else(|| "a closed manager".to_string(), |m| m.shared.describe())
@@ -353,7 +353,7 @@ impl State {
     }
 
     /// Puts `key` at the head of its owner's list. The entry's `owner` must be set already.
-    pub fn link(&mut self, key: ArrayKey) {
+    fn link(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
         let owner = entry.owner;
         let bytes = entry.shared.nbytes();
@@ -370,7 +370,7 @@ impl State {
     }
 
     /// Takes `key` out of its owner's list.
-    pub fn unlink(&mut self, key: ArrayKey) {
+    fn unlink(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
         let (prev, next, owner) = (entry.prev, entry.next, entry.owner);
         let bytes = entry.shared.nbytes();
@@ -625,7 +625,7 @@ impl State {
     }
 
     /// Whether `key` is `ancestor` or one of its descendants.
-    pub fn is_within(&self, mut key: ManagerKey, ancestor: ManagerKey) -> bool {
+    fn is_within(&self, mut key: ManagerKey, ancestor: ManagerKey) -> bool {
         loop {
             if key == ancestor {
                 return true;
@@ -989,7 +989,7 @@ impl State {
 
     /// Gives a borrowed array back to `lender` as its borrower `borrower` closes (bypassing any
     /// cap), copying it out of the borrower's workspace cycle if it was copied in.
-    pub fn return_borrowed(
+    fn return_borrowed(
         &mut self,
         ctx: &Ctx,
         key: ArrayKey,
