@@ -21,6 +21,7 @@ mod prefetch;
 mod print;
 mod report;
 mod shape;
+mod state;
 pub mod testing;
 mod timeline;
 pub mod workspace;

@@ -6,7 +6,7 @@
 //!
 //! The order (lowest first):
 //!
-//! 1. [`Rank::Arena`]: the arena lock (`arena::lock`). Never taken while holding any other.
+//! 1. [`Rank::Arena`]: the arena lock (`state::lock`). Never taken while holding any other.
 //! 2. [`Rank::Data`]: an array's data lock. Taken with the arena lock released, or only *tried*
 //!    under it; several are taken in address order.
 //! 3. [`Rank::Recorder`]: the memory recorder's lock, taken under the arena lock or data locks.
@@ -95,7 +95,7 @@ impl Drop for Held {
 }
 
 thread_local! {
-    /// Whether this thread holds the arena lock (set by `arena::lock`, cleared when it unlocks).
+    /// Whether this thread holds the arena lock (set by `state::lock`, cleared when it unlocks).
     static UNDER_ARENA: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Work that must not run under the arena lock, queued by [`outside_arena`] while this
     /// thread holds it; run by the arena guard once it has unlocked.

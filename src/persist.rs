@@ -45,8 +45,8 @@ use std::time::SystemTime;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype as FileDType;
 
-use crate::arena;
 use crate::error::Ctx;
+use crate::state;
 use crate::{DType, Device, Element, Error, Manager, NDArray, NDList, Result, Shape};
 
 /// The largest header read, as the `safetensors` crate's own bound (100 MB): a larger one is
@@ -100,12 +100,12 @@ fn invalid_file(ctx: &Ctx, path: &Path, why: impl std::fmt::Display) -> Error {
 
 /// The arrays `manager` holds (owned or borrowed), not those of its sub-managers.
 fn held_arrays(ctx: &Ctx, manager: &Manager) -> Result<Vec<NDArray>> {
-    let state = arena::lock();
+    let state = state::lock();
     let entry = state.manager(&manager.0, ctx)?;
     let mut arrays = Vec::with_capacity(entry.arrays.len);
     let mut next = entry.arrays.head;
     while let Some(key) = next {
-        let array = &state.arrays[key];
+        let array = state.array_entry(key);
         arrays.push(NDArray(Arc::clone(&array.shared)));
         next = array.next;
     }

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::arena::{self, CloseReason, Owner};
+use crate::arena::{CloseReason, Owner};
 use crate::error::{take_panic_message, Ctx};
+use crate::state;
 use crate::{
     AllocationPolicy, Error, LearningPolicy, Manager, NDList, ResetPolicy, Result, SpillPolicy,
     Workspace, WorkspaceConfig,
@@ -267,7 +268,7 @@ impl Prefetcher {
             )),
             at,
         };
-        let mut state = arena::lock();
+        let mut state = state::lock();
         let mut closed = false;
         for array in &batch {
             let held = state
@@ -447,7 +448,7 @@ where
 /// consumer's stray results, not for the batches themselves). Each array must belong to the
 /// scope; nothing moves otherwise.
 fn adopt(ctx: &Ctx, scope: &Manager, manager: &Manager, batch: &NDList) -> Result<()> {
-    let mut state = arena::lock();
+    let mut state = state::lock();
     let target = Owner::Manager(manager.0.key);
     for array in batch {
         let entry = state.array(&array.0, ctx)?;

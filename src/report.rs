@@ -6,10 +6,11 @@ use std::fmt::{self, Write as _};
 use std::panic::Location;
 use std::sync::Arc;
 
-use crate::arena::{self, ArrayEntry, ArrayKey, ArrayList, ManagerKey, Owner, State};
+use crate::arena::{ArrayEntry, ArrayKey, ArrayList, ManagerKey, Owner, Place};
 use crate::error::Bytes;
 use crate::manager::{Manager, ManagerId};
 use crate::ndarray::ArrayId;
+use crate::state::{self, State};
 use crate::workspace::WorkspaceStats;
 use crate::{DType, Device, Shape};
 
@@ -70,8 +71,29 @@ pub struct ManagerReport {
     pub children: Vec<ManagerReport>,
 }
 
-pub(crate) fn build(manager: &Manager) -> ManagerReport {
-    let state = arena::lock();
+impl Manager {
+    /// A structured snapshot of this manager's subtree: arrays, borrowed arrays, workspaces,
+    /// children. See [`ManagerReport`].
+    pub fn report(&self) -> ManagerReport {
+        build(self)
+    }
+
+    /// The subtree as indented text, one line per manager; `level >= 1` adds one line per array
+    /// with its creation site, largest first. It ends with one line per device in use (the CPU
+    /// always), starting `memory on <device>:`, with its [`crate::memory_usage`] figures: bytes
+    /// and arrays in use, peak, limit, and the counters (allocations, frees, spills,
+    /// reallocations, out-of-memory refusals, driver allocations).
+    pub fn debug_dump(&self, level: usize) -> String {
+        let report = self.report();
+        let mut text = report.dump(level);
+        push_memory_lines(&mut text, &report);
+        text
+    }
+}
+
+/// The report of `manager`'s subtree.
+fn build(manager: &Manager) -> ManagerReport {
+    let state = state::lock();
     if state.live_manager(&manager.0).is_none() {
         return ManagerReport {
             id: manager.id(),
@@ -103,7 +125,7 @@ fn array_report(entry: &ArrayEntry) -> ArrayReport {
             Owner::Manager(_) => l.shared.as_ref().map(|s| ManagerId(s.id)),
             Owner::Detached => None,
         }),
-        in_workspace: matches!(entry.place, arena::Place::Block { .. }),
+        in_workspace: matches!(entry.place, Place::Block { .. }),
     }
 }
 
@@ -112,7 +134,7 @@ fn list_reports(state: &State, list: &ArrayList) -> (Vec<ArrayReport>, Vec<Array
     let mut borrowed = Vec::new();
     let mut next: Option<ArrayKey> = list.head;
     while let Some(key) = next {
-        let entry = &state.arrays[key];
+        let entry = state.array_entry(key);
         if entry.is_borrowed() {
             borrowed.push(array_report(entry));
         } else {
@@ -124,10 +146,10 @@ fn list_reports(state: &State, list: &ArrayList) -> (Vec<ArrayReport>, Vec<Array
 }
 
 fn build_node(state: &State, key: ManagerKey) -> ManagerReport {
-    let entry = &state.managers[key];
+    let entry = state.manager_entry(key);
     let (arrays, borrowed) = list_reports(state, &entry.arrays);
-    let detached = if key == state.system.key {
-        list_reports(state, &state.detached).0
+    let detached = if key == state.system().key {
+        list_reports(state, state.detached()).0
     } else {
         Vec::new()
     };
@@ -350,7 +372,7 @@ impl ManagerReport {
 
 /// Appends one line per device the report's managers or arrays use (the CPU always) with its
 /// [`crate::memory_usage`] figures, as `debug_dump` ends.
-pub(crate) fn push_memory_lines(out: &mut String, report: &ManagerReport) {
+fn push_memory_lines(out: &mut String, report: &ManagerReport) {
     let mut devices = vec![Device::Cpu];
     report.visit(&mut |r| {
         devices.push(r.device);

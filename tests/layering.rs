@@ -36,45 +36,32 @@ const LAYERS: &[(&str, u32)] = &[
     ("arena", 3),
     // The workspace allocator and cycle state machine.
     ("workspace", 4),
-    // The manager tree and ownership moves.
-    ("manager", 5),
+    // The state behind the arena lock: the one `State`, its lock and deferred work.
+    ("state", 5),
+    // The manager tree's handle and scopes, and the workspace handle's locked operations.
+    ("manager", 6),
+    ("workspace::handle", 6),
     // Arrays and their op front-ends, and what reads the tree.
-    ("ndarray", 6),
-    ("report", 6),
-    ("testing", 6),
+    ("ndarray", 7),
+    ("report", 7),
+    ("testing", 7),
     // Built on the core.
-    ("print", 7),
-    ("persist", 7),
-    ("prefetch", 7),
-    ("inference", 7),
-    ("layer_workspace", 7),
-    ("timeline", 7),
-    ("cuda", 7),
+    ("print", 8),
+    ("persist", 8),
+    ("prefetch", 8),
+    ("inference", 8),
+    ("layer_workspace", 8),
+    ("timeline", 8),
+    ("cuda", 8),
     // The crate root re-exports everything.
-    ("", 8),
+    ("", 9),
 ];
 
 /// Upward imports that stand today (`from -> to`, files relative to `src/`). May only shrink.
-const KNOWN_UPWARD: &[(&str, &str)] = &[
-    ("arena/mod.rs", "workspace/mod.rs"),
-    ("manager/mod.rs", "ndarray/list.rs"),
-    ("manager/mod.rs", "ndarray/mod.rs"),
-    ("manager/mod.rs", "report.rs"),
-];
+const KNOWN_UPWARD: &[(&str, &str)] = &[];
 
 /// Cycles that stand today (the files of each). A cycle found must lie inside one of these.
-const KNOWN_CYCLES: &[&[&str]] = &[
-    &["arena/mod.rs", "workspace/events.rs", "workspace/mod.rs"],
-    &[
-        "manager/mod.rs",
-        "manager/ownership.rs",
-        "manager/scope.rs",
-        "ndarray/exec.rs",
-        "ndarray/list.rs",
-        "ndarray/mod.rs",
-        "report.rs",
-    ],
-];
+const KNOWN_CYCLES: &[&[&str]] = &[];
 
 fn src_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")

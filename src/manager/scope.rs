@@ -7,6 +7,7 @@ use std::ops::Deref;
 
 use std::sync::Arc;
 
+use crate::error::Ctx;
 use crate::{Manager, Result};
 
 /// A manager that is closed when this guard drops, also while unwinding from a panic. Derefs to
@@ -66,6 +67,41 @@ impl Drop for Scope {
         if !self.closed {
             let _ = self.manager.close();
         }
+    }
+}
+
+impl Manager {
+    /// A new child wrapped in a [`Scope`], which closes it when dropped (also on panic).
+    #[track_caller]
+    pub fn sub_scope(&self) -> Result<Scope> {
+        Ok(Scope::new(self.sub_manager(
+            Ctx::new("Manager::sub_scope"),
+            self.device(),
+        )?))
+    }
+
+    /// Runs `f` in a fresh sub-scope, active on this thread while `f` runs (so op results land
+    /// in it), and closes the scope afterwards: on success, on error and on panic. Keep data with
+    /// `scope.ret(&x)`.
+    #[track_caller]
+    pub fn scope<R>(&self, f: impl FnOnce(&Manager) -> Result<R>) -> Result<R> {
+        let scope = self.sub_scope()?;
+        let active = scope.activate();
+        let result = f(&scope);
+        drop(active);
+        scope.close()?;
+        result
+    }
+
+    /// Makes this manager the thread's active scope while the guard lives: op results computed on
+    /// this thread are attached to it (guards nest).
+    pub fn activate(&self) -> ActiveScope {
+        ActiveScope::push(self)
+    }
+
+    /// The thread's innermost active manager, if any.
+    pub fn active() -> Option<Manager> {
+        active()
     }
 }
 

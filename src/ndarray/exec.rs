@@ -1,5 +1,5 @@
 //! How an operation runs: placement and allocation under the arena lock, then the kernel under
-//! the arrays' data locks (never both at once; see `crate::arena` for the lock order).
+//! the arrays' data locks (never both at once; see `crate::state` for the lock order).
 //!
 //! Front-ends validate shapes and dtypes from the handles' metadata first (no lock needed: it
 //! never changes), so a refused op touches nothing.
@@ -10,11 +10,12 @@ use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
-use crate::arena::{self, ArrayShared, CloseReason, Owner, Place};
+use crate::arena::{ArrayShared, CloseReason, Owner, Place};
 use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
 use crate::manager::Manager;
+use crate::state::{self, capped, Allocation, NewArray};
 use crate::{DType, Device, Error, NDArray, Result, Shape};
 
 /// Where a new array goes.
@@ -48,7 +49,7 @@ pub(crate) fn new_array(
     if device.is_available() {
         crate::backend::prepare(ctx, device)?;
     }
-    let mut state = arena::lock();
+    let mut state = state::lock();
     let (owner, why) = match target {
         Target::Manager(m) => {
             let entry = state.manager(&m.0, ctx)?;
@@ -80,9 +81,9 @@ pub(crate) fn new_array(
                     (Owner::Manager(active.0.key), why)
                 }
                 (None, Some(first)) => {
-                    let owner = state.arrays[first.0.key].owner;
+                    let owner = state.array_entry(first.0.key).owner;
                     let why = match owner {
-                        Owner::Manager(m) if state.managers[m].capped => Some(format!(
+                        Owner::Manager(m) if state.manager_entry(m).capped => Some(format!(
                             "the result of `{}` would land there because it owns the first input, {} \
                              (activate a scope with Manager::activate or use Manager::scope to collect \
                              temporaries elsewhere)",
@@ -99,7 +100,7 @@ pub(crate) fn new_array(
         Target::OwnerOf(source) => {
             let owner = state.array(&source.0, ctx)?.owner;
             let why = match owner {
-                Owner::Manager(m) if state.managers[m].capped => Some(format!(
+                Owner::Manager(m) if state.manager_entry(m).capped => Some(format!(
                     "the copy made by `{}` would land there because it holds {}",
                     ctx.op,
                     source.0.describe()
@@ -110,19 +111,17 @@ pub(crate) fn new_array(
         }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
-        return Err(crate::manager::capped(ctx, &state.managers[m].shared, what));
+        return Err(capped(ctx, &state.manager_entry(m).shared, what));
     }
     let allocation = state.allocate(ctx, owner, &shape, dtype, device)?;
     let dirty = allocation.buffer.may_be_stale();
-    let inner = state.insert_array(
+    let array = NewArray {
         shape,
         dtype,
         device,
-        ctx.at,
-        allocation.buffer,
-        owner,
-        allocation.place,
-    );
+        created_at: ctx.at,
+    };
+    let inner = state.insert_array(array, allocation, owner);
     Ok((NDArray(inner), dirty))
 }
 
@@ -136,34 +135,36 @@ pub(crate) fn adopt(
     buffer: Storage,
 ) -> Result<NDArray> {
     crate::shape::check(ctx, &shape, dtype)?;
-    let mut state = arena::lock();
+    let mut state = state::lock();
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {
         let what = format!("a new {dtype} array of shape {shape} would be created in it");
-        return Err(crate::manager::capped(ctx, &m.0, what));
+        return Err(capped(ctx, &m.0, what));
     }
-    let inner = state.insert_array(
+    let array = NewArray {
         shape,
         dtype,
-        Device::Cpu,
-        ctx.at,
+        device: Device::Cpu,
+        created_at: ctx.at,
+    };
+    let allocation = Allocation {
         buffer,
-        Owner::Manager(m.0.key),
-        Place::Heap,
-    );
+        place: Place::Heap,
+    };
+    let inner = state.insert_array(array, allocation, Owner::Manager(m.0.key));
     Ok(NDArray(inner))
 }
 
 /// Whether manager `m` allocates from a workspace block.
 pub(crate) fn allocates_from_workspace(m: &Manager) -> bool {
-    arena::lock()
+    state::lock()
         .live_manager(&m.0)
         .is_some_and(|e| e.alloc.is_some())
 }
 
 /// Closes an array created for an op that then failed.
 pub(crate) fn discard(array: &NDArray) {
-    let mut state = arena::lock();
+    let mut state = state::lock();
     if state.live_array(&array.0).is_some() {
         state.remove_array(array.0.key, CloseReason::Discarded);
     }
@@ -544,7 +545,7 @@ mod lock_order_tests {
             let a = m.zeros([4], DType::F32).expect("a small array");
             let ctx = Ctx::new("test");
             let _bytes = read(&ctx, &a.0).expect("open");
-            let _state = arena::lock();
+            let _state = state::lock();
         }
 
         /// Two data locks against address order panic; in order they pass.

@@ -3,9 +3,9 @@
 use parking_lot::Mutex;
 
 use super::exec::{self, Target};
-use crate::arena;
 use crate::backend::{self, contract::Draw, Storage};
 use crate::error::Ctx;
+use crate::state;
 use crate::{DType, Element, Manager, NDArray, Result, Shape};
 
 /// The seed and the next counter offset of the random stream.
@@ -45,10 +45,10 @@ impl Manager {
     /// passes may still be closed or capped before the array is inserted, so the insertion checks
     /// again; this check only keeps a refused call from reserving memory first.
     fn check_accepts_new_array(&self, ctx: &Ctx, shape: &Shape, dtype: DType) -> Result<()> {
-        let state = arena::lock();
+        let state = state::lock();
         if state.manager(&self.0, ctx)?.capped {
             let what = format!("a new {dtype} array of shape {shape} would be created in it");
-            return Err(crate::manager::capped(ctx, &self.0, what));
+            return Err(state::capped(ctx, &self.0, what));
         }
         Ok(())
     }

@@ -1,8 +1,8 @@
 //! [`NDList`]: an ordered list of arrays moved together.
 
-use crate::arena::{self, Owner};
+use crate::arena::Owner;
 use crate::error::Ctx;
-use crate::manager::Move;
+use crate::state::{self, Move};
 use crate::{Manager, NDArray, Result};
 
 /// An ordered list of arrays (DJL's `NDList`): `attach`, `temp_attach`, `detach` apply to every
@@ -79,7 +79,7 @@ impl NDList {
     pub fn detach(&self) -> Result<()> {
         let ctx = Ctx::new("NDList::detach");
         let inners: Vec<_> = self.0.iter().map(|a| &*a.0).collect();
-        arena::lock().move_arrays(&ctx, &inners, Owner::Detached, None, Move::Detach)
+        state::lock().move_arrays(&ctx, &inners, Owner::Detached, None, Move::Detach)
     }
 
     /// Closes every array (idempotent).
@@ -117,5 +117,16 @@ impl IntoIterator for NDList {
     type IntoIter = std::vec::IntoIter<NDArray>;
     fn into_iter(self) -> Self::IntoIter {
         self.0.into_iter()
+    }
+}
+
+impl Manager {
+    /// [`ret`](Self::ret) for every array of the list, all or nothing.
+    #[track_caller]
+    pub fn ret_list(&self, list: &NDList) -> Result<NDList> {
+        let ctx = Ctx::new("Manager::ret_list");
+        let arrays: Vec<&NDArray> = list.iter().collect();
+        self.ret_inner(&ctx, &arrays)?;
+        Ok(list.clone())
     }
 }

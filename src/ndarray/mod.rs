@@ -2,6 +2,7 @@
 //! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs` and
 //! `nn_ops.rs`; factories (on `Manager`) in `factory.rs`.
 
+mod convert;
 mod dense;
 pub(crate) mod exec;
 mod factory;
@@ -22,11 +23,11 @@ pub use list::NDList;
 pub use nn_ops::Transpose;
 pub use shape_ops::{concat, stack};
 
-use crate::arena::{self, ArrayShared, CloseReason, Owner};
-use crate::backend;
+use crate::arena::{ArrayShared, CloseReason, ManagerShared, Owner};
 use crate::error::{Ctx, Site};
-use crate::manager::{Manager, Move};
-use crate::{DType, Device, Element, Error, Result, Shape};
+use crate::manager::Manager;
+use crate::state::{self, Move};
+use crate::{DType, Device, Error, Result, Shape};
 
 /// An array's process-unique id, shown as `a12`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -156,10 +157,10 @@ impl NDArray {
     #[track_caller]
     pub fn manager(&self) -> Result<Manager> {
         let ctx = Ctx::new("NDArray::manager");
-        let state = arena::lock();
+        let state = state::lock();
         let entry = state.array(&self.0, &ctx)?;
         match entry.owner {
-            Owner::Manager(key) => Ok(Manager(Arc::clone(&state.managers[key].shared))),
+            Owner::Manager(key) => Ok(Manager(Arc::clone(&state.manager_entry(key).shared))),
             Owner::Detached => Err(ctx.invalid(format!(
                 "array {} is detached: no manager owns it (close it yourself)",
                 self.0.describe()
@@ -169,7 +170,7 @@ impl NDArray {
 
     /// Whether no manager owns it (after [`detach`](Self::detach)).
     pub fn is_detached(&self) -> bool {
-        let state = arena::lock();
+        let state = state::lock();
         state
             .live_array(&self.0)
             .is_some_and(|e| e.owner == Owner::Detached)
@@ -219,10 +220,10 @@ impl NDArray {
         &self,
         ctx: Ctx,
         target: Owner,
-        shared: Option<&Arc<arena::ManagerShared>>,
+        shared: Option<&Arc<ManagerShared>>,
         kind: Move,
     ) -> Result<()> {
-        arena::lock().move_arrays(&ctx, &[&*self.0], target, shared, kind)
+        state::lock().move_arrays(&ctx, &[&*self.0], target, shared, kind)
     }
 
     /// Frees the array now. Idempotent. If another thread is computing on it, this waits for
@@ -230,116 +231,11 @@ impl NDArray {
     #[track_caller]
     pub fn close(&self) -> Result<()> {
         let at: Site = Location::caller();
-        let mut state = arena::lock();
+        let mut state = state::lock();
         if state.live_array(&self.0).is_some() {
             state.remove_array(self.0.key, CloseReason::ByUser { at });
         }
         Ok(())
-    }
-
-    /// Copies the elements out, row-major. `T` must match the dtype (`DTypeMismatch`).
-    #[track_caller]
-    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
-        let ctx = Ctx::new("NDArray::to_vec");
-        self.check_element::<T>(&ctx)?;
-        let mut values = vec![T::ZERO; self.size()];
-        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut values))?;
-        Ok(values)
-    }
-
-    /// The only element of a one-element array (any shape). `T` must match the dtype.
-    #[track_caller]
-    pub fn to_scalar<T: Element>(&self) -> Result<T> {
-        let ctx = Ctx::new("NDArray::to_scalar");
-        self.check_element::<T>(&ctx)?;
-        if self.size() != 1 {
-            return Err(ctx.shape(format!(
-                "to_scalar needs exactly one element; array {} has shape {} ({} elements)",
-                self.0.describe(),
-                self.shape(),
-                self.size()
-            )));
-        }
-        let mut value = [T::ZERO];
-        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut value))?;
-        Ok(value[0])
-    }
-
-    fn check_element<T: Element>(&self, ctx: &Ctx) -> Result<()> {
-        if T::DTYPE != self.dtype() {
-            return Err(ctx.dtype(
-                self.dtype(),
-                format!(
-                    "array {} holds {}, asked for {}",
-                    self.0.describe(),
-                    self.dtype(),
-                    T::DTYPE
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// A copy on `device`, owned by the manager that holds this array (whatever scope is
-    /// active: an array's device is its own, and moving it keeps its owner). Host↔device copies
-    /// go through page-locked staging memory. `DeviceUnavailable` for absent devices; `Capped`
-    /// if the owner is capped.
-    ///
-    /// ```
-    /// use ndscope::{Device, Manager};
-    /// let m = Manager::new_base();
-    /// let a = m.from_slice(&[1.0f32, 2.0], [2])?;
-    /// let b = a.to_device(Device::Cpu)?;                 // a copy, owned by `m`
-    /// assert_eq!(b.manager()?, m);
-    /// assert!(a.to_device(Device::Cuda(64)).is_err()); // no such device
-    /// # Ok::<(), ndscope::Error>(())
-    /// ```
-    #[track_caller]
-    pub fn to_device(&self, device: Device) -> Result<NDArray> {
-        let ctx = Ctx::new("NDArray::to_device");
-        if !device.is_available() {
-            return Err(ctx.unavailable(device));
-        }
-        exec::op1_into(
-            &ctx,
-            self,
-            (exec::Target::OwnerOf(self), device),
-            self.shape().clone(),
-            self.dtype(),
-            |src, dst| backend::copy(&ctx, src, dst),
-        )
-    }
-
-    /// A copy converted to `dtype`, placed like an op result. Conversions follow Rust's `as`:
-    /// integers to integers wrap (two's complement, as NumPy's `astype` and PyTorch's `to`: 300
-    /// as `U8` is 44), integers to floats and floats to floats round to nearest, floats to
-    /// integers truncate toward zero and saturate at the bounds (NaN gives 0).
-    ///
-    /// ```
-    /// use ndscope::{DType, Manager};
-    /// let m = Manager::new_base();
-    /// let a = m.from_slice(&[300i64, -1], [2])?;
-    /// assert_eq!(a.to_dtype(DType::U8)?.to_vec::<u8>()?, vec![44, 255]);
-    /// let f = m.from_slice(&[2.7f32, -2.7, 1e10], [3])?;
-    /// assert_eq!(f.to_dtype(DType::I32)?.to_vec::<i32>()?, vec![2, -2, i32::MAX]);
-    /// # Ok::<(), ndscope::Error>(())
-    /// ```
-    #[track_caller]
-    pub fn to_dtype(&self, dtype: DType) -> Result<NDArray> {
-        self.copy_as(&Ctx::new("NDArray::to_dtype"), dtype)
-    }
-
-    /// A copy, placed like an op result (the active scope, else this array's owner).
-    #[track_caller]
-    pub fn duplicate(&self) -> Result<NDArray> {
-        self.copy_as(&Ctx::new("NDArray::duplicate"), self.dtype())
-    }
-
-    fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
-        let from = self.dtype();
-        exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
-            backend::convert(ctx, from, dtype, src, dst)
-        })
     }
 
     /// The error for an unsupported dtype in `op`.
@@ -352,6 +248,66 @@ impl NDArray {
                 self.0.describe(),
                 self.dtype()
             ),
+        )
+    }
+}
+
+/// The manager's calls that take or give arrays (here, in the arrays' room: the manager knows
+/// nothing of `NDArray`).
+impl Manager {
+    /// Attaches every array to this manager, all or nothing (see [`NDArray::attach`]).
+    #[track_caller]
+    pub fn attach_all(&self, arrays: &[NDArray]) -> Result<()> {
+        self.move_all(Ctx::new("Manager::attach_all"), arrays, Move::Attach)
+    }
+
+    /// Borrows every array into this manager, all or nothing (see [`NDArray::temp_attach`]).
+    #[track_caller]
+    pub fn temp_attach_all(&self, arrays: &[NDArray]) -> Result<()> {
+        self.move_all(
+            Ctx::new("Manager::temp_attach_all"),
+            arrays,
+            Move::TempAttach,
+        )
+    }
+
+    fn move_all(&self, ctx: Ctx, arrays: &[NDArray], kind: Move) -> Result<()> {
+        let inners: Vec<_> = arrays.iter().map(|a| &*a.0).collect();
+        state::lock().move_arrays(
+            &ctx,
+            &inners,
+            Owner::Manager(self.0.key),
+            Some(&self.0),
+            kind,
+        )
+    }
+
+    /// Attaches `array` to this manager's **parent** (the system manager for a base manager) and
+    /// returns its handle: the array survives this manager closing. Its bytes are copied out of
+    /// this manager's workspace cycle if they live there (zero-copy under
+    /// `ResetPolicy::EndOfBuffer`). `Capped` if the parent is capped; `SystemManager` on the
+    /// system manager, which has no parent.
+    #[track_caller]
+    pub fn ret(&self, array: &NDArray) -> Result<NDArray> {
+        let ctx = Ctx::new("Manager::ret");
+        self.ret_inner(&ctx, &[array])?;
+        Ok(array.clone())
+    }
+
+    /// Moves `arrays` to this manager's parent, all or nothing (`ret`, `NDList`'s `ret_list`).
+    pub(crate) fn ret_inner(&self, ctx: &Ctx, arrays: &[&NDArray]) -> Result<()> {
+        let mut state = state::lock();
+        state.manager(&self.0, ctx)?;
+        let Some(parent) = self.0.parent.as_ref() else {
+            return Err(ctx.system("the system manager has no parent to return arrays to"));
+        };
+        let inners: Vec<_> = arrays.iter().map(|a| &*a.0).collect();
+        state.move_arrays(
+            ctx,
+            &inners,
+            Owner::Manager(parent.key),
+            Some(parent),
+            Move::Ret,
         )
     }
 }

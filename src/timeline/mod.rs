@@ -50,10 +50,11 @@ use std::time::{Duration, Instant, SystemTime};
 
 use parking_lot::Mutex;
 
-use crate::arena::{self, ArrayShared, ManagerShared};
+use crate::arena::{ArrayShared, ManagerShared};
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
 use crate::observe::{self, Event, Handle, NO_MANAGER};
+use crate::state;
 use crate::{Device, Error, Result};
 
 use event::{device_code, Data, Relocation};
@@ -422,7 +423,7 @@ pub fn start_recording(options: RecordOptions) -> Result<()> {
     let thread = thread_index();
     // The arena lock first (the order every hook keeps), so no event is missed or counted twice
     // between the starting state and the first event.
-    let state = arena::lock();
+    let state = state::lock();
     let (_held, mut guard) = lock_recorder();
     if guard.is_some() {
         return Err(ctx.invalid(

@@ -12,11 +12,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use super::event::{Data, MemoryEvent};
-use crate::arena::{ArrayShared, ManagerShared, State};
+use crate::arena::{ArrayShared, ManagerShared};
 use crate::backend::Storage;
 use crate::error::Site;
 use crate::memory;
 use crate::observe::{BlockSpan, NO_MANAGER};
+use crate::state::State;
 use crate::Device;
 
 /// Hashes the process-unique ids (arrays, managers, blocks) the maps are keyed by: a multiply
@@ -142,18 +143,18 @@ impl Replay {
     /// The state of the arena now: every open manager, workspace block and array.
     pub fn baseline(state: &State, thread: u32) -> Replay {
         let mut r = Replay::default();
-        for (_, m) in state.managers.iter() {
+        for m in state.managers() {
             r.open_manager(&m.shared, 0, thread);
         }
-        for (_, m) in state.managers.iter() {
-            if let Some(ws) = m.cycle_of.and_then(|k| state.workspaces.get(k)) {
+        for m in state.managers() {
+            if let Some(ws) = m.cycle_of.and_then(|k| state.workspace_entry(k)) {
                 let cycle = ws.open.map_or(0, |tag| tag.generation);
                 if let Some(open) = r.managers.get_mut(&m.shared.id) {
                     open.cycle = Some((Arc::clone(&ws.shared.name), cycle));
                 }
             }
         }
-        for (_, ws) in state.workspaces.iter() {
+        for ws in state.workspaces() {
             if let Some(block) = &ws.block {
                 let top = r.top(ws.shared.owner.id);
                 r.blocks.insert(
@@ -168,9 +169,9 @@ impl Replay {
                 );
             }
         }
-        for (_, entry) in state.arrays.iter() {
+        for entry in state.arrays() {
             let array = &entry.shared;
-            // Under the arena lock a data lock is only tried (see `crate::arena`): an array a
+            // Under the arena lock a data lock is only tried (see `crate::state`): an array a
             // kernel is writing now is listed without its address.
             let address = array
                 .data

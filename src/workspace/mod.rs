@@ -4,7 +4,8 @@
 //! (a [`Scope`](crate::Scope)); arrays created in it (or in its sub-managers) bump-allocate from
 //! the block, and closing the scope ends the cycle and keeps the memory for the next one. After
 //! the block is sized (learned), a steady loop allocates nothing from the system. The cycle's
-//! scope is made in the manager layer (`manager/cycle.rs`); the allocator is `alloc.rs`.
+//! scope is made by the state (`crate::state`) and handed out by `handle.rs`; the allocator is
+//! `alloc.rs`.
 //!
 //! ```
 //! use ndscope::{DType, Manager, WorkspaceConfig};
@@ -25,10 +26,10 @@
 
 mod alloc;
 mod config;
-mod events;
+mod handle;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use parking_lot::Mutex;
@@ -37,15 +38,13 @@ pub use config::{
     AllocationPolicy, LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy,
     WorkspaceConfig, WorkspaceConfigBuilder,
 };
-pub use events::{set_spill_warning_threshold, spill_warning_threshold};
+pub use handle::destroy_all_workspaces_for_current_thread;
 
-use crate::arena::{
-    self, ArrayKey, ArrayShared, CloseReason, CycleTag, ManagerKey, ManagerShared, Owner, Place,
-    State, WorkspaceKey,
-};
-use crate::backend::{Block, Storage};
-use crate::error::{Ctx, Site};
-use crate::{DType, Device, Error, Result, Shape};
+use crate::arena::{ArrayKey, CycleTag, ManagerKey, ManagerShared, Place, WorkspaceKey};
+use crate::backend::Block;
+use crate::error::{Bytes, Ctx, Site};
+use crate::observe::{self, CycleEnd, Event, NO_MANAGER};
+use crate::{Device, Error, Result};
 
 /// Every allocation in a workspace is rounded up to this many bytes.
 pub const ALIGNMENT: usize = 64;
@@ -135,6 +134,7 @@ pub struct WorkspaceStats {
     pub initialized: bool,
 }
 
+/// What a [`Workspace`] handle points to (and its arena entry, [`WorkspaceEntry::shared`]).
 pub(crate) struct WorkspaceShared {
     pub key: WorkspaceKey,
     pub name: Arc<str>,
@@ -147,8 +147,8 @@ pub(crate) struct WorkspaceShared {
     pub creator: std::thread::ThreadId,
 }
 
-pub(crate) use alloc::Checkpoint;
-use alloc::{Allocator, BlockState, Growth, Plan, Policy};
+use alloc::{Allocator, BlockState, CycleFigures, Growth, Policy};
+pub(crate) use alloc::{Checkpoint, Plan};
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
 pub(crate) struct WorkspaceEntry {
@@ -184,6 +184,7 @@ impl WorkspaceEntry {
         self.block.as_ref().map_or(0, |b| b.capacity())
     }
 
+    /// The workspace's figures now.
     pub fn stats(&self) -> WorkspaceStats {
         WorkspaceStats {
             capacity: self.capacity(),
@@ -337,7 +338,7 @@ impl WorkspaceEntry {
         };
         let old_capacity = self.capacity();
         let replaced = self.block.replace(Arc::new(block)).is_some();
-        events::block_allocated(self, old_capacity);
+        block_allocated(self, old_capacity);
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
         // new block starts empty.
         self.block_arrays.clear();
@@ -351,7 +352,7 @@ impl WorkspaceEntry {
         self.generation = tag.generation;
         self.open = Some(tag);
         self.alloc.open_cycle();
-        events::cycle_opened(self, scope);
+        cycle_opened(self, scope);
     }
 
     /// The generation the next cycle will have.
@@ -361,7 +362,7 @@ impl WorkspaceEntry {
 
     /// Sizes the block now (`Workspace::initialize`): from `initial_size`, else from the largest
     /// cycle seen.
-    fn initialize(&mut self, ctx: &Ctx) -> Result<()> {
+    pub fn initialize(&mut self, ctx: &Ctx) -> Result<()> {
         if self.block.is_some() {
             return Ok(());
         }
@@ -377,16 +378,14 @@ impl WorkspaceEntry {
 
     /// Ends the open cycle: stats, learning, growth and reset. Never fails: a block that cannot
     /// be allocated (memory limit) leaves the workspace spilling, as before.
-    fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
+    pub fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
         let generation = self.open.map_or(self.generation, |tag| tag.generation);
         self.open = None;
         let policy = self.policy();
-        let figures = self.alloc.end_cycle(
-            &policy,
-            self.block.is_some(),
-            events::spill_warning_threshold(),
-        );
-        events::cycle_ended(self, generation, scope, figures);
+        let figures =
+            self.alloc
+                .end_cycle(&policy, self.block.is_some(), spill_warning_threshold());
+        cycle_ended(self, generation, scope, figures);
         match self.alloc.growth(
             &policy,
             self.block.as_ref().map(|b| b.capacity()),
@@ -395,7 +394,7 @@ impl WorkspaceEntry {
             Growth::Keep => {}
             Growth::Learn { demand } => {
                 let grown = self.grow_to(ctx, demand);
-                events::learned(self, demand, &grown);
+                learned(self, demand, &grown);
             }
             Growth::Reallocate { demand } => {
                 let old_capacity = self.capacity();
@@ -404,177 +403,22 @@ impl WorkspaceEntry {
                     self.alloc.reallocated();
                     crate::memory::reallocated(self.device);
                 }
-                events::reallocated(self, old_capacity, &grown);
+                reallocated(self, old_capacity, &grown);
             }
         }
     }
 }
 
-/// A workspace owned by a manager; a cheap handle. See the [module docs](self).
-#[derive(Clone)]
-pub struct Workspace(pub(crate) Arc<WorkspaceShared>);
-
-impl std::fmt::Debug for Workspace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Workspace")
-            .field("name", &self.0.name)
-            .field(
-                "owner",
-                &format_args!("Manager({})", self.0.owner.describe()),
-            )
-            .finish()
-    }
-}
-
-impl Workspace {
-    /// The workspace's name, unique within its owner.
-    pub fn name(&self) -> &str {
-        &self.0.name
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &WorkspaceConfig {
-        &self.0.config
-    }
-
-    /// The workspace's figures. After [`destroy`](Self::destroy), the figures at destruction.
-    pub fn stats(&self) -> WorkspaceStats {
-        let state = arena::lock();
-        match state.live_workspace(&self.0) {
-            Some(ws) => ws.stats(),
-            None => self.0.final_stats.lock().clone().unwrap_or_default(),
-        }
-    }
-
-    /// Allocates the block now, from `initial_size` or the largest cycle seen so far, instead of
-    /// waiting for the learning policy. Does nothing if the block exists.
-    #[track_caller]
-    pub fn initialize(&self) -> Result<()> {
-        let ctx = Ctx::new("Workspace::initialize");
-        let mut state = arena::lock();
-        let ws = state.workspace_mut(&ctx, &self.0)?;
-        ws.initialize(&ctx)
-    }
-
-    /// Frees the block now: ends an open cycle (closing its arrays), closes arrays still living
-    /// in the block, and removes the workspace from its owner. Idempotent.
-    #[track_caller]
-    pub fn destroy(&self) -> Result<()> {
-        let ctx = Ctx::new("Workspace::destroy");
-        let mut state = arena::lock();
-        if state.live_workspace(&self.0).is_some() {
-            state.destroy_workspace(&ctx, self.0.key);
-        }
-        Ok(())
-    }
-
-    /// Makes a circular workspace keep the open arrays of earlier cycles: an allocation that
-    /// would overwrite one spills instead, and the block grows (with `SpillPolicy::Reallocate`)
-    /// to the policy's size for the largest cycle. For the prefetcher's ring, whose batches
-    /// stay readable until the consumer lets them go.
-    pub(crate) fn keep_open_arrays(&self, ctx: &Ctx) -> Result<()> {
-        let mut state = arena::lock();
-        state.workspace_mut(ctx, &self.0)?.keep_open = true;
-        Ok(())
-    }
-
-    /// Whether [`destroy`](Self::destroy) ran or the owner closed.
-    pub fn is_destroyed(&self) -> bool {
-        arena::lock().live_workspace(&self.0).is_none()
-    }
-}
-
-/// Destroys every live workspace created on the calling thread, as ND4J's
-/// `destroyAllWorkspacesForCurrentThread` (say, after evaluation, when a thread's workspaces are
-/// no longer needed), and returns how many it destroyed. Each is destroyed as by
-/// [`Workspace::destroy`]: an open cycle ends, arrays still in its block are closed, the block is
-/// freed. Workspaces of other threads are left alone; one created here but used from another
-/// thread since is destroyed too (the creator decides). Freeing never depends on the thread:
-/// [`Workspace::destroy`] and closing the owner work from any thread.
-///
-/// ```
-/// use ndscope::{destroy_all_workspaces_for_current_thread, Manager, WorkspaceConfig};
-/// let m = Manager::new_base();
-/// let ws = m.workspace("eval", WorkspaceConfig::default())?;
-/// let other = std::thread::spawn({
-///     let m = m.clone();
-///     move || m.workspace("theirs", WorkspaceConfig::default()).map(|_| ())
-/// });
-/// other.join().unwrap()?;
-/// assert!(destroy_all_workspaces_for_current_thread() >= 1);
-/// assert!(ws.is_destroyed());
-/// assert!(!m.workspace("theirs", WorkspaceConfig::default())?.is_destroyed());
-/// # Ok::<(), ndscope::Error>(())
-/// ```
-#[track_caller]
-pub fn destroy_all_workspaces_for_current_thread() -> usize {
-    let ctx = Ctx::new("destroy_all_workspaces_for_current_thread");
-    let me = std::thread::current().id();
-    let mut state = arena::lock();
-    let mine: Vec<WorkspaceKey> = state
-        .workspaces
-        .iter()
-        .filter(|(_, ws)| ws.shared.creator == me)
-        .map(|(key, _)| key)
-        .collect();
-    for &key in &mine {
-        state.destroy_workspace(&ctx, key);
-    }
-    mine.len()
-}
-
-/// Storage for a new array, and where it lives.
-pub(crate) struct Allocation {
-    pub buffer: Storage,
-    pub place: Place,
-}
-
-impl State {
-    /// The entry of the workspace `shared` if it exists (identity checked, as for arrays).
-    pub(crate) fn live_workspace(&self, shared: &WorkspaceShared) -> Option<&WorkspaceEntry> {
-        self.workspaces
-            .get(shared.key)
-            .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), shared))
-    }
-
-    pub(crate) fn workspace_mut(
-        &mut self,
-        ctx: &Ctx,
-        shared: &WorkspaceShared,
-    ) -> Result<&mut WorkspaceEntry> {
-        if self.live_workspace(shared).is_some() {
-            return Ok(&mut self.workspaces[shared.key]);
-        }
-        if self.live_manager(&shared.owner).is_none() {
-            return Err(arena::manager_closed(&shared.owner, ctx));
-        }
-        Err(ctx.invalid(format!("workspace '{}' was destroyed", shared.name)))
-    }
-
-    /// `Manager::workspace`: the named workspace of `owner`, created on first use.
-    pub(crate) fn workspace(
-        &mut self,
+impl WorkspaceEntry {
+    /// A new workspace `name` of `owner` with `config` (its key is set when the arena inserts
+    /// it): the device its block lives on follows the owner's device and the mirroring policy.
+    /// ND4J allocates `initial_size` at creation whatever the learning policy.
+    pub fn new(
         ctx: &Ctx,
         owner: &Arc<ManagerShared>,
         name: &str,
         config: WorkspaceConfig,
-    ) -> Result<Workspace> {
-        let entry = self.manager(owner, ctx)?;
-        for &key in &entry.workspaces {
-            let ws = &self.workspaces[key];
-            if &*ws.shared.name == name {
-                if ws.shared.config == config {
-                    return Ok(Workspace(Arc::clone(&ws.shared)));
-                }
-                return Err(ctx.config(format!(
-                    "workspace '{name}' of manager {} exists with another configuration \
-                     ({:?}); asked for {:?}. Use another name, or destroy it first",
-                    owner.describe(),
-                    ws.shared.config,
-                    config
-                )));
-            }
-        }
+    ) -> Result<WorkspaceEntry> {
         let pinned_for = match (owner.device, config.mirroring()) {
             (Device::Cuda(ordinal), MirroringPolicy::HostOnly) => Some(ordinal),
             _ => None,
@@ -610,199 +454,250 @@ impl State {
             block_arrays: BTreeMap::new(),
             keep_open: false,
         };
-        // ND4J allocates `initial_size` at creation whatever the learning policy.
         let initial = entry.config().initial_size();
         if initial > 0 {
             entry.grow_to(ctx, initial)?;
         }
-        let key = self.workspaces.insert_with_key(|key| {
-            // The key is only known now; the shared part is not yet visible to anyone.
-            let shared = Arc::get_mut(&mut entry.shared).map(|s| s.key = key);
-            debug_assert!(shared.is_some());
-            entry
-        });
-        self.managers[owner.key].workspaces.push(key);
-        Ok(Workspace(Arc::clone(&self.workspaces[key].shared)))
+        Ok(entry)
     }
 
-    /// Ends the cycle of workspace `ws` whose scope has just closed.
-    pub(crate) fn end_cycle(&mut self, ctx: &Ctx, ws: WorkspaceKey) {
-        // The scope's id is only recorded: looked up only while recording.
-        let scope = if crate::observe::on() {
-            self.workspaces
-                .get(ws)
-                .and_then(|w| w.open)
-                .and_then(|tag| self.managers.get(tag.scope))
-                .map_or(crate::observe::NO_MANAGER, |m| m.shared.id)
-        } else {
-            crate::observe::NO_MANAGER
-        };
-        if let Some(ws) = self.workspaces.get_mut(ws) {
-            ws.end_cycle(ctx, scope);
-        }
+    /// The open arrays whose bytes are in the block (circular workspaces), to close when the
+    /// workspace is destroyed.
+    pub fn block_array_keys(&self) -> Vec<ArrayKey> {
+        self.block_arrays.values().map(|&(k, _)| k).collect()
     }
 
-    /// Frees a workspace: its open cycle, the arrays in its block, the block.
-    pub(crate) fn destroy_workspace(&mut self, ctx: &Ctx, key: WorkspaceKey) {
-        let Some(ws) = self.workspaces.get(key) else {
-            return;
-        };
-        if let Some(open) = ws.open {
-            self.close_manager(ctx, open.scope);
-        }
-        let Some(ws) = self.workspaces.get(key) else {
-            return;
-        };
-        let name = Arc::clone(&ws.shared.name);
-        let survivors: Vec<ArrayKey> = ws.block_arrays.values().map(|&(k, _)| k).collect();
-        for array in survivors {
-            if self.arrays.contains_key(array) {
-                self.remove_array(
-                    array,
-                    CloseReason::WorkspaceDestroyed {
-                        workspace: Arc::clone(&name),
-                    },
-                );
-            }
-        }
-        if let Some(ws) = self.workspaces.remove(key) {
-            *ws.shared.final_stats.lock() = Some(WorkspaceStats {
-                capacity: 0,
-                used: 0,
-                initialized: false,
-                ..ws.stats()
+    /// Whether it keeps the open arrays of earlier cycles (see [`Policy::keep_open`]).
+    pub fn keeps_open_arrays(&self) -> bool {
+        self.keep_open
+    }
+
+    /// Makes it keep the open arrays of earlier cycles: `Workspace::keep_open_arrays`.
+    pub fn keep_open_arrays(&mut self) {
+        self.keep_open = true;
+    }
+
+    /// An allocation of `bytes` (aligned) at `site` spilled, in the cycle whose scope is `scope`.
+    pub fn spilled(&self, scope: Option<u64>, bytes: usize, site: Site) {
+        crate::memory::spilled(self.device);
+        if observe::on() {
+            observe::emit(Event::Spilled {
+                workspace: &self.shared.name,
+                scope: scope.unwrap_or(NO_MANAGER),
+                device: self.device,
+                bytes,
+                site,
             });
-            if let Some(owner) = self.managers.get_mut(ws.owner) {
-                owner.workspaces.retain(|&k| k != key);
-            }
         }
     }
+}
 
-    /// Storage for a new `shape`/`dtype` array landing in `owner`: from the block of the
-    /// workspace cycle the owner allocates from, else its own zeroed buffer. Checks the memory
-    /// limit; changes nothing on error.
-    pub(crate) fn allocate(
-        &mut self,
-        ctx: &Ctx,
-        owner: Owner,
-        shape: &Shape,
-        dtype: DType,
-        device: Device,
-    ) -> Result<Allocation> {
-        let bytes = crate::shape::check(ctx, shape, dtype)?;
-        let heap = |ctx: &Ctx| -> Result<Allocation> {
-            Ok(Allocation {
-                buffer: Storage::alloc(ctx, device, bytes)?,
-                place: Place::Heap,
-            })
-        };
-        let cycle = match owner {
-            Owner::Manager(m) => self.managers[m].alloc,
-            Owner::Detached => None,
-        };
-        let Some(cycle) = cycle else {
-            return heap(ctx);
-        };
-        let Some(ws) = self.workspaces.get(cycle.ws) else {
-            return heap(ctx);
-        };
-        if ws.open != Some(cycle) || ws.device != device || bytes == 0 {
-            return heap(ctx);
-        }
-        let aligned = align_up(bytes).ok_or_else(|| ctx.invalid("allocation size overflows"))?;
-        let mut plan = ws.plan(ctx, aligned)?;
-        if let Plan::Block { offset, .. } = plan {
-            // A circular workspace reuses the bytes of arrays kept from earlier cycles: they are
-            // closed now ("overwritten"). One that a kernel is using right now cannot be, so the
-            // allocation spills instead. (If this allocation belongs to a move that is then
-            // refused, they stay closed: they were only kept until the buffer came round.)
-            let evict = ws.overlapping(offset, aligned);
-            let name = Arc::clone(&ws.shared.name);
-            // A ring that keeps its open arrays (the prefetcher's) spills rather than evict.
-            if (ws.keep_open && !evict.is_empty()) || !self.evict(&evict, &name, ctx.at) {
-                plan = Plan::Spill;
-            }
-        }
-        let ws = &mut self.workspaces[cycle.ws];
-        match plan {
-            Plan::Block { offset, wrap } => {
-                let block = ws
-                    .block
-                    .as_ref()
-                    .map(Arc::clone)
-                    .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
-                // SAFETY: `plan` placed `[offset, offset + aligned)` clear of the open cycle's
-                // arrays; the older arrays there were closed just now, with their bytes freed
-                // (`evict` refused arrays in use), and no closed array's bytes are still held
-                // (`plan` checks), so the range belongs to this array alone.
-                let buffer = unsafe { block.carve(offset, bytes) }
-                    .ok_or_else(|| ctx.invalid("workspace slice outside its block"))?;
-                ws.commit(Plan::Block { offset, wrap }, aligned);
-                Ok(Allocation {
-                    buffer,
-                    place: Place::Block {
-                        cycle,
-                        offset,
-                        len: aligned,
-                        block: block.id(),
-                    },
-                })
-            }
-            plan @ (Plan::Spill | Plan::Bypass) => {
-                let allocation = heap(ctx)?;
-                if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
-                    ws.commit(plan, aligned);
-                    if plan == Plan::Spill {
-                        // The scope's id is only recorded: looked up only while recording.
-                        let scope = crate::observe::on()
-                            .then(|| self.managers.get(cycle.scope).map(|m| m.shared.id))
-                            .flatten();
-                        events::spilled(ws, scope, aligned, ctx.at);
-                    }
-                }
-                Ok(allocation)
-            }
-        }
+/// A workspace owned by a manager; a cheap handle. See the [module docs](self).
+#[derive(Clone)]
+pub struct Workspace(pub(crate) Arc<WorkspaceShared>);
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workspace")
+            .field("name", &self.0.name)
+            .field(
+                "owner",
+                &format_args!("Manager({})", self.0.owner.describe()),
+            )
+            .finish()
+    }
+}
+
+impl Workspace {
+    /// The workspace's name, unique within its owner.
+    pub fn name(&self) -> &str {
+        &self.0.name
     }
 
-    /// Closes the arrays `keys` that an allocation of circular workspace `workspace` overwrites,
-    /// freeing their bytes now. If a kernel holds the data lock of any of them, closes none and
-    /// returns `false`.
-    fn evict(&mut self, keys: &[ArrayKey], workspace: &Arc<str>, at: Site) -> bool {
-        let arrays: Vec<Arc<ArrayShared>> = keys
-            .iter()
-            .filter_map(|&k| self.arrays.get(k).map(|e| Arc::clone(&e.shared)))
-            .collect();
-        let mut guards = Vec::with_capacity(arrays.len());
-        for array in &arrays {
-            match array.data.try_write() {
-                Some(guard) => guards.push(guard),
-                None => return false,
-            }
-        }
-        let reason = CloseReason::Overwritten {
-            workspace: Arc::clone(workspace),
-            at,
-        };
-        for (array, mut guard) in arrays.iter().zip(guards) {
-            // Closed (with its reason) before its bytes go, so a reader that comes next sees why.
-            let _ = array.closed.set(reason.clone());
-            let storage = guard.take();
-            drop(guard);
-            drop(storage);
-            self.remove_array(array.key, reason.clone());
-        }
-        true
+    /// The configuration.
+    pub fn config(&self) -> &WorkspaceConfig {
+        &self.0.config
     }
+}
 
-    /// The stats of the workspaces owned by `manager`, with their names.
-    pub(crate) fn workspace_stats_of(&self, manager: ManagerKey) -> Vec<(String, WorkspaceStats)> {
-        self.managers.get(manager).map_or_else(Vec::new, |m| {
-            m.workspaces
-                .iter()
-                .filter_map(|&k| self.workspaces.get(k))
-                .map(|ws| (ws.shared.name.to_string(), ws.stats()))
-                .collect()
-        })
+// What a workspace tells the outside about its cycles: `tracing` events (debug for cycles and
+// blocks, info for learning decisions, warnings for spills past a threshold and blocks that could
+// not be allocated) and the memory events (see `crate::observe`).
+
+/// Bytes a learned cycle may spill before a warning; see [`set_spill_warning_threshold`].
+static SPILL_WARNING: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets how many bytes a cycle of a workspace whose block is already learned may spill before
+/// ndscope logs a warning (a `tracing` event at level WARN, target `ndscope::workspace`): such a
+/// cycle outgrew its block and pays for its own buffers. The default, 0, warns at any spill.
+/// A workspace warns again only when a cycle spills more than the most it warned about, so a
+/// loop that spills the same every step warns once; the other cycles log at DEBUG. Spills
+/// while the block is still being learned are expected and never warn. Process-wide.
+///
+/// ```
+/// use ndscope::workspace::{set_spill_warning_threshold, spill_warning_threshold};
+/// set_spill_warning_threshold(1 << 20);     // only spills past 1 MiB a cycle
+/// assert_eq!(spill_warning_threshold(), 1 << 20);
+/// set_spill_warning_threshold(0);
+/// ```
+pub fn set_spill_warning_threshold(bytes: usize) {
+    SPILL_WARNING.store(bytes, Ordering::Relaxed);
+}
+
+/// The threshold set by [`set_spill_warning_threshold`].
+pub fn spill_warning_threshold() -> usize {
+    SPILL_WARNING.load(Ordering::Relaxed)
+}
+
+/// A cycle opened as manager `scope`.
+fn cycle_opened(ws: &WorkspaceEntry, scope: u64) {
+    tracing::debug!(
+        target: "ndscope::workspace",
+        workspace = &*ws.shared.name,
+        cycle = ws.generation,
+        "workspace '{}': cycle {} opened",
+        ws.shared.name,
+        ws.generation
+    );
+    if observe::on() {
+        observe::emit(Event::CycleOpened {
+            workspace: &ws.shared.name,
+            cycle: ws.generation,
+            scope,
+            device: ws.device,
+        });
+    }
+}
+
+/// Cycle `cycle` (scope `scope`) ended with `figures` (the block is not yet learned or grown for
+/// the next one); the allocator decided whether its spills deserve a warning.
+fn cycle_ended(ws: &WorkspaceEntry, cycle: u64, scope: u64, figures: CycleFigures) {
+    let CycleFigures {
+        bytes,
+        spilled_bytes,
+        spilled_count,
+        warn,
+    } = figures;
+    let capacity = ws.capacity();
+    let name = &ws.shared.name;
+    if warn {
+        tracing::warn!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            cycle,
+            spilled_bytes,
+            spilled_count,
+            capacity,
+            "workspace '{name}': cycle {cycle} spilled {} in {spilled_count} allocations past its {} block ({:?} spill policy){}",
+            Bytes(spilled_bytes),
+            Bytes(capacity),
+            ws.config().spill(),
+            match ws.config().spill() {
+                SpillPolicy::Reallocate => "; the block grows at the end of the cycle",
+                _ => "; the block never grows under this policy: raise initial_size or use SpillPolicy::Reallocate",
+            }
+        );
+    } else {
+        tracing::debug!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            cycle,
+            bytes,
+            spilled_bytes,
+            "workspace '{name}': cycle {cycle} ended: {} ({} spilled in {spilled_count} allocations)",
+            Bytes(bytes),
+            Bytes(spilled_bytes)
+        );
+    }
+    if observe::on() {
+        let end = CycleEnd {
+            cycle,
+            scope,
+            device: ws.device,
+            bytes,
+            spilled_bytes,
+            spilled_count,
+            capacity,
+        };
+        observe::emit(Event::CycleClosed {
+            workspace: name,
+            end,
+        });
+    }
+}
+
+/// The block was learned from `demand` bytes (or could not be allocated).
+fn learned(ws: &WorkspaceEntry, demand: usize, grown: &Result<bool>) {
+    let name = &ws.shared.name;
+    match grown {
+        Ok(_) => tracing::info!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            demand,
+            capacity = ws.capacity(),
+            "workspace '{name}': learned its block after {} cycles ({:?}): {} for a cycle of {} ({:?})",
+            ws.alloc.cycles(),
+            ws.config().learning(),
+            Bytes(ws.capacity()),
+            Bytes(demand),
+            ws.config().allocation()
+        ),
+        Err(e) => tracing::warn!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            demand,
+            "workspace '{name}': could not allocate its learned block, so it keeps spilling: {e}"
+        ),
+    }
+}
+
+/// The block was to grow from `old` bytes for a cycle that outgrew it (`Reallocate`).
+fn reallocated(ws: &WorkspaceEntry, old: usize, grown: &Result<bool>) {
+    let name = &ws.shared.name;
+    match grown {
+        Ok(true) => tracing::info!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            old,
+            capacity = ws.capacity(),
+            "workspace '{name}': block grew from {} to {} for a cycle of {} (Reallocate)",
+            Bytes(old),
+            Bytes(ws.capacity()),
+            Bytes(ws.alloc.max_cycle_bytes())
+        ),
+        Ok(false) => {}
+        Err(e) => tracing::warn!(
+            target: "ndscope::workspace",
+            workspace = &**name,
+            "workspace '{name}': could not grow its {} block, so it keeps spilling: {e}",
+            Bytes(old)
+        ),
+    }
+}
+
+/// A new block was allocated (replacing one of `old` bytes, or none when `old` is 0).
+fn block_allocated(ws: &WorkspaceEntry, old: usize) {
+    let Some(block) = &ws.block else {
+        return;
+    };
+    tracing::debug!(
+        target: "ndscope::workspace",
+        workspace = &*ws.shared.name,
+        capacity = block.capacity(),
+        old,
+        "workspace '{}': block of {} allocated on {}",
+        ws.shared.name,
+        Bytes(block.capacity()),
+        block.memory_device()
+    );
+    if observe::on() {
+        observe::emit(Event::BlockAllocated {
+            workspace: &ws.shared.name,
+            owner: ws.shared.owner.id,
+            block: block.id(),
+            address: block.address(),
+            device: block.memory_device(),
+            capacity: block.capacity(),
+        });
     }
 }

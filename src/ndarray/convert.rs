@@ -1,0 +1,71 @@
+//! Copies of an array on another device or in another dtype: [`NDArray::to_device`] and
+//! [`NDArray::to_dtype`].
+
+use super::exec;
+use crate::backend;
+use crate::error::Ctx;
+use crate::{DType, Device, NDArray, Result};
+
+impl NDArray {
+    /// A copy on `device`, owned by the manager that holds this array (whatever scope is
+    /// active: an array's device is its own, and moving it keeps its owner). Host↔device copies
+    /// go through page-locked staging memory. `DeviceUnavailable` for absent devices; `Capped`
+    /// if the owner is capped.
+    ///
+    /// ```
+    /// use ndscope::{Device, Manager};
+    /// let m = Manager::new_base();
+    /// let a = m.from_slice(&[1.0f32, 2.0], [2])?;
+    /// let b = a.to_device(Device::Cpu)?;                 // a copy, owned by `m`
+    /// assert_eq!(b.manager()?, m);
+    /// assert!(a.to_device(Device::Cuda(64)).is_err()); // no such device
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn to_device(&self, device: Device) -> Result<NDArray> {
+        let ctx = Ctx::new("NDArray::to_device");
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
+        exec::op1_into(
+            &ctx,
+            self,
+            (exec::Target::OwnerOf(self), device),
+            self.shape().clone(),
+            self.dtype(),
+            |src, dst| backend::copy(&ctx, src, dst),
+        )
+    }
+
+    /// A copy converted to `dtype`, placed like an op result. Conversions follow Rust's `as`:
+    /// integers to integers wrap (two's complement, as NumPy's `astype` and PyTorch's `to`: 300
+    /// as `U8` is 44), integers to floats and floats to floats round to nearest, floats to
+    /// integers truncate toward zero and saturate at the bounds (NaN gives 0).
+    ///
+    /// ```
+    /// use ndscope::{DType, Manager};
+    /// let m = Manager::new_base();
+    /// let a = m.from_slice(&[300i64, -1], [2])?;
+    /// assert_eq!(a.to_dtype(DType::U8)?.to_vec::<u8>()?, vec![44, 255]);
+    /// let f = m.from_slice(&[2.7f32, -2.7, 1e10], [3])?;
+    /// assert_eq!(f.to_dtype(DType::I32)?.to_vec::<i32>()?, vec![2, -2, i32::MAX]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn to_dtype(&self, dtype: DType) -> Result<NDArray> {
+        self.copy_as(&Ctx::new("NDArray::to_dtype"), dtype)
+    }
+
+    /// A copy, placed like an op result (the active scope, else this array's owner).
+    #[track_caller]
+    pub fn duplicate(&self) -> Result<NDArray> {
+        self.copy_as(&Ctx::new("NDArray::duplicate"), self.dtype())
+    }
+
+    fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
+        let from = self.dtype();
+        exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
+            backend::convert(ctx, from, dtype, src, dst)
+        })
+    }
+}
