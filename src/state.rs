@@ -44,7 +44,8 @@ use crate::arena::{
     self, ArrayEntry, ArrayKey, ArrayList, ArrayShared, CloseReason, CycleTag, Lender,
     ManagerEntry, ManagerKey, ManagerShared, Owner, Place, WorkspaceKey,
 };
-use crate::backend::{self, Storage};
+use crate::backend::contract::TransferOps;
+use crate::backend::{AnyDevice, Storage};
 use crate::error::{Ctx, Site};
 use crate::locks::{self, Held, Rank};
 use crate::memory;
@@ -164,7 +165,7 @@ impl Deferred {
                         return;
                     }
                     let copied = match data.as_ref() {
-                        Some(old) => crate::backend::copy(&ctx, old, &mut to),
+                        Some(old) => AnyDevice::copy(&ctx, old, &mut to),
                         None => return,
                     };
                     match copied {
@@ -967,7 +968,7 @@ impl State {
             return;
         };
         let copied = match data.as_ref() {
-            Some(old) => backend::copy(ctx, old, &mut to),
+            Some(old) => AnyDevice::copy(ctx, old, &mut to),
             None => Ok(()),
         };
         let old = if copied.is_ok() {

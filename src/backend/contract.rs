@@ -3,10 +3,11 @@
 //! [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) over a [`Backend`]'s buffer type. The
 //! CPU backend (`cpu::ops::Cpu`) and the CUDA backend (`cuda::Cuda`, one family per file of
 //! `cuda/ops/`) implement them; the CUDA-off stub's implementation is generated from the same
-//! list (`cuda/stub.rs`), so its signatures are never written again and the compiler checks
-//! all three against one contract. The entry points in `ops.rs` pick a backend from the
-//! operands' storage and call it statically (`<Cpu as ElementwiseOps>::unary(..)`): no trait
-//! object, no cost.
+//! list (`cuda/stub.rs`), so its signatures are never written again. The entry points are a
+//! third implementation, `ops::AnyDevice`, whose buffer is `Storage` on any device: each op
+//! picks the CPU or CUDA backend from its operands' storage and calls it statically
+//! (`<Cpu as ElementwiseOps>::unary(..)`), no trait object, no cost. So the compiler checks
+//! every layer, front-end calls (`AnyDevice::unary(..)`) included, against one contract.
 //!
 //! Parameters that travel together are the small `Copy` structs below ([`Mnk`], [`Gemm`],
 //! [`Lanes`], [`SumOf`], [`SgdStep`], [`Draw`]).
@@ -426,8 +427,8 @@ backend_contract!(define_backend);
 
 /// A backend: its memory type, on which the op families ([`TransferOps`], [`ElementwiseOps`],
 /// [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) work. Implemented by the CPU backend,
-/// the CUDA backend, and (without the `cuda` feature) the CUDA stub, whose buffers have no
-/// values.
+/// the CUDA backend (without the `cuda` feature, the CUDA stub, whose buffers have no values),
+/// and the entry points (`ops::AnyDevice`, over `Storage` on either).
 pub(crate) trait Backend {
     /// The backend's memory: host bytes, or memory of one CUDA device.
     type Buffer;

@@ -4,12 +4,14 @@
 //! - [`Storage`] is the one storage type of every array, workspace block slice and spill:
 //!   host bytes or memory of one CUDA device. [`Block`] is a workspace's memory block, carved
 //!   into storage by offset.
-//! - One entry point per op family (binary, unary, compare, reduce, matmul, nn, in place,
-//!   copy/convert, fill/random, shape/gather), in `ops.rs`. Each dispatches on the storage of
-//!   its operands: all on the host runs the CPU backend (`cpu/`), all on one CUDA device the
-//!   CUDA backend (`cuda/`), both through the one contract of `contract.rs`; the elementwise
-//!   ops are rows of the tables in `op_table.rs`. The front-ends in `crate::ndarray` validate and place, then call
-//!   these; they never touch a kernel or a host slice.
+//! - The entry points, in `ops.rs`: [`AnyDevice`], an implementation of the backend contract
+//!   (`contract.rs`) over [`Storage`], one trait per op family (transfer, elementwise, reduce,
+//!   matmul, nn, shape). Each op dispatches on the storage of its operands: all on the host
+//!   runs the CPU backend (`cpu/`), all on one CUDA device the CUDA backend (`cuda/`), both
+//!   implementing the same contract; the elementwise ops are rows of the tables in
+//!   `op_table.rs`. The front-ends in `crate::ndarray` validate and place, then call these
+//!   (`AnyDevice::unary(..)`, the family's trait in scope); they never touch a kernel or a host
+//!   slice.
 //! - Without the `cuda` feature, `cuda/` is a stub with the same items whose device types have
 //!   no values, so no `#[cfg]` spreads through the crate.
 

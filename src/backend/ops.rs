@@ -1,17 +1,22 @@
-//! The entry points of the op families. Each runs the CPU kernels when every operand is host
-//! storage and the CUDA backend when every operand is on one CUDA device; mixed operands give
-//! `DeviceMismatch` (front-ends check devices first, with better messages: this is the
-//! backstop).
+//! The entry points of the op families: [`AnyDevice`], the third implementation of the backend
+//! contract (`contract.rs`), whose buffer is [`Storage`] on any device. Each op runs the CPU
+//! backend when every operand is host storage and the CUDA backend when every operand is on one
+//! CUDA device; mixed operands give `DeviceMismatch` (front-ends check devices first, with better
+//! messages: this is the backstop). Because it implements the same traits as `Cpu` and `Cuda`,
+//! the compiler checks these signatures against the contract too: none is written here by hand.
 //!
 //! Shapes are passed as dims, dtypes as [`DType`]; the storage's byte length always matches
 //! (front-ends allocate it from the same metadata). What each op does is documented once, on
-//! its method of the backend contract (`contract.rs`); the calls are static
-//! (`<Cpu as ElementwiseOps>::unary`).
+//! its method of the contract; front-ends call it with the family's trait in scope
+//! (`AnyDevice::unary(..)`), and every call below it is static (`<Cpu as ElementwiseOps>::unary`):
+//! no trait object, no cost. The few ops outside the contract (waiting on a device, the packed
+//! CPU product) stay free functions at the end.
 
 use super::contract::{
-    Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, ReduceOps, SgdStep, ShapeOps, SumOf,
-    TransferOps,
+    Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand, OperandMut,
+    ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
 };
+use super::cpu::buffer::HostBuffer;
 use super::cpu::ops::{self as cpu, Cpu};
 use super::cuda::{self, Cuda};
 use super::{Batched, Binary, Compare, Storage, Unary};
@@ -39,47 +44,457 @@ fn mixed(ctx: &Ctx) -> Error {
     ))
 }
 
-// ---- copy / convert ----
+/// The backend of [`Storage`] on any device: each op picks the CPU or the CUDA backend from its
+/// operands' storage (named for where its buffers live, like `Cpu` and `Cuda`; the crate's
+/// `dispatch!` already names the choice of a dtype).
+pub(crate) struct AnyDevice;
 
-/// [`TransferOps::read`] of `src`'s device.
-pub(crate) fn read<T: Element>(ctx: &Ctx, src: &Storage, dst: &mut [T]) -> Result<()> {
-    match src {
-        Storage::Host(src) => Cpu::read(ctx, src, dst),
-        Storage::Cuda(src) => Cuda::read(ctx, src, dst),
+impl Backend for AnyDevice {
+    type Buffer = Storage;
+}
+
+impl TransferOps for AnyDevice {
+    fn read<T: Element>(ctx: &Ctx, src: &Storage, dst: &mut [T]) -> Result<()> {
+        match src {
+            Storage::Host(src) => Cpu::read(ctx, src, dst),
+            Storage::Cuda(src) => Cuda::read(ctx, src, dst),
+        }
+    }
+
+    fn write<T: Element>(ctx: &Ctx, dst: &mut Storage, data: &[T]) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::write(ctx, dst, data),
+            Storage::Cuda(dst) => Cuda::write(ctx, dst, data),
+        }
+    }
+
+    /// Host storage `dst` is a plain host copy.
+    fn upload(ctx: &Ctx, src: &HostBuffer, dst: &mut Storage) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::upload(ctx, src, dst),
+            Storage::Cuda(dst) => Cuda::upload(ctx, src, dst),
+        }
+    }
+
+    /// Host storage `src` is a plain host copy.
+    fn download(ctx: &Ctx, src: &Storage, dst: &mut HostBuffer) -> Result<()> {
+        match src {
+            Storage::Host(src) => Cpu::download(ctx, src, dst),
+            Storage::Cuda(src) => Cuda::download(ctx, src, dst),
+        }
+    }
+
+    /// Across devices too: host to device uploads, device to host downloads.
+    fn copy(ctx: &Ctx, src: &Storage, dst: &mut Storage) -> Result<()> {
+        match (src, dst) {
+            (Storage::Host(src), Storage::Host(dst)) => Cpu::copy(ctx, src, dst),
+            (Storage::Host(src), Storage::Cuda(dst)) => Cuda::upload(ctx, src, dst),
+            (Storage::Cuda(src), Storage::Host(dst)) => Cuda::download(ctx, src, dst),
+            (Storage::Cuda(src), Storage::Cuda(dst)) => Cuda::copy(ctx, src, dst),
+        }
+    }
+
+    fn convert(ctx: &Ctx, dtypes: (DType, DType), src: &Storage, dst: &mut Storage) -> Result<()> {
+        on_device!(ctx, (src, dst),
+            host => Cpu::convert(ctx, dtypes, src, dst),
+            cuda => Cuda::convert(ctx, dtypes, src, dst))
+    }
+
+    fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::zero(ctx, dst),
+            Storage::Cuda(dst) => Cuda::zero(ctx, dst),
+        }
     }
 }
 
-/// [`TransferOps::write`] of `dst`'s device.
-pub(crate) fn write<T: Element>(ctx: &Ctx, dst: &mut Storage, data: &[T]) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::write(ctx, dst, data),
-        Storage::Cuda(dst) => Cuda::write(ctx, dst, data),
+impl ElementwiseOps for AnyDevice {
+    fn fill(ctx: &Ctx, dtype: DType, dst: &mut Storage, value: f64) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::fill(ctx, dtype, dst, value),
+            Storage::Cuda(dst) => Cuda::fill(ctx, dtype, dst, value),
+        }
+    }
+
+    fn arange(ctx: &Ctx, dtype: DType, dst: &mut Storage, start: f64, step: f64) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::arange(ctx, dtype, dst, start, step),
+            Storage::Cuda(dst) => Cuda::arange(ctx, dtype, dst, start, step),
+        }
+    }
+
+    fn eye(ctx: &Ctx, dtype: DType, dst: &mut Storage, n: usize) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::eye(ctx, dtype, dst, n),
+            Storage::Cuda(dst) => Cuda::eye(ctx, dtype, dst, n),
+        }
+    }
+
+    fn randn(ctx: &Ctx, dtype: DType, dst: &mut Storage, draw: Draw) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::randn(ctx, dtype, dst, draw),
+            Storage::Cuda(dst) => Cuda::randn(ctx, dtype, dst, draw),
+        }
+    }
+
+    fn rand(
+        ctx: &Ctx,
+        dtype: DType,
+        dst: &mut Storage,
+        draw: Draw,
+        range: (f64, f64),
+    ) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => Cpu::rand(ctx, dtype, dst, draw, range),
+            Storage::Cuda(dst) => Cuda::rand(ctx, dtype, dst, draw, range),
+        }
+    }
+
+    fn binary(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (a, a_dims): Operand<'_, Storage>,
+        (b, b_dims): Operand<'_, Storage>,
+        (out, out_dims): OperandMut<'_, Storage>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        on_device!(ctx, (a, b, out),
+            host => Cpu::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero),
+            cuda => Cuda::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero))
+    }
+
+    fn binary_scalar(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        a: &Storage,
+        value: f64,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::binary_scalar(ctx, op, dtype, a, value, out),
+            cuda => Cuda::binary_scalar(ctx, op, dtype, a, value, out))
+    }
+
+    fn compare(
+        ctx: &Ctx,
+        op: Compare,
+        dtype: DType,
+        (a, a_dims): Operand<'_, Storage>,
+        (b, b_dims): Operand<'_, Storage>,
+        (out, out_dims): OperandMut<'_, Storage>,
+    ) -> Result<()> {
+        on_device!(ctx, (a, b, out),
+            host => Cpu::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)),
+            cuda => Cuda::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)))
+    }
+
+    fn compare_scalar(
+        ctx: &Ctx,
+        op: Compare,
+        dtype: DType,
+        a: &Storage,
+        value: f64,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::compare_scalar(ctx, op, dtype, a, value, out),
+            cuda => Cuda::compare_scalar(ctx, op, dtype, a, value, out))
+    }
+
+    fn unary(ctx: &Ctx, op: Unary, dtype: DType, a: &Storage, out: &mut Storage) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::unary(ctx, op, dtype, a, out),
+            cuda => Cuda::unary(ctx, op, dtype, a, out))
+    }
+
+    fn pow_scalar(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &Storage,
+        exponent: f64,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::pow_scalar(ctx, dtype, a, exponent, out),
+            cuda => Cuda::pow_scalar(ctx, dtype, a, exponent, out))
+    }
+
+    fn binary_inplace(
+        ctx: &Ctx,
+        op: Binary,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, Storage>,
+        src: Option<Operand<'_, Storage>>,
+        on_zero: &dyn Fn() -> Error,
+    ) -> Result<()> {
+        match (x, src) {
+            (Storage::Host(x), None) => {
+                Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero)
+            }
+            (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
+                Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
+            }
+            (Storage::Cuda(x), None) => {
+                Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero)
+            }
+            (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
+                Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
+            }
+            _ => Err(mixed(ctx)),
+        }
+    }
+
+    fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Storage, value: f64) -> Result<()> {
+        match x {
+            Storage::Host(x) => Cpu::scale_inplace(ctx, dtype, x, value),
+            Storage::Cuda(x) => Cuda::scale_inplace(ctx, dtype, x, value),
+        }
+    }
+
+    fn axpy(
+        ctx: &Ctx,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, Storage>,
+        alpha: f64,
+        src: Option<Operand<'_, Storage>>,
+    ) -> Result<()> {
+        match (x, src) {
+            (Storage::Host(x), None) => Cpu::axpy(ctx, dtype, (x, x_dims), alpha, None),
+            (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
+                Cpu::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
+            }
+            (Storage::Cuda(x), None) => Cuda::axpy(ctx, dtype, (x, x_dims), alpha, None),
+            (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
+                Cuda::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
+            }
+            _ => Err(mixed(ctx)),
+        }
+    }
+
+    fn assign(
+        ctx: &Ctx,
+        dtype: DType,
+        (x, x_dims): OperandMut<'_, Storage>,
+        (src, src_dims): Operand<'_, Storage>,
+    ) -> Result<()> {
+        on_device!(ctx, (x, src),
+            host => Cpu::assign(ctx, dtype, (x, x_dims), (src, src_dims)),
+            cuda => Cuda::assign(ctx, dtype, (x, x_dims), (src, src_dims)))
     }
 }
 
-/// Copies the bytes of `src` into `dst` (same length), across devices too.
-pub(crate) fn copy(ctx: &Ctx, src: &Storage, dst: &mut Storage) -> Result<()> {
-    match (src, dst) {
-        (Storage::Host(src), Storage::Host(dst)) => Cpu::copy(ctx, src, dst),
-        (Storage::Host(src), Storage::Cuda(dst)) => Cuda::upload(ctx, src, dst),
-        (Storage::Cuda(src), Storage::Host(dst)) => Cuda::download(ctx, src, dst),
-        (Storage::Cuda(src), Storage::Cuda(dst)) => Cuda::copy(ctx, src, dst),
+impl ReduceOps for AnyDevice {
+    fn sum(
+        ctx: &Ctx,
+        of: SumOf,
+        (a, dims): Operand<'_, Storage>,
+        mask: &[bool],
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::sum(ctx, of, (a, dims), mask, out),
+            cuda => Cuda::sum(ctx, of, (a, dims), mask, out))
+    }
+
+    fn sum_all(ctx: &Ctx, of: SumOf, a: &Storage, out: &mut Storage) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::sum_all(ctx, of, a, out),
+            cuda => Cuda::sum_all(ctx, of, a, out))
+    }
+
+    fn max_axis(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &Storage,
+        lanes: Lanes,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::max_axis(ctx, dtype, a, lanes, out),
+            cuda => Cuda::max_axis(ctx, dtype, a, lanes, out))
+    }
+
+    fn argmax_axis(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &Storage,
+        lanes: Lanes,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::argmax_axis(ctx, dtype, a, lanes, out),
+            cuda => Cuda::argmax_axis(ctx, dtype, a, lanes, out))
     }
 }
 
-/// [`TransferOps::convert`] from `from` to `to` (same device).
-pub(crate) fn convert(
-    ctx: &Ctx,
-    from: DType,
-    to: DType,
-    src: &Storage,
-    dst: &mut Storage,
-) -> Result<()> {
-    let dtypes = (from, to);
-    on_device!(ctx, (src, dst),
-        host => Cpu::convert(ctx, dtypes, src, dst),
-        cuda => Cuda::convert(ctx, dtypes, src, dst))
+impl MatmulOps for AnyDevice {
+    fn matmul(
+        ctx: &Ctx,
+        dtype: DType,
+        batch: Option<(Batched, usize)>,
+        dims: Mnk,
+        a: &Storage,
+        b: &Storage,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, b, out),
+            host => Cpu::matmul(ctx, dtype, batch, dims, a, b, out),
+            cuda => Cuda::matmul(ctx, dtype, batch, dims, a, b, out))
+    }
+
+    fn gemm(
+        ctx: &Ctx,
+        dtype: DType,
+        spec: Gemm,
+        a: &Storage,
+        b: &Storage,
+        out: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (a, b, out),
+            host => Cpu::gemm(ctx, dtype, spec, a, b, out),
+            cuda => Cuda::gemm(ctx, dtype, spec, a, b, out))
+    }
+
+    fn sgd_dense(
+        ctx: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, g): (&Storage, &Storage),
+        (v, w): (&mut Storage, &mut Storage),
+        step: SgdStep,
+    ) -> Result<()> {
+        on_device!(ctx, (x, g, v, w),
+            host => Cpu::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step),
+            cuda => Cuda::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step))
+    }
 }
+
+impl NnOps for AnyDevice {
+    fn softmax(
+        ctx: &Ctx,
+        dtype: DType,
+        a: &Storage,
+        lanes: Lanes,
+        out: &mut Storage,
+        log: bool,
+    ) -> Result<()> {
+        on_device!(ctx, (a, out),
+            host => Cpu::softmax(ctx, dtype, a, lanes, out, log),
+            cuda => Cuda::softmax(ctx, dtype, a, lanes, out, log))
+    }
+
+    fn first_bad_index(
+        ctx: &Ctx,
+        dtype: DType,
+        indices: &Storage,
+        bound: usize,
+    ) -> Result<Option<(usize, i64)>> {
+        match indices {
+            Storage::Host(indices) => Cpu::first_bad_index(ctx, dtype, indices, bound),
+            Storage::Cuda(indices) => Cuda::first_bad_index(ctx, dtype, indices, bound),
+        }
+    }
+
+    fn one_hot(
+        ctx: &Ctx,
+        dtypes: (DType, DType),
+        indices: &Storage,
+        depth: usize,
+        out: &mut Storage,
+    ) -> Result<Option<(usize, i64)>> {
+        on_device!(ctx, (indices, out),
+            host => Cpu::one_hot(ctx, dtypes, indices, depth, out),
+            cuda => Cuda::one_hot(ctx, dtypes, indices, depth, out))
+    }
+
+    fn pick(
+        ctx: &Ctx,
+        dtypes: (DType, DType),
+        x: &Storage,
+        n_inner: (usize, usize),
+        indices: &Storage,
+        out: &mut Storage,
+    ) -> Result<Option<(usize, i64)>> {
+        on_device!(ctx, (x, indices, out),
+            host => Cpu::pick(ctx, dtypes, x, n_inner, indices, out),
+            cuda => Cuda::pick(ctx, dtypes, x, n_inner, indices, out))
+    }
+}
+
+impl ShapeOps for AnyDevice {
+    fn transpose(
+        ctx: &Ctx,
+        dtype: DType,
+        src: &Storage,
+        rows_cols: (usize, usize),
+        dst: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (src, dst),
+            host => Cpu::transpose(ctx, dtype, src, rows_cols, dst),
+            cuda => Cuda::transpose(ctx, dtype, src, rows_cols, dst))
+    }
+
+    fn permute(
+        ctx: &Ctx,
+        dtype: DType,
+        (src, dims): Operand<'_, Storage>,
+        perm: &[usize],
+        dst: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (src, dst),
+            host => Cpu::permute(ctx, dtype, (src, dims), perm, dst),
+            cuda => Cuda::permute(ctx, dtype, (src, dims), perm, dst))
+    }
+
+    fn narrow(
+        ctx: &Ctx,
+        elem: usize,
+        src: &Storage,
+        lanes: Lanes,
+        start: usize,
+        dst: &mut Storage,
+    ) -> Result<()> {
+        on_device!(ctx, (src, dst),
+            host => Cpu::narrow(ctx, elem, src, lanes, start, dst),
+            cuda => Cuda::narrow(ctx, elem, src, lanes, start, dst))
+    }
+
+    /// Every source must be on `dst`'s device.
+    fn interleave(
+        ctx: &Ctx,
+        srcs: &[&Storage],
+        row_bytes: &[usize],
+        outer: usize,
+        dst: &mut Storage,
+    ) -> Result<()> {
+        match dst {
+            Storage::Host(dst) => {
+                let mut hosts = Vec::with_capacity(srcs.len());
+                for src in srcs {
+                    match src {
+                        Storage::Host(src) => hosts.push(src),
+                        Storage::Cuda(_) => return Err(mixed(ctx)),
+                    }
+                }
+                Cpu::interleave(ctx, &hosts, row_bytes, outer, dst)
+            }
+            Storage::Cuda(dst) => {
+                let mut devices = Vec::with_capacity(srcs.len());
+                for src in srcs {
+                    match src {
+                        Storage::Cuda(src) => devices.push(src),
+                        Storage::Host(_) => return Err(mixed(ctx)),
+                    }
+                }
+                Cuda::interleave(ctx, &devices, row_bytes, outer, dst)
+            }
+        }
+    }
+}
+
+// ---- ops outside the contract ----
 
 /// Waits for the work queued on `device` and reports errors of earlier asynchronous kernels.
 pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
@@ -87,299 +502,6 @@ pub(crate) fn synchronize(ctx: &Ctx, device: crate::Device) -> Result<()> {
         crate::Device::Cpu => Ok(()),
         crate::Device::Cuda(ordinal) => cuda::synchronize(ctx, ordinal),
     }
-}
-
-// ---- fill / random ----
-
-/// [`TransferOps::zero`].
-pub(crate) fn zero(ctx: &Ctx, dst: &mut Storage) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::zero(ctx, dst),
-        Storage::Cuda(dst) => Cuda::zero(ctx, dst),
-    }
-}
-
-/// [`ElementwiseOps::fill`].
-pub(crate) fn fill(ctx: &Ctx, dtype: DType, dst: &mut Storage, value: f64) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::fill(ctx, dtype, dst, value),
-        Storage::Cuda(dst) => Cuda::fill(ctx, dtype, dst, value),
-    }
-}
-
-/// [`ElementwiseOps::arange`].
-pub(crate) fn arange(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut Storage,
-    start: f64,
-    step: f64,
-) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::arange(ctx, dtype, dst, start, step),
-        Storage::Cuda(dst) => Cuda::arange(ctx, dtype, dst, start, step),
-    }
-}
-
-/// [`ElementwiseOps::eye`].
-pub(crate) fn eye(ctx: &Ctx, dtype: DType, dst: &mut Storage, n: usize) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::eye(ctx, dtype, dst, n),
-        Storage::Cuda(dst) => Cuda::eye(ctx, dtype, dst, n),
-    }
-}
-
-/// [`ElementwiseOps::randn`].
-pub(crate) fn randn(ctx: &Ctx, dtype: DType, dst: &mut Storage, draw: Draw) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::randn(ctx, dtype, dst, draw),
-        Storage::Cuda(dst) => Cuda::randn(ctx, dtype, dst, draw),
-    }
-}
-
-/// [`ElementwiseOps::rand`].
-pub(crate) fn rand(
-    ctx: &Ctx,
-    dtype: DType,
-    dst: &mut Storage,
-    draw: Draw,
-    range: (f64, f64),
-) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => Cpu::rand(ctx, dtype, dst, draw, range),
-        Storage::Cuda(dst) => Cuda::rand(ctx, dtype, dst, draw, range),
-    }
-}
-
-// ---- binary / compare / unary ----
-
-/// [`ElementwiseOps::binary`].
-pub(crate) fn binary(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    (a, a_dims): (&Storage, &[usize]),
-    (b, b_dims): (&Storage, &[usize]),
-    (out, out_dims): (&mut Storage, &[usize]),
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    on_device!(ctx, (a, b, out),
-        host => Cpu::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero),
-        cuda => Cuda::binary(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims), on_zero))
-}
-
-/// [`ElementwiseOps::binary_scalar`].
-pub(crate) fn binary_scalar(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    a: &Storage,
-    value: f64,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::binary_scalar(ctx, op, dtype, a, value, out),
-        cuda => Cuda::binary_scalar(ctx, op, dtype, a, value, out))
-}
-
-/// [`ElementwiseOps::compare`].
-pub(crate) fn compare(
-    ctx: &Ctx,
-    op: Compare,
-    dtype: DType,
-    (a, a_dims): (&Storage, &[usize]),
-    (b, b_dims): (&Storage, &[usize]),
-    (out, out_dims): (&mut Storage, &[usize]),
-) -> Result<()> {
-    on_device!(ctx, (a, b, out),
-        host => Cpu::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)),
-        cuda => Cuda::compare(ctx, op, dtype, (a, a_dims), (b, b_dims), (out, out_dims)))
-}
-
-/// [`ElementwiseOps::compare_scalar`].
-pub(crate) fn compare_scalar(
-    ctx: &Ctx,
-    op: Compare,
-    dtype: DType,
-    a: &Storage,
-    value: f64,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::compare_scalar(ctx, op, dtype, a, value, out),
-        cuda => Cuda::compare_scalar(ctx, op, dtype, a, value, out))
-}
-
-/// [`ElementwiseOps::unary`].
-pub(crate) fn unary(
-    ctx: &Ctx,
-    op: Unary,
-    dtype: DType,
-    a: &Storage,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::unary(ctx, op, dtype, a, out),
-        cuda => Cuda::unary(ctx, op, dtype, a, out))
-}
-
-/// [`ElementwiseOps::pow_scalar`].
-pub(crate) fn pow_scalar(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &Storage,
-    exponent: f64,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::pow_scalar(ctx, dtype, a, exponent, out),
-        cuda => Cuda::pow_scalar(ctx, dtype, a, exponent, out))
-}
-
-// ---- in place ----
-
-/// [`ElementwiseOps::binary_inplace`].
-pub(crate) fn binary_inplace(
-    ctx: &Ctx,
-    op: Binary,
-    dtype: DType,
-    (x, x_dims): (&mut Storage, &[usize]),
-    src: Option<(&Storage, &[usize])>,
-    on_zero: &dyn Fn() -> Error,
-) -> Result<()> {
-    match (x, src) {
-        (Storage::Host(x), None) => Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero),
-        (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
-            Cpu::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
-        }
-        (Storage::Cuda(x), None) => {
-            Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), None, on_zero)
-        }
-        (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
-            Cuda::binary_inplace(ctx, op, dtype, (x, x_dims), Some((s, s_dims)), on_zero)
-        }
-        _ => Err(mixed(ctx)),
-    }
-}
-
-/// [`ElementwiseOps::scale_inplace`].
-pub(crate) fn scale_inplace(ctx: &Ctx, dtype: DType, x: &mut Storage, value: f64) -> Result<()> {
-    match x {
-        Storage::Host(x) => Cpu::scale_inplace(ctx, dtype, x, value),
-        Storage::Cuda(x) => Cuda::scale_inplace(ctx, dtype, x, value),
-    }
-}
-
-/// [`ElementwiseOps::axpy`].
-pub(crate) fn axpy(
-    ctx: &Ctx,
-    dtype: DType,
-    (x, x_dims): (&mut Storage, &[usize]),
-    alpha: f64,
-    src: Option<(&Storage, &[usize])>,
-) -> Result<()> {
-    match (x, src) {
-        (Storage::Host(x), None) => Cpu::axpy(ctx, dtype, (x, x_dims), alpha, None),
-        (Storage::Host(x), Some((Storage::Host(s), s_dims))) => {
-            Cpu::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
-        }
-        (Storage::Cuda(x), None) => Cuda::axpy(ctx, dtype, (x, x_dims), alpha, None),
-        (Storage::Cuda(x), Some((Storage::Cuda(s), s_dims))) => {
-            Cuda::axpy(ctx, dtype, (x, x_dims), alpha, Some((s, s_dims)))
-        }
-        _ => Err(mixed(ctx)),
-    }
-}
-
-/// [`ElementwiseOps::assign`].
-pub(crate) fn assign(
-    ctx: &Ctx,
-    dtype: DType,
-    (x, x_dims): (&mut Storage, &[usize]),
-    (src, src_dims): (&Storage, &[usize]),
-) -> Result<()> {
-    on_device!(ctx, (x, src),
-        host => Cpu::assign(ctx, dtype, (x, x_dims), (src, src_dims)),
-        cuda => Cuda::assign(ctx, dtype, (x, x_dims), (src, src_dims)))
-}
-
-// ---- reductions ----
-
-/// [`ReduceOps::sum`].
-pub(crate) fn sum(
-    ctx: &Ctx,
-    of: SumOf,
-    (a, dims): (&Storage, &[usize]),
-    mask: &[bool],
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::sum(ctx, of, (a, dims), mask, out),
-        cuda => Cuda::sum(ctx, of, (a, dims), mask, out))
-}
-
-/// [`ReduceOps::sum_all`].
-pub(crate) fn sum_all(ctx: &Ctx, of: SumOf, a: &Storage, out: &mut Storage) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::sum_all(ctx, of, a, out),
-        cuda => Cuda::sum_all(ctx, of, a, out))
-}
-
-/// [`ReduceOps::max_axis`].
-pub(crate) fn max_axis(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &Storage,
-    lanes: Lanes,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::max_axis(ctx, dtype, a, lanes, out),
-        cuda => Cuda::max_axis(ctx, dtype, a, lanes, out))
-}
-
-/// [`ReduceOps::argmax_axis`].
-pub(crate) fn argmax_axis(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &Storage,
-    lanes: Lanes,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::argmax_axis(ctx, dtype, a, lanes, out),
-        cuda => Cuda::argmax_axis(ctx, dtype, a, lanes, out))
-}
-
-// ---- matrix products ----
-
-/// [`MatmulOps::matmul`].
-pub(crate) fn matmul(
-    ctx: &Ctx,
-    dtype: DType,
-    batch: Option<(Batched, usize)>,
-    dims: Mnk,
-    a: &Storage,
-    b: &Storage,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, b, out),
-        host => Cpu::matmul(ctx, dtype, batch, dims, a, b, out),
-        cuda => Cuda::matmul(ctx, dtype, batch, dims, a, b, out))
-}
-
-/// [`MatmulOps::gemm`].
-pub(crate) fn gemm(
-    ctx: &Ctx,
-    dtype: DType,
-    spec: Gemm,
-    a: &Storage,
-    b: &Storage,
-    out: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (a, b, out),
-        host => Cpu::gemm(ctx, dtype, spec, a, b, out),
-        cuda => Cuda::gemm(ctx, dtype, spec, a, b, out))
 }
 
 /// Columns per panel of a packed right operand ([`pack_rhs`]).
@@ -422,149 +544,5 @@ pub(crate) fn packed_matmul(
             Ok(())
         }
         _ => Err(mixed(ctx)),
-    }
-}
-
-/// [`MatmulOps::sgd_dense`].
-pub(crate) fn sgd_dense(
-    ctx: &Ctx,
-    dtype: DType,
-    dims: Mnk,
-    (x, g): (&Storage, &Storage),
-    (v, w): (&mut Storage, &mut Storage),
-    step: SgdStep,
-) -> Result<()> {
-    on_device!(ctx, (x, g, v, w),
-        host => Cpu::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step),
-        cuda => Cuda::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step))
-}
-
-// ---- neural-network ops ----
-
-/// [`NnOps::softmax`].
-pub(crate) fn softmax(
-    ctx: &Ctx,
-    dtype: DType,
-    a: &Storage,
-    lanes: Lanes,
-    out: &mut Storage,
-    log: bool,
-) -> Result<()> {
-    on_device!(ctx, (a, out),
-        host => Cpu::softmax(ctx, dtype, a, lanes, out, log),
-        cuda => Cuda::softmax(ctx, dtype, a, lanes, out, log))
-}
-
-/// [`NnOps::first_bad_index`].
-pub(crate) fn first_bad_index(
-    ctx: &Ctx,
-    dtype: DType,
-    indices: &Storage,
-    bound: usize,
-) -> Result<Option<(usize, i64)>> {
-    match indices {
-        Storage::Host(indices) => Cpu::first_bad_index(ctx, dtype, indices, bound),
-        Storage::Cuda(indices) => Cuda::first_bad_index(ctx, dtype, indices, bound),
-    }
-}
-
-/// [`NnOps::one_hot`].
-pub(crate) fn one_hot(
-    ctx: &Ctx,
-    dtypes: (DType, DType),
-    indices: &Storage,
-    depth: usize,
-    out: &mut Storage,
-) -> Result<Option<(usize, i64)>> {
-    on_device!(ctx, (indices, out),
-        host => Cpu::one_hot(ctx, dtypes, indices, depth, out),
-        cuda => Cuda::one_hot(ctx, dtypes, indices, depth, out))
-}
-
-/// [`NnOps::pick`].
-pub(crate) fn pick(
-    ctx: &Ctx,
-    dtypes: (DType, DType),
-    x: &Storage,
-    n_inner: (usize, usize),
-    indices: &Storage,
-    out: &mut Storage,
-) -> Result<Option<(usize, i64)>> {
-    on_device!(ctx, (x, indices, out),
-        host => Cpu::pick(ctx, dtypes, x, n_inner, indices, out),
-        cuda => Cuda::pick(ctx, dtypes, x, n_inner, indices, out))
-}
-
-// ---- shape / gather ----
-
-/// [`ShapeOps::transpose`].
-pub(crate) fn transpose(
-    ctx: &Ctx,
-    dtype: DType,
-    src: &Storage,
-    rows_cols: (usize, usize),
-    dst: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (src, dst),
-        host => Cpu::transpose(ctx, dtype, src, rows_cols, dst),
-        cuda => Cuda::transpose(ctx, dtype, src, rows_cols, dst))
-}
-
-/// [`ShapeOps::permute`].
-pub(crate) fn permute(
-    ctx: &Ctx,
-    dtype: DType,
-    (src, dims): (&Storage, &[usize]),
-    perm: &[usize],
-    dst: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (src, dst),
-        host => Cpu::permute(ctx, dtype, (src, dims), perm, dst),
-        cuda => Cuda::permute(ctx, dtype, (src, dims), perm, dst))
-}
-
-/// [`ShapeOps::narrow`].
-pub(crate) fn narrow(
-    ctx: &Ctx,
-    elem: usize,
-    src: &Storage,
-    lanes: Lanes,
-    start: usize,
-    dst: &mut Storage,
-) -> Result<()> {
-    on_device!(ctx, (src, dst),
-        host => Cpu::narrow(ctx, elem, src, lanes, start, dst),
-        cuda => Cuda::narrow(ctx, elem, src, lanes, start, dst))
-}
-
-/// [`ShapeOps::interleave`]: every source on `dst`'s device.
-pub(crate) fn interleave(
-    ctx: &Ctx,
-    srcs: &[&Storage],
-    row_bytes: &[usize],
-    outer: usize,
-    dst: &mut Storage,
-) -> Result<()> {
-    match dst {
-        Storage::Host(dst) => {
-            let mut hosts = Vec::with_capacity(srcs.len());
-            for src in srcs {
-                match src {
-                    Storage::Host(src) => hosts.push(src),
-                    Storage::Cuda(_) => return Err(mixed(ctx)),
-                }
-            }
-            Cpu::interleave(ctx, &hosts, row_bytes, outer, dst)
-        }
-        Storage::Cuda(dst) => {
-            let mut devices = Vec::with_capacity(srcs.len());
-            for src in srcs {
-                match src {
-                    Storage::Cuda(src) => devices.push(src),
-                    Storage::Host(_) => return Err(mixed(ctx)),
-                }
-            }
-            Cuda::interleave(ctx, &devices, row_bytes, outer, dst)
-        }
     }
 }

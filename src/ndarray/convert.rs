@@ -2,7 +2,8 @@
 //! [`NDArray::to_dtype`].
 
 use super::exec;
-use crate::backend;
+use crate::backend::contract::TransferOps;
+use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{DType, Device, NDArray, Result};
 
@@ -33,7 +34,7 @@ impl NDArray {
             (exec::Target::OwnerOf(self), device),
             self.shape().clone(),
             self.dtype(),
-            |src, dst| backend::copy(&ctx, src, dst),
+            |src, dst| AnyDevice::copy(&ctx, src, dst),
         )
     }
 
@@ -65,7 +66,7 @@ impl NDArray {
     fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
         let from = self.dtype();
         exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
-            backend::convert(ctx, from, dtype, src, dst)
+            AnyDevice::convert(ctx, (from, dtype), src, dst)
         })
     }
 }

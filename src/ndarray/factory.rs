@@ -3,7 +3,8 @@
 use parking_lot::Mutex;
 
 use super::exec::{self, Target};
-use crate::backend::{self, contract::Draw, Storage};
+use crate::backend::contract::{Draw, ElementwiseOps, TransferOps};
+use crate::backend::{AnyDevice, Storage};
 use crate::error::Ctx;
 use crate::state;
 use crate::{DType, Element, Manager, NDArray, Result, Shape};
@@ -86,7 +87,7 @@ impl Manager {
         let ctx = Ctx::new("zeros");
         self.create_filled(&ctx, shape.into(), dtype, |out, dirty| {
             if dirty {
-                backend::zero(&ctx, out)?;
+                AnyDevice::zero(&ctx, out)?;
             }
             Ok(())
         })
@@ -128,7 +129,7 @@ impl Manager {
 
     fn fill_value(&self, ctx: Ctx, shape: Shape, value: f64, dtype: DType) -> Result<NDArray> {
         self.create_filled(&ctx, shape, dtype, |out, _| {
-            backend::fill(&ctx, dtype, out, value)
+            AnyDevice::fill(&ctx, dtype, out, value)
         })
     }
 
@@ -140,7 +141,7 @@ impl Manager {
         let shape = shape.into();
         check_len(&ctx, data.len(), &shape)?;
         self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
-            backend::write(&ctx, out, data)
+            AnyDevice::write(&ctx, out, data)
         })
     }
 
@@ -153,7 +154,7 @@ impl Manager {
         check_len(&ctx, data.len(), &shape)?;
         if !self.device().is_cpu() || exec::allocates_from_workspace(self) {
             return self.create_filled(&ctx, shape, T::DTYPE, |out, _| {
-                backend::write(&ctx, out, &data)
+                AnyDevice::write(&ctx, out, &data)
             });
         }
         // Refuse before the vector's bytes are reserved, as every other factory does.
@@ -167,7 +168,7 @@ impl Manager {
     pub fn scalar<T: Element>(&self, value: T) -> Result<NDArray> {
         let ctx = Ctx::new("scalar");
         self.create_filled(&ctx, Shape::scalar(), T::DTYPE, |out, _| {
-            backend::write(&ctx, out, &[value])
+            AnyDevice::write(&ctx, out, &[value])
         })
     }
 
@@ -197,7 +198,7 @@ impl Manager {
         }
         let n = count as usize;
         self.create_filled(&ctx, Shape::new(&[n]), dtype, |out, _| {
-            backend::arange(&ctx, dtype, out, start, step)
+            AnyDevice::arange(&ctx, dtype, out, start, step)
         })
     }
 
@@ -207,7 +208,7 @@ impl Manager {
         let ctx = Ctx::new("eye");
         let shape = Shape::new(&[n, n]);
         self.create_filled(&ctx, shape, dtype, |out, _| {
-            backend::eye(&ctx, dtype, out, n)
+            AnyDevice::eye(&ctx, dtype, out, n)
         })
     }
 
@@ -224,7 +225,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            backend::randn(&ctx, dtype, out, Draw { seed, start })
+            AnyDevice::randn(&ctx, dtype, out, Draw { seed, start })
         })
     }
 
@@ -279,7 +280,7 @@ impl Manager {
         // Drawn only once the array exists: a refused call consumes no numbers.
         self.create_filled(&ctx, shape, dtype, |out, _| {
             let (seed, start) = draw(n);
-            backend::rand(&ctx, dtype, out, Draw { seed, start }, (low, high))
+            AnyDevice::rand(&ctx, dtype, out, Draw { seed, start }, (low, high))
         })
     }
 }

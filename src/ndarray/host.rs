@@ -4,7 +4,8 @@
 //! out.
 
 use super::exec;
-use crate::backend;
+use crate::backend::contract::TransferOps;
+use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::host::{HostArray, HostData};
 use crate::{DType, Element, Manager, NDArray, Result};
@@ -49,7 +50,7 @@ impl NDArray {
         let ctx = Ctx::new("NDArray::to_vec");
         self.check_element::<T>(&ctx)?;
         let mut values = vec![T::ZERO; self.size()];
-        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut values))?;
+        exec::read_all(&ctx, &[self], |b| AnyDevice::read(&ctx, b[0], &mut values))?;
         Ok(values)
     }
 
@@ -67,7 +68,7 @@ impl NDArray {
             )));
         }
         let mut value = [T::ZERO];
-        exec::read_all(&ctx, &[self], |b| backend::read(&ctx, b[0], &mut value))?;
+        exec::read_all(&ctx, &[self], |b| AnyDevice::read(&ctx, b[0], &mut value))?;
         Ok(value[0])
     }
 

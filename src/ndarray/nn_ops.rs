@@ -1,8 +1,8 @@
 //! Matrix products and the neural-network ops: `matmul` (2-D and batched 3-D), `matmul_t` and
 //! `addmm_` (transposed operands without copies), `softmax`, `log_softmax`, `one_hot`, `pick`.
 
-use crate::backend::contract::{Accumulate, Gemm, Lanes, Mnk, SgdStep};
-use crate::backend::{self, Batched};
+use crate::backend::contract::{Accumulate, Gemm, Lanes, MatmulOps, Mnk, NnOps, SgdStep, ShapeOps};
+use crate::backend::{self, AnyDevice, Batched};
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
@@ -130,7 +130,7 @@ impl NDArray {
         let dtype = self.dtype();
         let batch = batch.map(|b| (which, b));
         exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
-            backend::matmul(&ctx, dtype, batch, Mnk { m, k, n }, a, b, out)
+            AnyDevice::matmul(&ctx, dtype, batch, Mnk { m, k, n }, a, b, out)
         })
     }
 
@@ -172,7 +172,7 @@ impl NDArray {
                     trans_b: tb,
                     accumulate: None,
                 };
-                backend::gemm(&ctx, dtype, spec, a, b, out)
+                AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
             },
         )
     }
@@ -199,10 +199,10 @@ impl NDArray {
                     trans_b: !ta,
                     accumulate: None,
                 };
-                backend::gemm(ctx, dtype, spec, b, a, out)
+                AnyDevice::gemm(ctx, dtype, spec, b, a, out)
             })?;
             let c = exec::op1(ctx, &ct, Shape::new(&[m, n]), dtype, |ct, out| {
-                backend::transpose(ctx, dtype, ct, (n, m), out)
+                AnyDevice::transpose(ctx, dtype, ct, (n, m), out)
             });
             ct.close()?;
             return c;
@@ -214,7 +214,7 @@ impl NDArray {
             &[self, other],
             Shape::new(&[k, n]),
             dtype,
-            |inputs, out| backend::transpose(ctx, dtype, inputs[1], (n, k), out),
+            |inputs, out| AnyDevice::transpose(ctx, dtype, inputs[1], (n, k), out),
         )?;
         let c = exec::op2(ctx, self, &bt, Shape::new(&[m, n]), dtype, |a, b, out| {
             let spec = Gemm {
@@ -223,7 +223,7 @@ impl NDArray {
                 trans_b: false,
                 accumulate: None,
             };
-            backend::gemm(ctx, dtype, spec, a, b, out)
+            AnyDevice::gemm(ctx, dtype, spec, a, b, out)
         });
         bt.close()?;
         c
@@ -286,7 +286,7 @@ impl NDArray {
                 trans_b: tb,
                 accumulate: Some(Accumulate { alpha, beta }),
             };
-            backend::gemm(&ctx, dtype, spec, a, b, out)
+            AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
         })
     }
 
@@ -371,7 +371,7 @@ impl NDArray {
         }
         exec::inplace2_with2(&ctx, (self, velocity), (x, g), |w, v, x, g| {
             let step = SgdStep { lr, momentum };
-            backend::sgd_dense(&ctx, dtype, Mnk { m, k, n }, (x, g), (v, w), step)
+            AnyDevice::sgd_dense(&ctx, dtype, Mnk { m, k, n }, (x, g), (v, w), step)
         })
     }
 
@@ -384,7 +384,7 @@ impl NDArray {
         let (outer, len, inner) = split_at_axis(self.dims(), index);
         let lanes = Lanes { outer, len, inner };
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            backend::softmax(&ctx, dtype, a, lanes, out, log)
+            AnyDevice::softmax(&ctx, dtype, a, lanes, out, log)
         })
     }
 
@@ -443,21 +443,21 @@ impl NDArray {
         // in case another thread changed the indices in between.
         let bad = |found| index_error(&ctx, self, found, depth, "depth");
         exec::read_all(&ctx, &[self], |b| {
-            match backend::first_bad_index(&ctx, from, b[0], depth)? {
+            match AnyDevice::first_bad_index(&ctx, from, b[0], depth)? {
                 Some(found) => Err(bad(found)),
                 None => Ok(()),
             }
         })?;
-        exec::op1(&ctx, self, shape, dtype, |idx, out| match backend::one_hot(
+        exec::op1(
             &ctx,
-            (from, dtype),
-            idx,
-            depth,
-            out,
-        )? {
-            Some(found) => Err(bad(found)),
-            None => Ok(()),
-        })
+            self,
+            shape,
+            dtype,
+            |idx, out| match AnyDevice::one_hot(&ctx, (from, dtype), idx, depth, out)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
+            },
+        )
     }
 
     /// Gathers one element per position along `axis` (negative counts from the end):
@@ -502,7 +502,7 @@ impl NDArray {
         let (_, n, inner) = split_at_axis(self.dims(), index);
         let bad = |found| index_error(&ctx, indices, found, n, "the size of the axis");
         exec::read_all(&ctx, &[indices], |b| {
-            match backend::first_bad_index(&ctx, from, b[0], n)? {
+            match AnyDevice::first_bad_index(&ctx, from, b[0], n)? {
                 Some(found) => Err(bad(found)),
                 None => Ok(()),
             }
@@ -514,7 +514,7 @@ impl NDArray {
             indices,
             indices.shape().clone(),
             dtype,
-            |x, idx, out| match backend::pick(&ctx, (dtype, from), x, (n, inner), idx, out)? {
+            |x, idx, out| match AnyDevice::pick(&ctx, (dtype, from), x, (n, inner), idx, out)? {
                 Some(found) => Err(bad(found)),
                 None => Ok(()),
             },

@@ -8,8 +8,9 @@
 //! device; shapes broadcast as in NumPy; a refused op allocates and changes nothing; results are
 //! placed by `exec::Target::ResultOf` (active scope, else the first input's owner).
 
+use crate::backend::contract::ElementwiseOps;
 use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
-use crate::backend::{self, Binary, Compare, Unary};
+use crate::backend::{AnyDevice, Binary, Compare, Unary};
 use crate::dtype::dispatch;
 use crate::error::Ctx;
 use crate::{DType, Element, Error, NDArray, Result, Shape};
@@ -204,7 +205,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
         exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
-            backend::binary(
+            AnyDevice::binary(
                 &ctx,
                 op,
                 dtype,
@@ -222,7 +223,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
         exec::op2(&ctx, self, other, shape, DType::U8, |a, b, out| {
-            backend::compare(
+            AnyDevice::compare(
                 &ctx,
                 op,
                 dtype,
@@ -236,7 +237,7 @@ impl NDArray {
     fn compare_scalar(&self, ctx: Ctx, value: f64, op: Compare) -> Result<NDArray> {
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), DType::U8, |a, out| {
-            backend::compare_scalar(&ctx, op, dtype, a, value, out)
+            AnyDevice::compare_scalar(&ctx, op, dtype, a, value, out)
         })
     }
 
@@ -285,7 +286,7 @@ impl NDArray {
             )));
         }
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            backend::binary_scalar(&ctx, op, dtype, a, value, out)
+            AnyDevice::binary_scalar(&ctx, op, dtype, a, value, out)
         })
     }
 
@@ -321,7 +322,7 @@ impl NDArray {
         let ctx = Ctx::new("pow_scalar");
         let dtype = self.dtype();
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            backend::pow_scalar(&ctx, dtype, a, exponent, out)
+            AnyDevice::pow_scalar(&ctx, dtype, a, exponent, out)
         })
     }
 
@@ -331,7 +332,7 @@ impl NDArray {
             return Err(self.dtype_error(&ctx, "f32 or f64"));
         }
         exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
-            backend::unary(&ctx, op, dtype, a, out)
+            AnyDevice::unary(&ctx, op, dtype, a, out)
         })
     }
 
@@ -357,7 +358,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (sx, sb) = (self.shape().clone(), other.shape().clone());
         exec::inplace_with(&ctx, self, other, |x, b| {
-            backend::binary_inplace(
+            AnyDevice::binary_inplace(
                 &ctx,
                 op,
                 dtype,
@@ -393,7 +394,7 @@ impl NDArray {
         let dtype = self.dtype();
         self.check_int_scalar(&ctx, "scalar", value)?;
         exec::inplace(&ctx, self, |x| {
-            backend::scale_inplace(&ctx, dtype, x, value)
+            AnyDevice::scale_inplace(&ctx, dtype, x, value)
         })
     }
 
@@ -419,7 +420,7 @@ impl NDArray {
         self.check_int_scalar(&ctx, "alpha", alpha)?;
         let (sx, sb) = (self.shape().clone(), x.shape().clone());
         exec::inplace_with(&ctx, self, x, |target, source| {
-            backend::axpy(
+            AnyDevice::axpy(
                 &ctx,
                 dtype,
                 (target, sx.dims()),
@@ -448,7 +449,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (sx, sb) = (self.shape().clone(), src.shape().clone());
         exec::inplace_with(&ctx, self, src, |target, source| match source {
-            Some(b) => backend::assign(&ctx, dtype, (target, sx.dims()), (b, sb.dims())),
+            Some(b) => AnyDevice::assign(&ctx, dtype, (target, sx.dims()), (b, sb.dims())),
             // Assigning an array to itself changes nothing.
             None => Ok(()),
         })
@@ -460,6 +461,6 @@ impl NDArray {
     pub fn fill_(&self, value: f64) -> Result<()> {
         let ctx = Ctx::new("fill_");
         let dtype = self.dtype();
-        exec::inplace(&ctx, self, |x| backend::fill(&ctx, dtype, x, value))
+        exec::inplace(&ctx, self, |x| AnyDevice::fill(&ctx, dtype, x, value))
     }
 }

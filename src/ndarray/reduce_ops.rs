@@ -5,7 +5,8 @@
 //! sums are `I64` (wrapping), integer means `F64`; `max` keeps the dtype (NaN wins); `argmax`
 //! is `I64`.
 
-use crate::backend::{self, contract::Lanes, contract::SumOf};
+use crate::backend::contract::{Lanes, ReduceOps, SumOf};
+use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
@@ -78,7 +79,7 @@ impl NDArray {
         };
         let dims = self.shape().clone();
         exec::op1(&ctx, self, shape, to, |a, out| {
-            backend::sum(&ctx, SumOf { from, to, mean }, (a, dims.dims()), &mask, out)
+            AnyDevice::sum(&ctx, SumOf { from, to, mean }, (a, dims.dims()), &mask, out)
         })
     }
 
@@ -109,7 +110,7 @@ impl NDArray {
         let lanes = Lanes { outer, len, inner };
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, dtype, |a, out| {
-            backend::max_axis(&ctx, dtype, a, lanes, out)
+            AnyDevice::max_axis(&ctx, dtype, a, lanes, out)
         })
     }
 
@@ -135,7 +136,7 @@ impl NDArray {
         let lanes = Lanes { outer, len, inner };
         let dtype = self.dtype();
         exec::op1(&ctx, self, shape, DType::I64, |a, out| {
-            backend::argmax_axis(&ctx, dtype, a, lanes, out)
+            AnyDevice::argmax_axis(&ctx, dtype, a, lanes, out)
         })
     }
 
@@ -161,7 +162,7 @@ impl NDArray {
             (false, true) => DType::F64,
         };
         exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
-            backend::sum_all(&ctx, SumOf { from, to, mean }, a, out)
+            AnyDevice::sum_all(&ctx, SumOf { from, to, mean }, a, out)
         })
     }
 }

@@ -4,7 +4,8 @@
 //! Every result is a new array holding a copy (placed like any op result), so it behaves as a
 //! value: writing to it in place never changes the input.
 
-use crate::backend::{self, contract::Lanes};
+use crate::backend::contract::{ElementwiseOps, Lanes, ShapeOps, TransferOps};
+use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{NDArray, Result, Shape};
 
@@ -16,7 +17,7 @@ impl NDArray {
     /// A copy with the same bytes under a new shape.
     fn copy_with_shape(&self, ctx: &Ctx, shape: Shape) -> Result<NDArray> {
         exec::op1(ctx, self, shape, self.dtype(), |src, dst| {
-            backend::copy(ctx, src, dst)
+            AnyDevice::copy(ctx, src, dst)
         })
     }
 
@@ -62,7 +63,7 @@ impl NDArray {
         };
         let dtype = self.dtype();
         exec::op1(&ctx, self, Shape::new(&[cols, rows]), dtype, |src, dst| {
-            backend::transpose(&ctx, dtype, src, (rows, cols), dst)
+            AnyDevice::transpose(&ctx, dtype, src, (rows, cols), dst)
         })
     }
 
@@ -96,7 +97,7 @@ impl NDArray {
         let perm = axes.to_vec();
         let dtype = self.dtype();
         exec::op1(&ctx, self, Shape::new(&out), dtype, |src, dst| {
-            backend::permute(&ctx, dtype, (src, dims.dims()), &perm, dst)
+            AnyDevice::permute(&ctx, dtype, (src, dims.dims()), &perm, dst)
         })
     }
 
@@ -118,7 +119,7 @@ impl NDArray {
         let dtype = self.dtype();
         let (from, to) = (self.shape().clone(), shape.clone());
         exec::op1(&ctx, self, shape, dtype, |src, dst| {
-            backend::assign(&ctx, dtype, (dst, to.dims()), (src, from.dims()))
+            AnyDevice::assign(&ctx, dtype, (dst, to.dims()), (src, from.dims()))
         })
     }
 
@@ -155,7 +156,7 @@ impl NDArray {
         };
         let elem = self.dtype().size_in_bytes();
         exec::op1(&ctx, self, Shape::new(&out), self.dtype(), |src, dst| {
-            backend::narrow(&ctx, elem, src, lanes, start, dst)
+            AnyDevice::narrow(&ctx, elem, src, lanes, start, dst)
         })
     }
 
@@ -223,7 +224,7 @@ fn interleave(
     let dtype = arrays[0].dtype();
     let inputs: Vec<&NDArray> = arrays.iter().collect();
     exec::op(ctx, &inputs, out, dtype, |srcs, dst| {
-        backend::interleave(ctx, srcs, row_bytes, outer, dst)
+        AnyDevice::interleave(ctx, srcs, row_bytes, outer, dst)
     })
 }
 
