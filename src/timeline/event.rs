@@ -112,6 +112,7 @@ pub(crate) struct Relocation {
 }
 
 /// A device in 4 bytes: 0 for the CPU, `i + 1` for `cuda:i`.
+#[inline]
 pub(super) fn device_code(device: Device) -> u32 {
     match device {
         Device::Cpu => 0,
