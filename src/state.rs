@@ -771,7 +771,7 @@ pub(crate) enum Move {
 
 /// What one array of a move needs.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Step {
+enum ArrayMove {
     /// Already where it should be.
     Stay,
     /// Becomes owned by the target; any pending return is cancelled.
@@ -823,7 +823,7 @@ impl State {
             }
         }
         // 2. Each array, checked before anything moves.
-        let mut plan: Vec<(ArrayKey, Step, bool)> = Vec::with_capacity(arrays.len());
+        let mut plan: Vec<(ArrayKey, ArrayMove, bool)> = Vec::with_capacity(arrays.len());
         for array in arrays {
             let entry = self.array(array, ctx)?;
             let key = array.key;
@@ -833,22 +833,22 @@ impl State {
             let step = match kind {
                 // Attaching to the manager that already holds it (owning or borrowing) changes
                 // nothing: a borrowed array stays borrowed and will still go back.
-                Move::Attach | Move::Ret if entry.owner == target => Step::Stay,
+                Move::Attach | Move::Ret if entry.owner == target => ArrayMove::Stay,
                 Move::Attach | Move::Ret => {
                     if let (true, Some(shared)) = (target_capped, target_shared) {
                         let what = format!("array {} would be attached to it", array.describe());
                         return Err(capped(ctx, shared, what));
                     }
-                    Step::Own
+                    ArrayMove::Own
                 }
-                Move::TempAttach if entry.owner == target => Step::Stay,
-                Move::TempAttach => Step::Borrow,
+                Move::TempAttach if entry.owner == target => ArrayMove::Stay,
+                Move::TempAttach => ArrayMove::Borrow,
                 Move::Detach if entry.owner == Owner::Detached && !entry.is_borrowed() => {
-                    Step::Stay
+                    ArrayMove::Stay
                 }
-                Move::Detach => Step::Own,
+                Move::Detach => ArrayMove::Own,
             };
-            let copy = step != Step::Stay && self.copy_needed(key, target, kind);
+            let copy = step != ArrayMove::Stay && self.copy_needed(key, target, kind);
             plan.push((key, step, copy));
         }
         // 3. Storage for the copies; undone in full if one fails.
@@ -879,12 +879,12 @@ impl State {
                 continue;
             }
             match step {
-                Step::Stay => {}
-                Step::Own => {
+                ArrayMove::Stay => {}
+                ArrayMove::Own => {
                     self.arrays[key].returns.clear();
                     self.set_owner(key, target);
                 }
-                Step::Borrow => {
+                ArrayMove::Borrow => {
                     let current = self.arrays[key].owner;
                     let shared = match current {
                         Owner::Manager(m) => Some(Arc::clone(&self.managers[m].shared)),

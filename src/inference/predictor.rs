@@ -11,7 +11,7 @@ use crate::{Error, Manager, Result, Workspace, WorkspaceConfig};
 
 /// A predictor's step: the input's borrowed form and the call's context manager in, owned data
 /// out.
-type Step<I, O> = dyn Fn(&Manager, &I) -> Result<O> + Send + Sync;
+type StepFn<I, O> = dyn Fn(&Manager, &I) -> Result<O> + Send + Sync;
 
 /// Runs a step closure over a model, one context scope per call (DJL's `Predictor`).
 ///
@@ -63,7 +63,7 @@ pub struct Predictor<I: ?Sized, O> {
     /// Contexts made so far (for their names).
     made: AtomicUsize,
     calls: AtomicU64,
-    step: Box<Step<I, O>>,
+    step: Box<StepFn<I, O>>,
 }
 
 impl<I: ?Sized, O> std::fmt::Debug for Predictor<I, O> {
@@ -119,7 +119,7 @@ impl PredictorBuilder {
     #[track_caller]
     pub(crate) fn build_boxed<I: ?Sized, O>(
         self,
-        step: Box<Step<I, O>>,
+        step: Box<StepFn<I, O>>,
     ) -> Result<Predictor<I, O>> {
         let manager = self.model.new_sub_manager()?.with_name(&self.name);
         self.model.cap();

@@ -55,7 +55,7 @@ pub(crate) struct Policy {
 
 /// What the block should become when a cycle ends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Growth {
+pub(crate) enum BlockChange {
     /// Nothing to do.
     Keep,
     /// The block is learned now, sized for `demand` bytes.
@@ -279,7 +279,7 @@ impl Allocator {
         policy: &Policy,
         capacity: Option<usize>,
         block_size: impl Fn(usize) -> usize,
-    ) -> Growth {
+    ) -> BlockChange {
         match capacity {
             None => {
                 let demand = match policy.learning {
@@ -292,9 +292,9 @@ impl Allocator {
                     LearningPolicy::OverTime | LearningPolicy::None => 0,
                 };
                 if demand > 0 {
-                    Growth::Learn { demand }
+                    BlockChange::Learn { demand }
                 } else {
-                    Growth::Keep
+                    BlockChange::Keep
                 }
             }
             Some(capacity)
@@ -302,11 +302,11 @@ impl Allocator {
                     && (self.max_cycle_bytes > capacity
                         || (policy.keep_open && block_size(self.max_cycle_bytes) > capacity)) =>
             {
-                Growth::Reallocate {
+                BlockChange::Reallocate {
                     demand: self.max_cycle_bytes,
                 }
             }
-            Some(_) => Growth::Keep,
+            Some(_) => BlockChange::Keep,
         }
     }
 
@@ -569,11 +569,14 @@ mod tests {
         // A cycle that allocated nothing teaches nothing.
         a.open_cycle();
         a.end_cycle(&p, false, 0);
-        assert_eq!(a.growth(&p, None, |b| b), Growth::Keep);
+        assert_eq!(a.growth(&p, None, |b| b), BlockChange::Keep);
         a.open_cycle();
         a.commit(Plan::Spill, 128);
         a.end_cycle(&p, false, 0);
-        assert_eq!(a.growth(&p, None, |b| b), Growth::Learn { demand: 128 });
+        assert_eq!(
+            a.growth(&p, None, |b| b),
+            BlockChange::Learn { demand: 128 }
+        );
 
         p.learning = LearningPolicy::OverTime;
         p.cycles_before_initialization = 4;
@@ -582,16 +585,19 @@ mod tests {
             a.open_cycle();
             a.commit(Plan::Spill, bytes);
             a.end_cycle(&p, false, 0);
-            assert_eq!(a.growth(&p, None, |b| b), Growth::Keep);
+            assert_eq!(a.growth(&p, None, |b| b), BlockChange::Keep);
         }
         a.open_cycle();
         a.commit(Plan::Spill, 64);
         a.end_cycle(&p, false, 0);
         // After 4 cycles: the largest seen.
-        assert_eq!(a.growth(&p, None, |b| b), Growth::Learn { demand: 192 });
+        assert_eq!(
+            a.growth(&p, None, |b| b),
+            BlockChange::Learn { demand: 192 }
+        );
 
         p.learning = LearningPolicy::None;
-        assert_eq!(a.growth(&p, None, |b| b), Growth::Keep);
+        assert_eq!(a.growth(&p, None, |b| b), BlockChange::Keep);
         assert_eq!(a.initial_demand(0), 192);
         assert_eq!(a.initial_demand(1000), 1000);
     }
@@ -606,23 +612,23 @@ mod tests {
         a.end_cycle(&p, true, 0);
         assert_eq!(
             a.growth(&p, Some(256), |b| b),
-            Growth::Reallocate { demand: 320 }
+            BlockChange::Reallocate { demand: 320 }
         );
-        assert_eq!(a.growth(&p, Some(320), |b| b), Growth::Keep);
+        assert_eq!(a.growth(&p, Some(320), |b| b), BlockChange::Keep);
         let external = policy(ResetPolicy::BlockLeft, SpillPolicy::External);
-        assert_eq!(a.growth(&external, Some(256), |b| b), Growth::Keep);
+        assert_eq!(a.growth(&external, Some(256), |b| b), BlockChange::Keep);
         // A ring that keeps its open arrays grows to the policy's size for its largest cycle,
         // even when that cycle fits the block.
         let ring = Policy {
             keep_open: true,
             ..p
         };
-        assert_eq!(a.growth(&ring, Some(320), |b| b), Growth::Keep);
+        assert_eq!(a.growth(&ring, Some(320), |b| b), BlockChange::Keep);
         assert_eq!(
             a.growth(&ring, Some(320), |b| 3 * b),
-            Growth::Reallocate { demand: 320 }
+            BlockChange::Reallocate { demand: 320 }
         );
-        assert_eq!(a.growth(&p, Some(320), |b| 3 * b), Growth::Keep);
+        assert_eq!(a.growth(&p, Some(320), |b| 3 * b), BlockChange::Keep);
         a.block_replaced();
         a.reallocated();
         assert_eq!((a.reallocations(), a.offset(), a.live()), (1, 0, 0));

@@ -147,7 +147,7 @@ pub(crate) struct WorkspaceShared {
     pub creator: std::thread::ThreadId,
 }
 
-use alloc::{Allocator, BlockState, CycleFigures, Growth, Policy};
+use alloc::{Allocator, BlockChange, BlockState, CycleFigures, Policy};
 pub(crate) use alloc::{Checkpoint, Plan};
 
 /// A workspace's state in the arena: the block allocator and the cycle state machine.
@@ -391,12 +391,12 @@ impl WorkspaceEntry {
             self.block.as_ref().map(|b| b.capacity()),
             |bytes| self.config().block_size_for(bytes),
         ) {
-            Growth::Keep => {}
-            Growth::Learn { demand } => {
+            BlockChange::Keep => {}
+            BlockChange::Learn { demand } => {
                 let grown = self.grow_to(ctx, demand);
                 learned(self, demand, &grown);
             }
-            Growth::Reallocate { demand } => {
+            BlockChange::Reallocate { demand } => {
                 let old_capacity = self.capacity();
                 let grown = self.grow_to(ctx, demand);
                 if matches!(grown, Ok(true)) {

@@ -39,7 +39,7 @@ pub(super) enum Refusal {
 }
 
 /// One checked launch queued since the last wait.
-struct Pending {
+struct QueuedCheck {
     op: &'static str,
     at: Site,
     /// The thread that queued it: its error goes to that thread's next wait.
@@ -47,7 +47,7 @@ struct Pending {
     refusal: Refusal,
 }
 
-impl Pending {
+impl QueuedCheck {
     fn error(self, ordinal: usize, position: u64) -> Error {
         let found = format!(
             "(found by the kernel on cuda:{ordinal}, reported at the next wait for the device)"
@@ -82,7 +82,7 @@ impl Pending {
 struct Checks {
     word: CUdeviceptr,
     host: NonNull<u64>,
-    pending: Vec<Pending>,
+    pending: Vec<QueuedCheck>,
     /// Errors found by another thread's wait, for the thread that queued the op.
     found: Vec<(ThreadId, Error)>,
 }
@@ -173,7 +173,7 @@ pub(super) fn checked_launch(
     };
     let key = (checks.pending.len() as u64) << POSITION_BITS;
     launch(checks.word, key)?;
-    checks.pending.push(Pending {
+    checks.pending.push(QueuedCheck {
         op: ctx.op,
         at: ctx.at,
         thread: std::thread::current().id(),
