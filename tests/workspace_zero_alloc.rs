@@ -1,7 +1,8 @@
 //! After learning, a training-like workspace cycle (create, matmul, relu, mean, close) makes zero
 //! heap allocations for array storage. A counting global allocator sees every allocation of the
-//! process. ndscope allocates array buffers and workspace blocks with exactly 64-byte alignment
-//! (`workspace::ALIGNMENT`), so those are "storage"; the matrix kernels' packing scratch
+//! process but the test harness's own thread (see `harness_thread`). ndscope allocates array
+//! buffers and workspace blocks with exactly 64-byte alignment (`workspace::ALIGNMENT`), so
+//! those are "storage"; the matrix kernels' packing scratch
 //! (`gemm`, 128-byte aligned) and small metadata (array handles, names; 8-byte aligned) are
 //! counted separately.
 //!
@@ -25,8 +26,33 @@ static OTHER: AtomicUsize = AtomicUsize::new(0);
 /// Bytes allocated minus bytes freed while watching.
 static NET: AtomicIsize = AtomicIsize::new(0);
 
+/// Whether the calling thread is the test harness's main thread while the test body runs on
+/// another one: its allocations (the harness waiting for the test, timed wake-ups that shift
+/// into a cycle under load) are not the library's and are not counted. ndscope's pool threads
+/// and the test's own thread are.
+fn harness_thread() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid and getpid take no arguments, cannot fail and allocate nothing; a
+        // process's main thread has the process id as its thread id.
+        let main = unsafe { libc::gettid() == libc::getpid() };
+        main && !MEASURING_ON_MAIN.load(Ordering::Relaxed)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+/// Whether [`count`] runs on the process's main thread (then nothing is left out).
+static MEASURING_ON_MAIN: AtomicBool = AtomicBool::new(false);
+
+fn watching() -> bool {
+    WATCHING.load(Ordering::Relaxed) && !harness_thread()
+}
+
 fn note(layout: Layout) {
-    if WATCHING.load(Ordering::Relaxed) {
+    if watching() {
         NET.fetch_add(layout.size() as isize, Ordering::Relaxed);
         if layout.align() == ndscope::workspace::ALIGNMENT {
             STORAGE.fetch_add(1, Ordering::Relaxed);
@@ -52,7 +78,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.alloc_zeroed(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if WATCHING.load(Ordering::Relaxed) {
+        if watching() {
             NET.fetch_sub(layout.size() as isize, Ordering::Relaxed);
         }
         // SAFETY: `ptr` came from `System` with this layout (all our allocations do).
@@ -60,7 +86,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         note(Layout::from_size_align(new_size, layout.align()).unwrap_or(layout));
-        if WATCHING.load(Ordering::Relaxed) {
+        if watching() {
             NET.fetch_sub(layout.size() as isize, Ordering::Relaxed);
         }
         // SAFETY: as for `dealloc`, and the caller upholds `realloc`'s contract.
@@ -86,6 +112,12 @@ fn count(f: impl FnOnce()) -> (usize, usize, usize, usize) {
         c.store(0, Ordering::Relaxed);
     }
     NET.store(0, Ordering::Relaxed);
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: as in `harness_thread`.
+        let on_main = unsafe { libc::gettid() == libc::getpid() };
+        MEASURING_ON_MAIN.store(on_main, Ordering::Relaxed);
+    }
     WATCHING.store(true, Ordering::Relaxed);
     f();
     WATCHING.store(false, Ordering::Relaxed);
