@@ -30,6 +30,7 @@ pub(crate) const SOURCE: &str = concat!(
     include_str!("kernels/reduce.cu"),
     include_str!("kernels/nn.cu"),
     include_str!("kernels/matmul.cu"),
+    include_str!("kernels/optim.cu"),
 );
 
 /// NVRTC options: no fused multiply-adds, so float arithmetic rounds as on the CPU.
@@ -77,6 +78,8 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("softmax", Types::Float),
     ("softmax_split", Types::Float),
     ("matmul", Types::Int),
+    ("sgd_update", Types::Float),
+    ("adam_update", Types::Float),
 ];
 
 /// Kernels taking two dtypes, named `<base>_<a>_<b>`, with the pairs they are compiled for.
