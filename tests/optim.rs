@@ -324,6 +324,9 @@ fn optimizer_edge_cases() {
     assert!((p.to_vec::<f64>().unwrap()[0] - want).abs() < 1e-12);
 }
 
+/// A refused call: what it tries, its result, and which error it must be.
+type Refusal<'a> = (&'a str, ndscope::Result<()>, &'a dyn Fn(&Error) -> bool);
+
 fn is_invalid(e: &Error, needle: &str) -> bool {
     matches!(e, Error::InvalidArgument { reason, .. } if reason.contains(needle))
 }
@@ -350,7 +353,7 @@ fn every_refusal_is_an_error_and_changes_nothing() {
         assert_eq!(a.to_vec::<f32>().unwrap(), vec![0.1, 0.2, 0.3]);
         assert_eq!(b.to_vec::<f32>().unwrap(), vec![0.4, 0.5, 0.6]);
     };
-    let sgd_cases: Vec<(&str, ndscope::Result<()>, &dyn Fn(&Error) -> bool)> = vec![
+    let cases: Vec<Refusal<'_>> = vec![
         ("dtype", p.sgd_update_(&g64, Some(&a), sgd), &|e| {
             matches!(e, Error::DTypeMismatch { .. })
         }),
@@ -541,7 +544,7 @@ fn every_refusal_is_an_error_and_changes_nothing() {
             &|e| is_invalid(e, "weight_decay"),
         ),
     ];
-    for (what, result, expected) in sgd_cases {
+    for (what, result, expected) in cases {
         match result {
             Ok(()) => panic!("{what}: accepted"),
             Err(e) => assert!(expected(&e), "{what}: unexpected error {e}"),
