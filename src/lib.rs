@@ -42,7 +42,8 @@ pub use memory::{
     memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
 };
 pub use ndarray::{
-    concat, manual_seed, stack, Activation, ArrayId, Dense, NDArray, NDList, Transpose,
+    concat, manual_seed, stack, Activation, AdamUpdate, ArrayId, Dense, NDArray, NDList, SgdUpdate,
+    Transpose,
 };
 pub use prefetch::{PrefetchStats, Prefetcher};
 pub use print::{print_options, set_print_options, PrintOptions};

@@ -1,6 +1,6 @@
 //! The backend contract: the one list of the ops a backend runs, with their signatures, written
 //! once in `backend_contract!`, one trait per op family ([`TransferOps`], [`ElementwiseOps`],
-//! [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) over a [`Backend`]'s buffer type. The
+//! [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`], [`OptimOps`]) over a [`Backend`]'s buffer type. The
 //! CPU backend (`cpu::ops::Cpu`) and the CUDA backend (`cuda::Cuda`, one family per file of
 //! `cuda/ops/`) implement them; the CUDA-off stub's implementation is generated from the same
 //! list (`cuda/stub.rs`), so its signatures are never written again. The entry points are a
@@ -10,7 +10,7 @@
 //! every layer, front-end calls (`AnyDevice::unary(..)`) included, against one contract.
 //!
 //! Parameters that travel together are the small `Copy` structs below ([`Mnk`], [`Gemm`],
-//! [`Lanes`], [`SumOf`], [`SgdStep`], [`Draw`]).
+//! [`Lanes`], [`SumOf`], [`SgdStep`], [`SgdCoeffs`], [`AdamCoeffs`], [`Draw`]).
 //!
 //! Every op takes the op's [`Ctx`] first (for errors), returns `Result` (the CPU never fails
 //! where the device may), and names its buffers `Self::Buffer`: host bytes for the CPU, memory
@@ -92,6 +92,43 @@ pub(crate) struct SgdStep {
     pub lr: f64,
     /// The momentum (0 is plain SGD).
     pub momentum: f64,
+}
+
+/// The coefficients of an elementwise SGD step (PyTorch's `optim.SGD`, dampening 0), each
+/// converted to the element type by the kernel: `g = grad + weight_decay·p`; with a velocity
+/// `v = momentum·v + g` and `d = nesterov ? g + momentum·v : v`, else `d = g`; `p -= lr·d`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SgdCoeffs {
+    /// The learning rate.
+    pub lr: f64,
+    /// The momentum (only read with a velocity).
+    pub momentum: f64,
+    /// The L2 penalty added to the gradient (0: not read).
+    pub weight_decay: f64,
+    /// Nesterov momentum (only with a velocity).
+    pub nesterov: bool,
+}
+
+/// The coefficients of an elementwise Adam step (PyTorch's `optim.Adam` and `optim.AdamW`,
+/// amsgrad off), the bias corrections computed once on the host:
+/// `decoupled ? p *= decay : g = grad + weight_decay·p; m = β1·m + (1−β1)·g;
+/// v = β2·v + (1−β2)·g²; p -= step_size·m / (√v / bias2_sqrt + eps)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AdamCoeffs {
+    /// `β1`, the decay of the first moment.
+    pub beta1: f64,
+    /// `β2`, the decay of the second moment.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// The L2 penalty added to the gradient (not decoupled; 0: not read).
+    pub weight_decay: f64,
+    /// The decoupled weight decay's factor `1 − lr·weight_decay` (AdamW), or `None` (Adam).
+    pub decay: Option<f64>,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f64,
+    /// `√(1 − β2^t)`.
+    pub bias2_sqrt: f64,
 }
 
 /// Where random numbers are drawn: counters `start..` of the stream `seed` (the same numbers
@@ -357,6 +394,31 @@ macro_rules! backend_contract {
                 ) -> Result<Option<(usize, i64)>> => x;
             }
 
+            /// The fused elementwise optimizer steps: one pass over the elements of the
+            /// parameters, their gradient and their state, all of one float dtype and length.
+            trait OptimOps {
+                /// One SGD step of `p` by `grad` as `step` says, updating `velocity` with it
+                /// (without one, plain SGD: momentum is not read).
+                fn sgd_update(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    grad: &Self::Buffer,
+                    p: &mut Self::Buffer,
+                    velocity: Option<&mut Self::Buffer>,
+                    step: SgdCoeffs,
+                ) -> Result<()> => grad;
+                /// One Adam (or AdamW) step of `p` by `grad` as `step` says, updating the moments
+                /// `mv` (first, second).
+                fn adam_update(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    grad: &Self::Buffer,
+                    p: &mut Self::Buffer,
+                    mv: (&mut Self::Buffer, &mut Self::Buffer),
+                    step: AdamCoeffs,
+                ) -> Result<()> => grad;
+            }
+
             /// Copies that rearrange elements.
             trait ShapeOps {
                 /// `dst = srcᵀ` for `src` of `[rows, cols]`.
@@ -426,7 +488,7 @@ macro_rules! define_backend {
 backend_contract!(define_backend);
 
 /// A backend: its memory type, on which the op families ([`TransferOps`], [`ElementwiseOps`],
-/// [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`]) work. Implemented by the CPU backend,
+/// [`ReduceOps`], [`MatmulOps`], [`NnOps`], [`ShapeOps`], [`OptimOps`]) work. Implemented by the CPU backend,
 /// the CUDA backend (without the `cuda` feature, the CUDA stub, whose buffers have no values),
 /// and the entry points (`ops::AnyDevice`, over `Storage` on either).
 pub(crate) trait Backend {

@@ -13,8 +13,8 @@
 //! CPU product) stay free functions at the end.
 
 use super::contract::{
-    Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand, OperandMut,
-    ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
+    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
+    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, SumOf, TransferOps,
 };
 use super::cpu::buffer::HostBuffer;
 use super::cpu::ops::{self as cpu, Cpu};
@@ -368,6 +368,39 @@ impl MatmulOps for AnyDevice {
         on_device!(ctx, (x, g, v, w),
             host => Cpu::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step),
             cuda => Cuda::sgd_dense(ctx, dtype, dims, (x, g), (v, w), step))
+    }
+}
+
+impl OptimOps for AnyDevice {
+    fn sgd_update(
+        ctx: &Ctx,
+        dtype: DType,
+        grad: &Storage,
+        p: &mut Storage,
+        velocity: Option<&mut Storage>,
+        step: SgdCoeffs,
+    ) -> Result<()> {
+        match velocity {
+            None => on_device!(ctx, (grad, p),
+                host => Cpu::sgd_update(ctx, dtype, grad, p, None, step),
+                cuda => Cuda::sgd_update(ctx, dtype, grad, p, None, step)),
+            Some(v) => on_device!(ctx, (grad, p, v),
+                host => Cpu::sgd_update(ctx, dtype, grad, p, Some(v), step),
+                cuda => Cuda::sgd_update(ctx, dtype, grad, p, Some(v), step)),
+        }
+    }
+
+    fn adam_update(
+        ctx: &Ctx,
+        dtype: DType,
+        grad: &Storage,
+        p: &mut Storage,
+        (m, v): (&mut Storage, &mut Storage),
+        step: AdamCoeffs,
+    ) -> Result<()> {
+        on_device!(ctx, (grad, p, m, v),
+            host => Cpu::adam_update(ctx, dtype, grad, p, (m, v), step),
+            cuda => Cuda::adam_update(ctx, dtype, grad, p, (m, v), step))
     }
 }
 

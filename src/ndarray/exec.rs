@@ -528,6 +528,35 @@ pub(crate) fn inplace2_with2(
     })
 }
 
+/// Runs an in-place kernel on `target` and up to two more targets (an optimizer's state,
+/// `state`) with one source. The targets are distinct and none is the source (the caller
+/// checks). The kernel gets the state's bytes in `state`'s order, `None` past its end.
+pub(crate) fn inplace_state_with1(
+    ctx: &Ctx,
+    target: &NDArray,
+    state: &[&NDArray],
+    source: &NDArray,
+    kernel: impl FnOnce(&mut Storage, [Option<&mut Storage>; 2], &Storage) -> Result<()>,
+) -> Result<()> {
+    match *state {
+        [] => locked(ctx, [target], [source], |[t], [s]| match (t, s) {
+            (Some(t), Some(s)) => kernel(t, [None, None], s),
+            _ => Err(clash(ctx)),
+        }),
+        [a] => locked(ctx, [target, a], [source], |[t, a], [s]| match (t, a, s) {
+            (Some(t), Some(a), Some(s)) => kernel(t, [Some(a), None], s),
+            _ => Err(clash(ctx)),
+        }),
+        [a, b] => locked(ctx, [target, a, b], [source], |[t, a, b], [s]| {
+            match (t, a, b, s) {
+                (Some(t), Some(a), Some(b), Some(s)) => kernel(t, [Some(a), Some(b)], s),
+                _ => Err(clash(ctx)),
+            }
+        }),
+        _ => Err(ctx.invalid("an in-place kernel takes at most two state arrays")),
+    }
+}
+
 #[cfg(test)]
 mod lock_order_tests {
     /// The checks exist in debug builds only (`cargo test` without `--release`).

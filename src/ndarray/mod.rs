@@ -1,6 +1,6 @@
 //! [`NDArray`]: the array handle, its metadata, data access and ownership calls. Operations are
-//! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs` and
-//! `nn_ops.rs`; factories (on `Manager`) in `factory.rs`.
+//! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs`,
+//! `nn_ops.rs` and `optim.rs` (the fused optimizer steps); factories (on `Manager`) in `factory.rs`.
 
 mod convert;
 mod dense;
@@ -10,6 +10,7 @@ mod host;
 mod list;
 mod nn_ops;
 mod ops;
+mod optim;
 mod reduce_ops;
 mod shape_ops;
 
@@ -21,6 +22,7 @@ pub use dense::{Activation, Dense};
 pub use factory::manual_seed;
 pub use list::NDList;
 pub use nn_ops::Transpose;
+pub use optim::{AdamUpdate, SgdUpdate};
 pub use shape_ops::{concat, stack};
 
 use crate::arena::{ArrayShared, CloseReason, ManagerShared, Owner};

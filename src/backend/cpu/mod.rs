@@ -8,6 +8,7 @@ pub(crate) mod matmul;
 pub(crate) mod nn;
 pub(crate) mod num;
 pub(crate) mod ops;
+pub(crate) mod optim;
 pub(crate) mod packed;
 pub(crate) mod pool;
 pub(crate) mod random;

@@ -7,10 +7,10 @@
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
-use super::{matmul, nn, packed, random, reduce, sgd, shape};
+use super::{matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
-    Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand, OperandMut,
-    ReduceOps, SgdStep, ShapeOps, SumOf, TransferOps,
+    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
+    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, SumOf, TransferOps,
 };
 use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
 use crate::backend::{Batched, Binary, Compare, Unary};
@@ -507,6 +507,42 @@ impl MatmulOps for Cpu {
             (v.as_mut_slice::<T>(), w.as_mut_slice::<T>()),
             (T::from_f64(step.lr), T::from_f64(step.momentum))
         ), _ => {});
+        Ok(())
+    }
+}
+
+impl OptimOps for Cpu {
+    fn sgd_update(
+        ctx: &Ctx,
+        dtype: DType,
+        grad: &HostBuffer,
+        p: &mut HostBuffer,
+        velocity: Option<&mut HostBuffer>,
+        step: SgdCoeffs,
+    ) -> Result<()> {
+        dispatch_float!(dtype, T => optim::sgd_update(
+            grad.as_slice::<T>(),
+            p.as_mut_slice::<T>(),
+            velocity.map(|v| v.as_mut_slice::<T>()),
+            step,
+        ), _ => return Err(ctx.unsupported(format!("`{}` on {dtype}: floats only", ctx.op))));
+        Ok(())
+    }
+
+    fn adam_update(
+        ctx: &Ctx,
+        dtype: DType,
+        grad: &HostBuffer,
+        p: &mut HostBuffer,
+        (m, v): (&mut HostBuffer, &mut HostBuffer),
+        step: AdamCoeffs,
+    ) -> Result<()> {
+        dispatch_float!(dtype, T => optim::adam_update(
+            grad.as_slice::<T>(),
+            p.as_mut_slice::<T>(),
+            (m.as_mut_slice::<T>(), v.as_mut_slice::<T>()),
+            step,
+        ), _ => return Err(ctx.unsupported(format!("`{}` on {dtype}: floats only", ctx.op))));
         Ok(())
     }
 }

@@ -30,6 +30,7 @@ pub(crate) const SOURCE: &str = concat!(
     include_str!("kernels/reduce.cu"),
     include_str!("kernels/nn.cu"),
     include_str!("kernels/matmul.cu"),
+    include_str!("kernels/optim.cu"),
 );
 
 /// NVRTC options: no fused multiply-adds, so float arithmetic rounds as on the CPU.
@@ -77,6 +78,8 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("softmax", Types::Float),
     ("softmax_split", Types::Float),
     ("matmul", Types::Int),
+    ("sgd_update", Types::Float),
+    ("adam_update", Types::Float),
 ];
 
 /// Kernels taking two dtypes, named `<base>_<a>_<b>`, with the pairs they are compiled for.
@@ -904,7 +907,7 @@ mod tests {
     fn every_kernel_has_a_parsed_parameter_list() {
         let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
         let templates = SOURCE.matches("__global__ void").count();
-        assert_eq!(templates, 29, "kernel templates in the kernel source");
+        assert_eq!(templates, 31, "kernel templates in the kernel source");
         let missing: Vec<String> = expected()
             .into_iter()
             .map(|(_, name)| name)
@@ -924,6 +927,10 @@ mod tests {
         assert_eq!(sizes("gt_scalar_u8"), [8, 8, 8, 8]);
         assert_eq!(sizes("axpy_f32"), [8, 8, 8, 4, 4, 200]);
         assert_eq!(sizes("gather_b1"), [8, 8, 8, 4, 200]);
+        assert_eq!(sizes("sgd_update_f32"), [8, 8, 8, 8, 4, 4, 4, 4]);
+        let mut adam = vec![8; 14];
+        adam.push(4);
+        assert_eq!(sizes("adam_update_f64"), adam);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! - `reduce.rs`: sums, maxima, argmax.
 //! - `matmul.rs`: matrix products and the dense SGD update.
 //! - `nn.rs`: softmax, `one_hot`, `pick`.
+//! - `optim.rs`: the fused SGD and Adam/AdamW steps.
 //! - `shape.rs`: transpose, permute, narrow, interleave.
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
@@ -25,6 +26,7 @@ mod elementwise;
 mod error;
 mod matmul;
 mod nn;
+mod optim;
 mod reduce;
 mod shape;
 mod transfer;
