@@ -858,7 +858,13 @@ impl State {
             if !copy {
                 continue;
             }
-            let array = Arc::clone(&self.arrays[key].shared);
+            // A copy made for an earlier array of this move may have taken the place of this
+            // one (a circular cycle's block wraps over the survivors of its ended cycles): it is
+            // closed now, and the commit below skips it as it skips any array gone.
+            let Some(entry) = self.arrays.get(key) else {
+                continue;
+            };
+            let array = Arc::clone(&entry.shared);
             match self.allocate(ctx, target, &array.shape, array.dtype, array.device) {
                 Ok(allocation) => copies.push((key, allocation)),
                 Err(e) => {
