@@ -824,6 +824,8 @@ impl State {
         }
         // 2. Each array, checked before anything moves.
         let mut plan: Vec<(ArrayKey, ArrayMove, bool)> = Vec::with_capacity(arrays.len());
+        // The arrays that need a copy, in plan order (their metadata outlives their entries).
+        let mut to_copy: Vec<&ArrayShared> = Vec::new();
         for array in arrays {
             let entry = self.array(array, ctx)?;
             let key = array.key;
@@ -849,22 +851,20 @@ impl State {
                 Move::Detach => ArrayMove::Own,
             };
             let copy = step != ArrayMove::Stay && self.copy_needed(key, target, kind);
+            if copy {
+                to_copy.push(array);
+            }
             plan.push((key, step, copy));
         }
         // 3. Storage for the copies; undone in full if one fails.
         let checkpoint = self.target_checkpoint(target);
         let mut copies: Vec<(ArrayKey, Allocation)> = Vec::new();
-        for &(key, _, copy) in &plan {
-            if !copy {
-                continue;
-            }
-            // A copy made for an earlier array of this move may have taken the place of this
-            // one (a circular cycle's block wraps over the survivors of its ended cycles): it is
-            // closed now, and the commit below skips it as it skips any array gone.
-            let Some(entry) = self.arrays.get(key) else {
-                continue;
-            };
-            let array = Arc::clone(&entry.shared);
+        for array in to_copy {
+            // A copy made for an earlier array of this move may take the place of this one (a
+            // circular cycle's block wraps over the survivors of its ended cycles): it is closed
+            // then, its copy is still made (the ring's space is spent as for any allocation),
+            // and the commit below skips it as it skips any array gone.
+            let key = array.key;
             match self.allocate(ctx, target, &array.shape, array.dtype, array.device) {
                 Ok(allocation) => copies.push((key, allocation)),
                 Err(e) => {

@@ -70,29 +70,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Ops that start a case with workspaces to work on: for each `(config, open)`, a base manager
-/// owning a workspace of that configuration, with a cycle open if `open`.
-fn setup_ops(setup: &[(usize, bool)]) -> Vec<Op> {
-    let mut ops = Vec::new();
-    // Managers so far: the system manager, then each base manager and cycle scope made here.
-    let mut managers = 1;
-    for (w, &(config, open)) in setup.iter().enumerate() {
-        ops.push(Op::CreateManager { parent: None });
-        managers += 1;
-        // Indices are taken among the managers other than the system one: the new base manager,
-        // the last, is number `managers - 2` of those.
-        ops.push(Op::CreateWorkspace {
-            manager: managers - 2,
-            config,
-        });
-        if open {
-            ops.push(Op::OpenCycle { workspace: w });
-            managers += 1;
-        }
-    }
-    ops
-}
-
 /// 10 000 cases of up to 80 ops (after a setup of one or two workspaces): about 17 s with
 /// `cargo test --release --test model` on two cores. A debug build is about 15 times slower, so
 /// plain `cargo test` runs 1 000; Miri runs 3 of up to 24 ops. `PROPTEST_CASES=n` overrides the count.
@@ -134,6 +111,6 @@ proptest! {
         setup in prop::collection::vec((0usize..model::WORKSPACE_CONFIGS, any::<bool>()), 1..=2),
         ops in prop::collection::vec(op(), 0..=MAX_OPS),
     ) {
-        model::run_from_nothing(&[&setup_ops(&setup), &ops]);
+        model::run_from_nothing(&[&model::setup_ops(&setup), &ops]);
     }
 }

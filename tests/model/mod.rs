@@ -1707,3 +1707,26 @@ impl Drop for Harness {
         }
     }
 }
+
+/// Ops that start a case with workspaces to work on: for each `(config, open)`, a base manager
+/// owning a workspace of that configuration, with a cycle open if `open`.
+pub fn setup_ops(setup: &[(usize, bool)]) -> Vec<Op> {
+    let mut ops = Vec::new();
+    // Managers so far: the system manager, then each base manager and cycle scope made here.
+    let mut managers = 1;
+    for (w, &(config, open)) in setup.iter().enumerate() {
+        ops.push(Op::CreateManager { parent: None });
+        managers += 1;
+        // Indices are taken among the managers other than the system one: the new base manager,
+        // the last, is number `managers - 2` of those.
+        ops.push(Op::CreateWorkspace {
+            manager: managers - 2,
+            config,
+        });
+        if open {
+            ops.push(Op::OpenCycle { workspace: w });
+            managers += 1;
+        }
+    }
+    ops
+}
