@@ -823,13 +823,13 @@ impl State {
             }
         }
         // 2. Each array, checked before anything moves.
-        let mut plan: Vec<(ArrayKey, ArrayMove, bool)> = Vec::with_capacity(arrays.len());
+        let mut plan: Vec<(ArrayKey, ArrayMove)> = Vec::with_capacity(arrays.len());
         // The arrays that need a copy, in plan order (their metadata outlives their entries).
         let mut to_copy: Vec<&ArrayShared> = Vec::new();
         for array in arrays {
             let entry = self.array(array, ctx)?;
             let key = array.key;
-            if plan.iter().any(|(k, _, _)| *k == key) {
+            if plan.iter().any(|(k, _)| *k == key) {
                 continue;
             }
             let step = match kind {
@@ -850,11 +850,10 @@ impl State {
                 }
                 Move::Detach => ArrayMove::Own,
             };
-            let copy = step != ArrayMove::Stay && self.copy_needed(key, target, kind);
-            if copy {
+            if step != ArrayMove::Stay && self.copy_needed(key, target, kind) {
                 to_copy.push(array);
             }
-            plan.push((key, step, copy));
+            plan.push((key, step));
         }
         // 3. Storage for the copies; undone in full if one fails.
         let checkpoint = self.target_checkpoint(target);
@@ -880,7 +879,7 @@ impl State {
                 self.relocate(ctx, key, allocation);
             }
         }
-        for (key, step, _) in plan {
+        for (key, step) in plan {
             if !self.arrays.contains_key(key) {
                 continue;
             }

@@ -13,17 +13,11 @@ use crate::backend::contract::{AdamCoeffs, SgdCoeffs};
 fn split(len: usize, f: impl Fn(usize, usize) + Sync) {
     if len < PAR_MIN {
         f(0, len);
-        return;
+    } else {
+        pool::for_each_range(len, chunk_len(len), |range| f(range.start, range.end));
     }
-    let chunk = chunk_len(len);
-    pool::run(len.div_ceil(chunk), &|t| {
-        let start = t * chunk;
-        f(start, (start + chunk).min(len));
-    });
 }
 
-/// One SGD step: `g = grad + wd·p`; with a velocity `v = μ·v + g`, `d = nesterov ? g + μ·v :
-/// v`, else `d = g`; `p -= lr·d`. All slices have `p`'s length.
 pub(crate) fn sgd_update<T: Num>(
     grad: &[T],
     p: &mut [T],

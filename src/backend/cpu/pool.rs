@@ -409,6 +409,16 @@ unsafe impl<T: Send> Send for SendPtr<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
+/// Calls `f(start..end)` for the consecutive ranges of `0..len` of `chunk` elements (the last
+/// may be shorter), in parallel: each range goes to one call only.
+pub(crate) fn for_each_range(len: usize, chunk: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    let chunk = chunk.max(1);
+    run(len.div_ceil(chunk), &|i| {
+        let start = i * chunk;
+        f(start..(start + chunk).min(len));
+    });
+}
+
 /// Calls `f(i, chunk_i)` for the consecutive chunks of `out` of `chunk` elements (the last may
 /// be shorter), in parallel.
 pub(crate) fn for_each_chunk_mut<T: Send>(
@@ -417,15 +427,13 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let chunk = chunk.max(1);
-    let len = out.len();
     let base = SendPtr(out.as_mut_ptr());
-    run(len.div_ceil(chunk), &|i| {
-        let start = i * chunk;
-        let end = (start + chunk).min(len);
-        // SAFETY: `run` gives each index to one call only, so the ranges [start, end) handed
-        // out are disjoint and inside `out`, which stays mutably borrowed until `run` returns.
-        let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
-        f(i, part);
+    for_each_range(out.len(), chunk, |range| {
+        // SAFETY: `for_each_range` gives each range to one call only, so the ranges handed out
+        // are disjoint and inside `out`, which stays mutably borrowed until it returns.
+        let part =
+            unsafe { std::slice::from_raw_parts_mut(base.get().add(range.start), range.len()) };
+        f(range.start / chunk, part);
     });
 }
 
