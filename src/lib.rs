@@ -42,7 +42,8 @@ pub use memory::{
     memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
 };
 pub use ndarray::{
-    concat, manual_seed, stack, Activation, AdamUpdate, ArrayId, Dense, NDArray, NDList, SgdUpdate,
+    concat, gradient_collector, is_grad_enabled, manual_seed, no_gradient, stack, Activation,
+    AdamUpdate, ArrayId, Dense, GradientCollector, NDArray, NDList, NoGradientGuard, SgdUpdate,
     Transpose,
 };
 pub use prefetch::{PrefetchStats, Prefetcher};

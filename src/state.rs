@@ -429,6 +429,7 @@ impl State {
                 closed: OnceLock::new(),
                 moves: AtomicU64::new(0),
                 data: RwLock::new(Some(buffer)),
+                grad: Default::default(),
             }),
             owner,
             returns: Vec::new(),
@@ -1427,6 +1428,7 @@ mod tests {
             closed: OnceLock::new(),
             moves: AtomicU64::new(0),
             data: RwLock::new(None),
+            grad: Default::default(),
         };
         assert!(state.array(&live, &ctx).is_ok());
         assert!(matches!(

@@ -5,7 +5,7 @@
 //! change to them are `crate::state`'s.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, RwLock};
@@ -55,6 +55,22 @@ pub(crate) struct ArrayShared {
     /// checks it is still the latest.
     pub moves: AtomicU64,
     pub data: RwLock<Option<Storage>>,
+    /// What gradients need of it (see `crate::ndarray::autograd`).
+    pub grad: GradFields,
+}
+
+/// An array's autograd fields: lock-free reads on every op while a gradient collector records.
+#[derive(Default)]
+pub(crate) struct GradFields {
+    /// Set by `NDArray::set_requires_gradient`: a leaf whose gradient is accumulated.
+    pub requires: AtomicBool,
+    /// The gradient array (same owner, same shape), made when gradients are first required.
+    pub array: Mutex<Option<Arc<ArrayShared>>>,
+    /// Bumped by every in-place write: a saved array whose version changed before `backward`
+    /// would give a wrong gradient, so `backward` refuses it.
+    pub version: AtomicU64,
+    /// The tape node that computed it: `(tape id << 32) | node index`, 0 for none.
+    pub node: AtomicU64,
 }
 
 impl ArrayShared {

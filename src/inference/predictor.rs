@@ -169,6 +169,8 @@ impl<I: ?Sized, O> Predictor<I, O> {
     pub fn predict(&self, input: &I) -> Result<O> {
         let ctx = Ctx::new("Predictor::predict");
         let context = self.take_context()?;
+        // A predictor's step is never recorded, even inside a gradient collector.
+        let _no_gradient = crate::NoGradientGuard::new();
         let result = panic::catch_unwind(AssertUnwindSafe(|| match &context {
             Some(ws) => ws.cycle(|c| (self.step)(c, input)),
             None => self.manager.scope(|c| (self.step)(c, input)),

@@ -1,6 +1,7 @@
 //! Copies of an array on another device or in another dtype: [`NDArray::to_device`] and
 //! [`NDArray::to_dtype`].
 
+use super::autograd::{record, Backward};
 use super::exec;
 use crate::backend::contract::TransferOps;
 use crate::backend::AnyDevice;
@@ -28,14 +29,16 @@ impl NDArray {
         if !device.is_available() {
             return Err(ctx.unavailable(device));
         }
-        exec::op1_into(
+        let out = exec::op1_into(
             &ctx,
             self,
             (exec::Target::OwnerOf(self), device),
             self.shape().clone(),
             self.dtype(),
             |src, dst| AnyDevice::copy(&ctx, src, dst),
-        )
+        )?;
+        record(&ctx, &[self], &out, || Backward::Convert);
+        Ok(out)
     }
 
     /// A copy converted to `dtype`, placed like an op result. Conversions follow Rust's `as`:
@@ -65,8 +68,10 @@ impl NDArray {
 
     fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
         let from = self.dtype();
-        exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
+        let out = exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {
             AnyDevice::convert(ctx, (from, dtype), src, dst)
-        })
+        })?;
+        record(ctx, &[self], &out, || Backward::Convert);
+        Ok(out)
     }
 }

@@ -138,6 +138,21 @@ impl Dense {
     #[track_caller]
     pub fn forward(&self, x: &NDArray) -> Result<NDArray> {
         let ctx = Ctx::new("Dense::forward");
+        let out = {
+            // Recorded as one op (its unpacked path's steps are not).
+            let _pause = super::autograd::recording().then(super::autograd::Pause::new);
+            self.forward_unrecorded(ctx, x)?
+        };
+        let all = [x, &self.w, self.bias.as_ref().unwrap_or(x)];
+        let inputs = &all[..2 + usize::from(self.bias.is_some())];
+        let relu = self.activation == Activation::Relu;
+        super::autograd::record(&ctx, inputs, &out, || super::autograd::Backward::Dense {
+            relu,
+        });
+        Ok(out)
+    }
+
+    fn forward_unrecorded(&self, ctx: Ctx, x: &NDArray) -> Result<NDArray> {
         check_same(&ctx, x, &self.w)?;
         let (k, n) = (self.k, self.n);
         let Some((_, lead)) = x.dims().split_last().filter(|(&last, _)| last == k) else {

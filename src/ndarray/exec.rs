@@ -4,6 +4,7 @@
 //! Front-ends validate shapes and dtypes from the handles' metadata first (no lock needed: it
 //! never changes), so a refused op touches nothing.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use parking_lot::{
@@ -29,6 +30,9 @@ pub(crate) enum Target<'a> {
     /// Into the manager that holds this array now (the borrower while borrowed), whatever scope
     /// is active: `to_device` keeps the owner.
     OwnerOf(&'a NDArray),
+    /// As `OwnerOf`, allowed on a capped owner: an array's gradient, which belongs to the
+    /// model as the array does (as `restore_safetensors` is allowed).
+    GradientOf(&'a NDArray),
 }
 
 /// A new array of `shape`/`dtype` on `device`, placed by `target`. Returns it and whether its
@@ -42,7 +46,7 @@ pub(crate) fn new_array(
 ) -> Result<(NDArray, bool)> {
     let active = match target {
         Target::ResultOf(_) => Manager::active(),
-        Target::Manager(_) | Target::OwnerOf(_) => None,
+        Target::Manager(_) | Target::OwnerOf(_) | Target::GradientOf(_) => None,
     };
     // A device's first use sets it up (seconds for a cold kernel compile): before the arena
     // lock, so other threads are not stalled, and with the cause of a failure reported.
@@ -109,6 +113,7 @@ pub(crate) fn new_array(
             };
             (owner, why)
         }
+        Target::GradientOf(source) => (state.array(&source.0, ctx)?.owner, None),
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
         return Err(capped(ctx, &state.manager_entry(m).shared, what));
@@ -215,7 +220,10 @@ fn read<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<ReadGuard<'a>> {
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
 fn write<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<WriteGuard<'a>> {
-    write_at(ctx, a, a as *const ArrayShared as usize)
+    let guard = write_at(ctx, a, a as *const ArrayShared as usize)?;
+    // An in-place write: the version a gradient tape checks.
+    a.grad.version.fetch_add(1, Ordering::Relaxed);
+    Ok(guard)
 }
 
 /// Write-locks the bytes of an op's fresh output, after its inputs whatever its address: no other
@@ -401,6 +409,7 @@ pub(crate) fn inplace_with(
     source: &NDArray,
     kernel: impl FnOnce(&mut Storage, Option<&Storage>) -> Result<()>,
 ) -> Result<()> {
+    super::autograd::check_inplace_sources(ctx, &[source])?;
     if addr(target) == addr(source) {
         let mut guard = write(ctx, &target.0)?;
         return kernel(&mut guard, None);
@@ -439,6 +448,7 @@ fn locked<const W: usize, const R: usize>(
     }
     // Roles 0..W are the targets, W..W+R the sources.
     const { assert!(W + R <= MAX_LOCKED) };
+    super::autograd::check_inplace_sources(ctx, &sources)?;
     let count = W + R;
     let role_array = |role: usize| {
         if role < W {

@@ -2,6 +2,7 @@
 //! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs`,
 //! `nn_ops.rs` and `optim.rs` (the fused optimizer steps); factories (on `Manager`) in `factory.rs`.
 
+pub(crate) mod autograd;
 mod convert;
 mod dense;
 pub(crate) mod exec;
@@ -18,6 +19,9 @@ use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+pub use autograd::{
+    gradient_collector, is_grad_enabled, no_gradient, GradientCollector, NoGradientGuard,
+};
 pub use dense::{Activation, Dense};
 pub use factory::manual_seed;
 pub use list::NDList;
@@ -135,6 +139,7 @@ impl NDArray {
     /// Names the array (shown in errors, dumps and reports).
     pub fn set_name(&self, name: &str) {
         *self.0.name.lock() = Some(Arc::from(name));
+        self.rename_gradient();
     }
 
     /// Names the array and returns it, for chaining.

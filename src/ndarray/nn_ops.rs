@@ -6,6 +6,7 @@ use crate::backend::{self, AnyDevice, Batched};
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
+use super::autograd::{record, Backward};
 use super::exec;
 use super::ops::{check_device, check_same, normalize_axis};
 use super::reduce_ops::split_at_axis;
@@ -93,6 +94,12 @@ impl NDArray {
     #[track_caller]
     pub fn matmul(&self, other: &NDArray) -> Result<NDArray> {
         let ctx = Ctx::new("matmul");
+        let out = self.matmul_unrecorded(ctx, other)?;
+        record(&ctx, &[self, other], &out, || Backward::Matmul);
+        Ok(out)
+    }
+
+    fn matmul_unrecorded(&self, ctx: Ctx, other: &NDArray) -> Result<NDArray> {
         check_same(&ctx, self, other)?;
         let (batch, which, m, k, k2, n) = match (self.dims(), other.dims()) {
             (&[m, k], &[k2, n]) => (None, Batched::Left, m, k, k2, n),
@@ -152,6 +159,20 @@ impl NDArray {
     #[track_caller]
     pub fn matmul_t(&self, other: &NDArray, transpose: Transpose) -> Result<NDArray> {
         let ctx = Ctx::new("matmul_t");
+        let out = self.matmul_t_unrecorded(ctx, other, transpose)?;
+        record(&ctx, &[self, other], &out, || {
+            let (left, right) = transpose.flags();
+            Backward::MatmulT { left, right }
+        });
+        Ok(out)
+    }
+
+    fn matmul_t_unrecorded(
+        &self,
+        ctx: Ctx,
+        other: &NDArray,
+        transpose: Transpose,
+    ) -> Result<NDArray> {
         check_same(&ctx, self, other)?;
         let (m, k, n) = product_dims(&ctx, self, other, transpose)?;
         let (ta, tb) = transpose.flags();
@@ -383,9 +404,17 @@ impl NDArray {
         let index = normalize_axis(&ctx, axis, self.shape())?;
         let (outer, len, inner) = split_at_axis(self.dims(), index);
         let lanes = Lanes { outer, len, inner };
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
+        let out = exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             AnyDevice::softmax(&ctx, dtype, a, lanes, out, log)
-        })
+        })?;
+        record(&ctx, &[self], &out, || {
+            if log {
+                Backward::LogSoftmax { axis: index }
+            } else {
+                Backward::Softmax { axis: index }
+            }
+        });
+        Ok(out)
     }
 
     /// `exp(x) / sum(exp(x))` along `axis` (negative counts from the end), for floats.
@@ -508,7 +537,7 @@ impl NDArray {
             }
         })?;
         let dtype = self.dtype();
-        exec::op2(
+        let out = exec::op2(
             &ctx,
             self,
             indices,
@@ -518,7 +547,11 @@ impl NDArray {
                 Some(found) => Err(bad(found)),
                 None => Ok(()),
             },
-        )
+        )?;
+        record(&ctx, &[self, indices], &out, || Backward::Pick {
+            axis: index,
+        });
+        Ok(out)
     }
 }
 

@@ -15,6 +15,7 @@ use crate::dtype::dispatch;
 use crate::error::Ctx;
 use crate::{DType, Element, Error, NDArray, Result, Shape};
 
+use super::autograd::{record, Backward};
 use super::exec;
 
 /// The NumPy broadcast of two shapes, or `ShapeMismatch` naming both.
@@ -204,7 +205,7 @@ impl NDArray {
         let shape = broadcast_shapes(&ctx, self.shape(), other.shape())?;
         let dtype = self.dtype();
         let (sa, sb, so) = (self.shape().clone(), other.shape().clone(), shape.clone());
-        exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
+        let out = exec::op2(&ctx, self, other, shape, dtype, |a, b, out| {
             AnyDevice::binary(
                 &ctx,
                 op,
@@ -214,7 +215,9 @@ impl NDArray {
                 (out, so.dims()),
                 &|| division_by_zero(&ctx, other),
             )
-        })
+        })?;
+        record(&ctx, &[self, other], &out, || Backward::Binary(op));
+        Ok(out)
     }
 
     fn compare(&self, ctx: Ctx, other: &NDArray, op: Compare) -> Result<NDArray> {
@@ -285,9 +288,16 @@ impl NDArray {
                 "integer division by zero: divisor {value} is 0 in {dtype}"
             )));
         }
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
+        let out = exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             AnyDevice::binary_scalar(&ctx, op, dtype, a, value, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || match op {
+            Binary::Mul => Backward::Scale(value),
+            Binary::Div => Backward::Scale(1.0 / value),
+            Binary::Add | Binary::Sub => Backward::Shift,
+            _ => Backward::None,
+        });
+        Ok(out)
     }
 
     /// `self + value`. For integer arrays `value` must be a whole number that fits the dtype
@@ -321,9 +331,11 @@ impl NDArray {
     pub fn pow_scalar(&self, exponent: f64) -> Result<NDArray> {
         let ctx = Ctx::new("pow_scalar");
         let dtype = self.dtype();
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
+        let out = exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             AnyDevice::pow_scalar(&ctx, dtype, a, exponent, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::PowScalar(exponent));
+        Ok(out)
     }
 
     fn unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
@@ -331,9 +343,11 @@ impl NDArray {
         if op.float_only() && !dtype.is_float() {
             return Err(self.dtype_error(&ctx, "f32 or f64"));
         }
-        exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
+        let out = exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             AnyDevice::unary(&ctx, op, dtype, a, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Unary(op));
+        Ok(out)
     }
 
     /// For an in-place op with source `other`: same dtype and device, and `other` broadcasts to

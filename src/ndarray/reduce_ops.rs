@@ -10,6 +10,7 @@ use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
+use super::autograd::{record, Backward};
 use super::exec;
 use super::ops::{axes_mask, normalize_axis};
 
@@ -78,9 +79,18 @@ impl NDArray {
             (false, true) => DType::F64,
         };
         let dims = self.shape().clone();
-        exec::op1(&ctx, self, shape, to, |a, out| {
+        let out = exec::op1(&ctx, self, shape, to, |a, out| {
             AnyDevice::sum(&ctx, SumOf { from, to, mean }, (a, dims.dims()), &mask, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || {
+            let keep = reduced_shape(self.dims(), &mask, true);
+            let count = self.size() / keep.size().max(1);
+            Backward::Sum {
+                keep,
+                scale: if mean { 1.0 / count.max(1) as f64 } else { 1.0 },
+            }
+        });
+        Ok(out)
     }
 
     /// The checks `max` and `argmax` share: `axis` in range and not empty.
@@ -109,9 +119,11 @@ impl NDArray {
         let (outer, len, inner) = split_at_axis(self.dims(), index);
         let lanes = Lanes { outer, len, inner };
         let dtype = self.dtype();
-        exec::op1(&ctx, self, shape, dtype, |a, out| {
+        let out = exec::op1(&ctx, self, shape, dtype, |a, out| {
             AnyDevice::max_axis(&ctx, dtype, a, lanes, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Max { axis: index });
+        Ok(out)
     }
 
     /// The index of the maximum along `axis` (negative counts from the end), as `I64`, with the
@@ -161,8 +173,17 @@ impl NDArray {
             (false, false) => DType::I64,
             (false, true) => DType::F64,
         };
-        exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
+        let out = exec::op1(&ctx, self, Shape::scalar(), to, |a, out| {
             AnyDevice::sum_all(&ctx, SumOf { from, to, mean }, a, out)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Sum {
+            keep: Shape::new(&vec![1; self.ndim()]),
+            scale: if mean {
+                1.0 / self.size().max(1) as f64
+            } else {
+                1.0
+            },
+        });
+        Ok(out)
     }
 }

@@ -9,6 +9,7 @@ use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{NDArray, Result, Shape};
 
+use super::autograd::{record, Backward};
 use super::exec;
 use super::ops::{axes_mask, broadcast_shapes, check_same, normalize_axis, normalize_axis_in};
 use super::reduce_ops::split_at_axis;
@@ -16,9 +17,11 @@ use super::reduce_ops::split_at_axis;
 impl NDArray {
     /// A copy with the same bytes under a new shape.
     fn copy_with_shape(&self, ctx: &Ctx, shape: Shape) -> Result<NDArray> {
-        exec::op1(ctx, self, shape, self.dtype(), |src, dst| {
+        let out = exec::op1(ctx, self, shape, self.dtype(), |src, dst| {
             AnyDevice::copy(ctx, src, dst)
-        })
+        })?;
+        record(ctx, &[self], &out, || Backward::Reshape);
+        Ok(out)
     }
 
     /// The same elements, row-major, in a new shape with the same number of elements
@@ -62,9 +65,11 @@ impl NDArray {
             )));
         };
         let dtype = self.dtype();
-        exec::op1(&ctx, self, Shape::new(&[cols, rows]), dtype, |src, dst| {
+        let out = exec::op1(&ctx, self, Shape::new(&[cols, rows]), dtype, |src, dst| {
             AnyDevice::transpose(&ctx, dtype, src, (rows, cols), dst)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Transpose);
+        Ok(out)
     }
 
     /// The axes reordered: axis `k` of the result is axis `axes[k]` of `self`. `axes` must name
@@ -96,9 +101,11 @@ impl NDArray {
         let out: Vec<usize> = axes.iter().map(|&a| dims.dims()[a]).collect();
         let perm = axes.to_vec();
         let dtype = self.dtype();
-        exec::op1(&ctx, self, Shape::new(&out), dtype, |src, dst| {
+        let out = exec::op1(&ctx, self, Shape::new(&out), dtype, |src, dst| {
             AnyDevice::permute(&ctx, dtype, (src, dims.dims()), &perm, dst)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Permute(Shape::new(axes)));
+        Ok(out)
     }
 
     /// A copy broadcast to `shape` (NumPy rules: dimensions are matched from the right, and a
@@ -118,9 +125,11 @@ impl NDArray {
         }
         let dtype = self.dtype();
         let (from, to) = (self.shape().clone(), shape.clone());
-        exec::op1(&ctx, self, shape, dtype, |src, dst| {
+        let out = exec::op1(&ctx, self, shape, dtype, |src, dst| {
             AnyDevice::assign(&ctx, dtype, (dst, to.dims()), (src, from.dims()))
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::BroadcastTo);
+        Ok(out)
     }
 
     /// The `len` elements from `start` along `axis` (negative counts from the end), the other
@@ -155,9 +164,14 @@ impl NDArray {
             inner,
         };
         let elem = self.dtype().size_in_bytes();
-        exec::op1(&ctx, self, Shape::new(&out), self.dtype(), |src, dst| {
+        let out = exec::op1(&ctx, self, Shape::new(&out), self.dtype(), |src, dst| {
             AnyDevice::narrow(&ctx, elem, src, lanes, start, dst)
-        })
+        })?;
+        record(&ctx, &[self], &out, || Backward::Narrow {
+            axis: index,
+            start,
+        });
+        Ok(out)
     }
 
     /// The array without the size-1 axes in `axes` (negative count from the end); an empty list
@@ -275,7 +289,12 @@ pub fn concat(arrays: &[NDArray], axis: isize) -> Result<NDArray> {
         .iter()
         .map(|a| a.dims()[index] * inner * bytes)
         .collect();
-    interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)
+    let joined = interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)?;
+    if super::autograd::recording() {
+        let inputs: Vec<&NDArray> = arrays.iter().collect();
+        record(&ctx, &inputs, &joined, || Backward::Concat { axis: index });
+    }
+    Ok(joined)
 }
 
 /// Joins arrays of one shape along a new `axis`, which may be one past the last (valid are
@@ -309,5 +328,10 @@ pub fn stack(arrays: &[NDArray], axis: isize) -> Result<NDArray> {
     let outer: usize = first.dims()[..index].iter().product();
     let inner: usize = first.dims()[index..].iter().product();
     let row_bytes = vec![inner * first.dtype().size_in_bytes(); arrays.len()];
-    interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)
+    let joined = interleave(&ctx, arrays, Shape::new(&out), &row_bytes, outer)?;
+    if super::autograd::recording() {
+        let inputs: Vec<&NDArray> = arrays.iter().collect();
+        record(&ctx, &inputs, &joined, || Backward::Stack { axis: index });
+    }
+    Ok(joined)
 }

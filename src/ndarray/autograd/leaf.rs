@@ -1,0 +1,107 @@
+//! The arrays whose gradients are accumulated (PyTorch's leaves with `requires_grad`, DJL's
+//! `setRequiresGradient`), and their `gradient()` arrays.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::error::Ctx;
+use crate::ndarray::exec::{self, Target};
+use crate::{NDArray, Result};
+
+impl NDArray {
+    /// Marks the array as one whose gradient a [`GradientCollector`](crate::GradientCollector)'s
+    /// `backward` computes (`true`) or not (`false`). The first time, its gradient array is made:
+    /// zeroed, of the same shape, dtype and device, **owned by the same manager** (so a model's
+    /// gradients are the model's and close with it; allowed on a capped manager, as
+    /// `restore_safetensors` is) and named `"<name>.grad"`. Turning it off keeps that array.
+    ///
+    /// Errors: `DTypeMismatch` for an integer array (gradients need floats); `ArrayClosed`;
+    /// `OutOfMemory` when the gradient does not fit.
+    #[track_caller]
+    pub fn set_requires_gradient(&self, requires: bool) -> Result<()> {
+        let ctx = Ctx::new("NDArray::set_requires_gradient");
+        if !requires {
+            self.0.grad.requires.store(false, Ordering::Relaxed);
+            return Ok(());
+        }
+        if !self.dtype().is_float() {
+            return Err(self.dtype_error(&ctx, "a float dtype (f32 or f64) to have a gradient"));
+        }
+        let mut slot = self.0.grad.array.lock();
+        let missing = slot.as_ref().is_none_or(|g| g.closed.get().is_some());
+        if missing {
+            let (grad, dirty) = exec::new_array(
+                &ctx,
+                Target::GradientOf(self),
+                self.shape().clone(),
+                self.dtype(),
+                self.device(),
+            )?;
+            if dirty {
+                if let Err(e) = grad.fill_(0.0) {
+                    exec::discard(&grad);
+                    return Err(e);
+                }
+            }
+            grad.set_name(&grad_name(self));
+            *slot = Some(Arc::clone(&grad.0));
+        }
+        drop(slot);
+        self.0.grad.requires.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether [`set_requires_gradient(true)`](Self::set_requires_gradient) is in force. Results
+    /// of ops on such arrays do not require gradients themselves: they are recorded on the tape
+    /// while a collector is open, and only these arrays receive gradients.
+    pub fn requires_gradient(&self) -> bool {
+        self.0.grad.requires.load(Ordering::Relaxed)
+    }
+
+    /// The gradient array (DJL's `getGradient`, PyTorch's `.grad`): the same array every call,
+    /// which `backward` adds into in place and an optimizer's `step` zeroes.
+    ///
+    /// Errors: `InvalidArgument` when the array does not require gradients (call
+    /// [`set_requires_gradient(true)`](Self::set_requires_gradient) first); `ArrayClosed` when
+    /// the gradient was closed (with its manager, or by `close`).
+    #[track_caller]
+    pub fn gradient(&self) -> Result<NDArray> {
+        let ctx = Ctx::new("NDArray::gradient");
+        let grad = self.0.grad.array.lock().clone();
+        match grad {
+            Some(grad) if self.requires_gradient() => {
+                if grad.closed.get().is_some() {
+                    return Err(grad.closed_error(&ctx));
+                }
+                Ok(NDArray(grad))
+            }
+            _ => Err(ctx.invalid(format!(
+                "{} does not require gradients, so it has no gradient (call \
+                 set_requires_gradient(true) on it before recording)",
+                self.0.describe()
+            ))),
+        }
+    }
+
+    /// The gradient array if the array requires gradients and it is open (for `backward`).
+    pub(crate) fn gradient_if_open(&self) -> Option<NDArray> {
+        let grad = self.0.grad.array.lock().clone()?;
+        grad.closed.get().is_none().then_some(NDArray(grad))
+    }
+
+    /// Renames the gradient after the array was renamed.
+    pub(crate) fn rename_gradient(&self) {
+        let grad = self.0.grad.array.lock().clone();
+        if let Some(grad) = grad {
+            *grad.name.lock() = Some(Arc::from(grad_name(self).as_str()));
+        }
+    }
+}
+
+/// `"<name>.grad"`, or `"a12.grad"` for an unnamed array.
+fn grad_name(a: &NDArray) -> String {
+    match a.name() {
+        Some(name) => format!("{name}.grad"),
+        None => format!("{}.grad", a.id()),
+    }
+}
