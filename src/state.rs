@@ -120,6 +120,24 @@ impl Drop for Arena {
     }
 }
 
+/// Work a layer above registers to run before a manager closes (see [`before_close`]).
+static BEFORE_CLOSE: OnceLock<fn()> = OnceLock::new();
+
+/// Registers `f` to run on the closing thread before any manager closes (once; later calls
+/// change nothing). Autograd settles the thread's pending weight gradients there, while the
+/// arrays they read are still open.
+pub(crate) fn set_before_close(f: fn()) {
+    let _ = BEFORE_CLOSE.set(f);
+}
+
+/// Runs the registered work before a manager closes, with no lock held.
+#[inline]
+pub(crate) fn before_close() {
+    if let Some(f) = BEFORE_CLOSE.get() {
+        f();
+    }
+}
+
 /// Locks the arena (first in the lock order: see `crate::locks`).
 #[inline]
 pub(crate) fn lock() -> Arena {

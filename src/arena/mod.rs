@@ -60,7 +60,6 @@ pub(crate) struct ArrayShared {
 }
 
 /// An array's autograd fields: lock-free reads on every op while a gradient collector records.
-#[derive(Default)]
 pub(crate) struct GradFields {
     /// Set by `NDArray::set_requires_gradient`: a leaf whose gradient is accumulated.
     pub requires: AtomicBool,
@@ -71,6 +70,37 @@ pub(crate) struct GradFields {
     pub version: AtomicU64,
     /// The tape node that computed it: `(tape id << 32) | node index`, 0 for none.
     pub node: AtomicU64,
+    /// For a gradient array: its version when it was last known to hold zeros (`u64::MAX`:
+    /// not known), so a zeroed gradient is not zeroed again and backward may overwrite it.
+    pub zeroed: AtomicU64,
+    /// For a gradient array: a weight gradient `op(a) · op(b)` that backward left to be
+    /// computed when the gradient is first read or written (or fused into an optimizer step,
+    /// which then never writes the gradient). `has_pending` is read on every access.
+    pub pending: Mutex<Option<PendingProduct>>,
+    pub has_pending: AtomicBool,
+}
+
+impl Default for GradFields {
+    fn default() -> Self {
+        GradFields {
+            requires: AtomicBool::new(false),
+            array: Mutex::new(None),
+            version: AtomicU64::new(0),
+            node: AtomicU64::new(0),
+            zeroed: AtomicU64::new(u64::MAX),
+            pending: Mutex::new(None),
+            has_pending: AtomicBool::new(false),
+        }
+    }
+}
+
+/// A matrix product not computed yet: `op(a) · op(b)` with `a` and `b` at these versions.
+pub(crate) struct PendingProduct {
+    pub a: Arc<ArrayShared>,
+    pub b: Arc<ArrayShared>,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub versions: (u64, u64),
 }
 
 impl ArrayShared {

@@ -193,6 +193,7 @@ impl Manager {
     #[track_caller]
     pub fn close(&self) -> Result<()> {
         let ctx = Ctx::new("Manager::close");
+        state::before_close();
         let mut state = state::lock();
         if Arc::ptr_eq(&self.0, state.system()) {
             return Err(ctx.system("the system manager is never closed"));

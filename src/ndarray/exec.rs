@@ -16,6 +16,7 @@ use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
 use crate::manager::Manager;
+use crate::ndarray::autograd::pending;
 use crate::state::{self, capped, Allocation, NewArray};
 use crate::{DType, Device, Error, NDArray, Result, Shape};
 
@@ -263,6 +264,16 @@ fn read_sorted<'a>(ctx: &Ctx, inputs: &[&'a NDArray]) -> Result<(Vec<ReadGuard<'
     Ok((guards, slot))
 }
 
+/// Computes the pending weight gradient of any of `arrays` that has one (see
+/// `autograd::pending`), before their bytes are locked: no access sees a gradient without it.
+#[inline]
+fn settle(ctx: &Ctx, arrays: &[&NDArray]) -> Result<()> {
+    for a in arrays {
+        pending::settle(ctx, &a.0)?;
+    }
+    Ok(())
+}
+
 /// Runs `f` on the bytes of `inputs` (read-locked in address order, each once) and `out`
 /// (write-locked). `out` must be a fresh array, not one of the inputs.
 pub(crate) fn compute<R>(
@@ -271,6 +282,7 @@ pub(crate) fn compute<R>(
     out: &NDArray,
     f: impl FnOnce(&[&Storage], &mut Storage) -> Result<R>,
 ) -> Result<R> {
+    settle(ctx, inputs)?;
     let (guards, slot) = read_sorted(ctx, inputs)?;
     let mut out_guard = write_fresh(ctx, &out.0)?;
     let buffers: Vec<&Storage> = slot.iter().map(|&j| &*guards[j]).collect();
@@ -283,6 +295,7 @@ pub(crate) fn read_all<R>(
     inputs: &[&NDArray],
     f: impl FnOnce(&[&Storage]) -> Result<R>,
 ) -> Result<R> {
+    settle(ctx, inputs)?;
     if let [a] = inputs {
         let guard = read(ctx, &a.0)?;
         return f(&[&guard]);
@@ -339,6 +352,7 @@ pub(crate) fn op1_into(
     dtype: DType,
     kernel: impl FnOnce(&Storage, &mut Storage) -> Result<()>,
 ) -> Result<NDArray> {
+    settle(ctx, &[a])?;
     let (out, _) = new_array(ctx, target, shape, dtype, device)?;
     let result = (|| {
         let input = read(ctx, &a.0)?;
@@ -363,6 +377,7 @@ pub(crate) fn op2(
     dtype: DType,
     kernel: impl FnOnce(&Storage, &Storage, &mut Storage) -> Result<()>,
 ) -> Result<NDArray> {
+    settle(ctx, &[a, b])?;
     let (out, _) = new_array(ctx, Target::ResultOf(&[a, b]), shape, dtype, a.device())?;
     let result = (|| {
         if addr(a) == addr(b) {
@@ -397,6 +412,7 @@ pub(crate) fn inplace(
     target: &NDArray,
     kernel: impl FnOnce(&mut Storage) -> Result<()>,
 ) -> Result<()> {
+    settle(ctx, &[target])?;
     let mut guard = write(ctx, &target.0)?;
     kernel(&mut guard)
 }
@@ -410,6 +426,7 @@ pub(crate) fn inplace_with(
     kernel: impl FnOnce(&mut Storage, Option<&Storage>) -> Result<()>,
 ) -> Result<()> {
     super::autograd::check_inplace_sources(ctx, &[source])?;
+    settle(ctx, &[target, source])?;
     if addr(target) == addr(source) {
         let mut guard = write(ctx, &target.0)?;
         return kernel(&mut guard, None);
@@ -449,6 +466,8 @@ fn locked<const W: usize, const R: usize>(
     // Roles 0..W are the targets, W..W+R the sources.
     const { assert!(W + R <= MAX_LOCKED) };
     super::autograd::check_inplace_sources(ctx, &sources)?;
+    settle(ctx, &targets)?;
+    settle(ctx, &sources)?;
     let count = W + R;
     let role_array = |role: usize| {
         if role < W {

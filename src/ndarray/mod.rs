@@ -14,6 +14,7 @@ mod ops;
 mod optim;
 mod reduce_ops;
 mod shape_ops;
+mod transpose;
 
 use std::fmt;
 use std::panic::Location;

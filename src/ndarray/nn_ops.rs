@@ -10,32 +10,7 @@ use super::autograd::{record, Backward};
 use super::exec;
 use super::ops::{check_device, check_same, normalize_axis};
 use super::reduce_ops::split_at_axis;
-
-/// Which operands of a 2-D matrix product are read transposed (ND4J's `MMulTranspose`; in
-/// PyTorch, `a.T @ b`). The transposed operand is read in place, through strides: no copy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Transpose {
-    /// `a · b`.
-    #[default]
-    None,
-    /// `aᵀ · b`.
-    Left,
-    /// `a · bᵀ`.
-    Right,
-    /// `aᵀ · bᵀ`.
-    Both,
-}
-
-impl Transpose {
-    fn flags(self) -> (bool, bool) {
-        match self {
-            Transpose::None => (false, false),
-            Transpose::Left => (true, false),
-            Transpose::Right => (false, true),
-            Transpose::Both => (true, true),
-        }
-    }
-}
+pub use super::transpose::Transpose;
 
 /// `(m, k, n)` of `op(a) · op(b)` for 2-D operands, or `ShapeMismatch`.
 fn product_dims(

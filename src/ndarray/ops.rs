@@ -475,6 +475,11 @@ impl NDArray {
     pub fn fill_(&self, value: f64) -> Result<()> {
         let ctx = Ctx::new("fill_");
         let dtype = self.dtype();
-        exec::inplace(&ctx, self, |x| AnyDevice::fill(&ctx, dtype, x, value))
+        exec::inplace(&ctx, self, |x| AnyDevice::fill(&ctx, dtype, x, value))?;
+        if value == 0.0 {
+            // A gradient filled with zeros is known to hold them (see `autograd::pending`).
+            super::autograd::pending::mark_zero(&self.0);
+        }
+        Ok(())
     }
 }

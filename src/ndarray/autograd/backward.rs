@@ -5,6 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::pending;
 use super::tape::{self, Backward, Node, Pause, Track, TAPE};
 use crate::backend::{Binary, Unary};
 use crate::error::Ctx;
@@ -214,8 +215,15 @@ fn accumulate(ctx: &Ctx, leaves: &[(NDArray, Grad)]) -> Result<()> {
                 leaf.0.describe()
             )));
         };
+        // A gradient that holds zeros takes the first contribution without being read: an
+        // array is copied in, a weight gradient's product is left pending (computed when the
+        // gradient is used, or fused into the optimizer's step).
+        pending::settle(ctx, &target.0)?;
+        let zero = pending::known_zero(&target.0);
         match grad {
+            Grad::Array(g) if zero => target.assign_(g)?,
             Grad::Array(g) => target.add_(g)?,
+            Grad::Product(a, b, t) if zero => pending::set_pending(&target, a, b, t.flags()),
             Grad::Product(a, b, t) => target.addmm_(a, b, *t, 1.0, 1.0)?,
         }
     }

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::pending::mark_zero;
 use crate::error::Ctx;
 use crate::ndarray::exec::{self, Target};
 use crate::{NDArray, Result};
@@ -43,6 +44,7 @@ impl NDArray {
                     return Err(e);
                 }
             }
+            mark_zero(&grad.0);
             grad.set_name(&grad_name(self));
             *slot = Some(Arc::clone(&grad.0));
         }

@@ -22,6 +22,7 @@
 
 mod backward;
 mod leaf;
+pub(crate) mod pending;
 mod tape;
 
 use std::marker::PhantomData;
