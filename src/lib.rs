@@ -16,6 +16,7 @@ mod manager;
 mod memory;
 mod ndarray;
 mod observe;
+mod optim;
 mod persist;
 mod prefetch;
 mod print;
@@ -46,6 +47,7 @@ pub use ndarray::{
     AdamUpdate, ArrayId, Dense, GradientCollector, NDArray, NDList, NoGradientGuard, SgdUpdate,
     Transpose,
 };
+pub use optim::{Adam, AdamW, Optimizer, OptimizerKind, Sgd};
 pub use prefetch::{PrefetchStats, Prefetcher};
 pub use print::{print_options, set_print_options, PrintOptions};
 pub use report::{ArrayReport, Growth, ManagerReport, SiteGrowth, WorkspaceReport};

@@ -48,6 +48,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("persist", 8),
     ("prefetch", 8),
     ("inference", 8),
+    ("optim", 8),
     ("layer_workspace", 8),
     ("timeline", 8),
     ("cuda", 8),

@@ -7,7 +7,7 @@ use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{NDArray, Result};
 
-use super::exec;
+use super::exec::{self, Target};
 use super::ops::check_same;
 
 /// The hyper-parameters of one SGD step ([`NDArray::sgd_update_`]), PyTorch's `optim.SGD` with
@@ -38,6 +38,18 @@ impl SgdUpdate {
             weight_decay: 0.0,
             nesterov: false,
         }
+    }
+
+    /// Checks the hyper-parameters: `lr`, `momentum` and `weight_decay` finite and at least 0,
+    /// Nesterov only with a momentum above 0 (`InvalidArgument` naming the one that is not).
+    pub(crate) fn check(&self, ctx: &Ctx) -> Result<()> {
+        check_non_negative(ctx, "lr", self.lr)?;
+        check_non_negative(ctx, "momentum", self.momentum)?;
+        check_non_negative(ctx, "weight_decay", self.weight_decay)?;
+        if self.nesterov && self.momentum <= 0.0 {
+            return Err(ctx.invalid("nesterov needs a momentum above 0"));
+        }
+        Ok(())
     }
 }
 
@@ -82,6 +94,26 @@ impl AdamUpdate {
             step,
         }
     }
+
+    /// Checks the hyper-parameters: `lr` and `weight_decay` finite and at least 0, the betas in
+    /// `[0, 1)`, `eps` finite and above 0, `step` at least 1 (`InvalidArgument` naming the one
+    /// that is not).
+    pub(crate) fn check(&self, ctx: &Ctx) -> Result<()> {
+        check_non_negative(ctx, "lr", self.lr)?;
+        check_non_negative(ctx, "weight_decay", self.weight_decay)?;
+        for (what, beta) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return Err(ctx.invalid(format!("{what} must be in [0, 1), got {beta}")));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(ctx.invalid(format!("eps must be finite and above 0, got {}", self.eps)));
+        }
+        if self.step == 0 {
+            return Err(ctx.invalid("step counts from 1, got 0"));
+        }
+        Ok(())
+    }
 }
 
 /// `InvalidArgument` unless `value` is finite and at least 0.
@@ -94,6 +126,31 @@ fn check_non_negative(ctx: &Ctx, what: &str, value: f64) -> Result<()> {
 }
 
 impl NDArray {
+    /// A new zeroed array of this array's shape, dtype and device for an optimizer's state,
+    /// placed as its gradient is (in the manager that holds it, allowed on a capped one) and
+    /// named `"<name>.<what>"` (`"a12.<what>"` for an unnamed array). On error nothing is left.
+    pub(crate) fn new_optimizer_state(&self, ctx: &Ctx, what: &str) -> Result<NDArray> {
+        let (state, dirty) = exec::new_array(
+            ctx,
+            Target::GradientOf(self),
+            self.shape().clone(),
+            self.dtype(),
+            self.device(),
+        )?;
+        if dirty {
+            if let Err(e) = state.fill_(0.0) {
+                exec::discard(&state);
+                return Err(e);
+            }
+        }
+        let name = match self.name() {
+            Some(name) => format!("{name}.{what}"),
+            None => format!("{}.{what}", self.id()),
+        };
+        state.set_name(&name);
+        Ok(state)
+    }
+
     /// Checks an optimizer step's operands: `self` a float array, every other of its dtype,
     /// device and shape, and all of them distinct arrays.
     fn check_optim_operands(&self, ctx: &Ctx, grad: &NDArray, state: &[&NDArray]) -> Result<()> {
@@ -173,17 +230,12 @@ impl NDArray {
         let ctx = Ctx::new("sgd_update_");
         let state = velocity.as_slice();
         self.check_optim_operands(&ctx, grad, state)?;
-        check_non_negative(&ctx, "lr", step.lr)?;
-        check_non_negative(&ctx, "momentum", step.momentum)?;
-        check_non_negative(&ctx, "weight_decay", step.weight_decay)?;
+        step.check(&ctx)?;
         if step.momentum > 0.0 && velocity.is_none() {
             return Err(ctx.invalid(format!(
                 "momentum {} needs a velocity array (zeros before the first step)",
                 step.momentum
             )));
-        }
-        if step.nesterov && step.momentum <= 0.0 {
-            return Err(ctx.invalid("nesterov needs a momentum above 0"));
         }
         let dtype = self.dtype();
         let coeffs = SgdCoeffs {
@@ -238,19 +290,7 @@ impl NDArray {
     ) -> Result<()> {
         let ctx = Ctx::new("adam_update_");
         self.check_optim_operands(&ctx, grad, &[m, v])?;
-        check_non_negative(&ctx, "lr", step.lr)?;
-        check_non_negative(&ctx, "weight_decay", step.weight_decay)?;
-        for (what, beta) in [("beta1", step.beta1), ("beta2", step.beta2)] {
-            if !(0.0..1.0).contains(&beta) {
-                return Err(ctx.invalid(format!("{what} must be in [0, 1), got {beta}")));
-            }
-        }
-        if !(step.eps.is_finite() && step.eps > 0.0) {
-            return Err(ctx.invalid(format!("eps must be finite and above 0, got {}", step.eps)));
-        }
-        if step.step == 0 {
-            return Err(ctx.invalid("step counts from 1, got 0"));
-        }
+        step.check(&ctx)?;
         // β^t in f64, as Python's `beta ** step` (a step beyond 2^53 rounds: β^t is 0 there).
         let power = |beta: f64| beta.powf(step.step as f64);
         let bias1 = 1.0 - power(step.beta1);
