@@ -3,6 +3,10 @@
 //! - an MLP training step 784→1024→1024→10 at batch 256 vs its FLOP floor at the measured
 //!   matmul rate (target ≥ 0.75 of it);
 //! - the same step at batch 16 (bound by memory traffic and per-op overhead);
+//! - the same steps with autograd (a gradient collector, `backward`, the `Sgd` optimizer) vs
+//!   the hand-written backward pass (targets ≤ 1.15× at batch 256, ≤ 1.3× at batch 16);
+//! - the recording overhead of autograd: a 1-element op on an array that requires gradients,
+//!   with and without a recording collector (target ≤ 150 ns more per op);
 //! - the weight update of its 1024×1024 layer at batch 16: `sgd_dense_update_` (one pass) vs
 //!   `addmm_` then `axpy_`;
 //! - elementwise `add` of 1M f32 vs a memcpy of the same bytes.
@@ -19,11 +23,13 @@ mod common;
 mod mlp;
 
 use std::hint::black_box;
+use std::time::{Duration, Instant};
 
-use common::{bench, human, median_ns, ratio, save};
+use common::{bench, human, median_ns, ratio, record, save};
 use criterion::{criterion_group, Criterion};
 use ndscope::{
-    manual_seed, DType, LayerWorkspaceMgr, Manager, Transpose, Workspace, WorkspaceConfig,
+    manual_seed, DType, LayerWorkspaceMgr, Manager, Optimizer, Sgd, Transpose, Workspace,
+    WorkspaceConfig,
 };
 
 const N: usize = 1024;
@@ -88,7 +94,16 @@ fn mlp_step(c: &mut Criterion, batch: usize, group: &str) {
     let (t, ws) = trainer();
     manual_seed(2);
     let model = Manager::new_base().with_name("model");
-    let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10]).unwrap();
+    let sizes = [784, 1024, 1024, 10];
+    let net = mlp::Mlp::new(&model, &sizes).unwrap();
+    // The same network (same random stream) trained with autograd.
+    manual_seed(2);
+    let auto = mlp::Mlp::with_gradients(&model, &sizes).unwrap();
+    let sgd = Sgd {
+        momentum: 0.9,
+        ..Sgd::new(0.01)
+    };
+    let mut optimizer = Optimizer::new(auto.parameters(), sgd).unwrap();
     model.cap();
     let x = t.randn([batch, 784], DType::F32).unwrap();
     let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
@@ -112,6 +127,18 @@ fn mlp_step(c: &mut Criterion, batch: usize, group: &str) {
         })
         .unwrap();
     });
+    bench(
+        &mut g,
+        group,
+        "ndscope autograd step in a workspace cycle",
+        || {
+            ws.cycle(|_| {
+                auto.autograd_step(&mut optimizer, &x, &y)
+                    .map(|o| black_box(o.loss).size())
+            })
+            .unwrap();
+        },
+    );
     g.finish();
     println!(
         "  {group}: {:.2} GFLOP per step",
@@ -124,6 +151,58 @@ fn mlp_step(c: &mut Criterion, batch: usize, group: &str) {
 fn mlp_steps(c: &mut Criterion) {
     mlp_step(c, 256, "mlp_step_b256");
     mlp_step(c, 16, "mlp_step_b16");
+}
+
+/// Runs `iters` 1-element `add`s of `p` (which requires gradients) and times them, in batches of
+/// 10,000 in a scope each, with a recording collector open on the scope or not. The scope is
+/// opened and closed (and the collector with it) outside the timed region.
+fn timed_adds(
+    m: &Manager,
+    p: &ndscope::NDArray,
+    x: &ndscope::NDArray,
+    iters: u64,
+    collect: bool,
+) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(10_000);
+        let scope = m.sub_scope().unwrap();
+        {
+            let _active = scope.activate();
+            let collector = collect.then(|| scope.gradient_collector().unwrap());
+            let start = Instant::now();
+            for _ in 0..n {
+                black_box(p.add(x).unwrap());
+            }
+            total += start.elapsed();
+            drop(collector);
+        }
+        scope.close().unwrap();
+        left -= n;
+    }
+    total
+}
+
+fn recording_overhead(c: &mut Criterion) {
+    let group = "autograd_recording_1_element_add";
+    let m = Manager::new_base();
+    let p = m.ones([1], DType::F32).unwrap();
+    p.set_requires_gradient(true).unwrap();
+    let x = m.ones([1], DType::F32).unwrap();
+    let mut g = c.benchmark_group(group);
+    for (name, collect) in [("no collector", false), ("recording collector", true)] {
+        let key = format!("{group}/{name}");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let elapsed = timed_adds(&m, &p, &x, iters, collect);
+                record(&key, elapsed, iters);
+                elapsed
+            })
+        });
+    }
+    g.finish();
+    m.close().unwrap();
 }
 
 fn sgd_update(c: &mut Criterion) {
@@ -170,7 +249,14 @@ fn add_vs_memcpy(c: &mut Criterion) {
     t.close().unwrap();
 }
 
-criterion_group!(benches, matmul, mlp_steps, sgd_update, add_vs_memcpy);
+criterion_group!(
+    benches,
+    matmul,
+    mlp_steps,
+    recording_overhead,
+    sgd_update,
+    add_vs_memcpy
+);
 
 fn main() {
     benches();
@@ -206,6 +292,27 @@ fn main() {
             }
         }
         model.close().unwrap();
+    }
+    for (batch, target) in [(256, "1.15"), (16, "1.3")] {
+        let group = format!("mlp_step_b{batch}");
+        ratio(
+            &format!("MLP step batch {batch}, autograd / hand-written (target ≤ {target})"),
+            &format!("{group}/ndscope autograd step in a workspace cycle"),
+            &format!("{group}/ndscope step in a workspace cycle"),
+        );
+    }
+    let recording = "autograd_recording_1_element_add";
+    if let (Some(with), Some(without)) = (
+        median_ns(&format!("{recording}/recording collector")),
+        median_ns(&format!("{recording}/no collector")),
+    ) {
+        println!(
+            "  autograd recording overhead per op: {} with a collector - {} without = {} (target ≤ 150 ns)",
+            human(with),
+            human(without),
+            human(with - without)
+        );
+        extra.push(("autograd_recording_overhead_ns", with - without));
     }
     ratio(
         "SGD update 1024² at batch 16, addmm_ + axpy_ / sgd_dense_update_",

@@ -1,13 +1,16 @@
 //! Times the MLP training step of `benches/training.rs` (784→1024→1024→10, softmax
 //! cross-entropy, SGD with momentum 0.9, one workspace cycle per step) and prints the median
-//! milliseconds per step. `benches/peers/mlp_step.py` runs it in turns with the same step in
-//! PyTorch, so both are timed under the same machine conditions.
+//! milliseconds per step: with autograd (a gradient collector and the `Sgd` optimizer) by
+//! default, or the hand-written backward pass with `--manual-backward`.
+//! `benches/peers/mlp_step.py` runs it in turns with the same step in PyTorch, so both are
+//! timed under the same machine conditions.
 //!
 //! On a GPU (`--features cuda`, `--device cuda`) the steps are timed in groups of ten, each
 //! ending with a synchronisation of the device, so the time counts the GPU's work.
 //!
 //! ```text
 //! cargo run --release --example mlp_step -- --batch 16 --steps 300
+//! cargo run --release --example mlp_step -- --batch 16 --steps 300 --manual-backward
 //! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda
 //! ```
 
@@ -17,14 +20,21 @@ mod mlp;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use ndscope::{manual_seed, DType, Device, LayerWorkspaceMgr, Manager, Result, WorkspaceConfig};
+use ndscope::{
+    manual_seed, DType, Device, LayerWorkspaceMgr, Manager, Optimizer, Result, Sgd, WorkspaceConfig,
+};
 
 fn main() -> ExitCode {
     let mut batch = 16usize;
     let mut steps = 300usize;
     let mut device = Device::Cpu;
+    let mut manual = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--manual-backward" {
+            manual = true;
+            continue;
+        }
         let value = args.next();
         let number = value.as_deref().and_then(|v| v.parse::<usize>().ok());
         match (flag.as_str(), number, value.as_deref()) {
@@ -34,15 +44,21 @@ fn main() -> ExitCode {
             ("--device", _, Some("cuda")) => device = Device::Cuda(0),
             _ => {
                 eprintln!(
-                    "usage: mlp_step [--batch N] [--steps N] [--device cpu|cuda] (positive numbers)"
+                    "usage: mlp_step [--batch N] [--steps N] [--device cpu|cuda] [--manual-backward] \
+                     (positive numbers)"
                 );
                 return ExitCode::from(2);
             }
         }
     }
-    match run(batch, steps, device) {
+    match run(batch, steps, device, manual) {
         Ok(ms) => {
-            println!("batch {batch}: {ms:.4} ms/step (median of {steps} steps) on {device}");
+            let how = if manual {
+                "hand-written backward"
+            } else {
+                "autograd"
+            };
+            println!("batch {batch}: {ms:.4} ms/step (median of {steps} steps, {how}) on {device}");
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -54,13 +70,27 @@ fn main() -> ExitCode {
 
 /// The median milliseconds of `steps` training steps at `batch` on `device`, after 10 warm-up
 /// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation).
-fn run(batch: usize, steps: usize, device: Device) -> Result<f64> {
+fn run(batch: usize, steps: usize, device: Device, manual: bool) -> Result<f64> {
     let trainer = Manager::new_base_on(device)?.with_name("trainer");
     let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
     let layers = LayerWorkspaceMgr::training(&trainer)?;
     manual_seed(2);
     let model = Manager::new_base_on(device)?.with_name("model");
-    let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10])?;
+    let sizes = [784, 1024, 1024, 10];
+    let net = if manual {
+        mlp::Mlp::new(&model, &sizes)?
+    } else {
+        mlp::Mlp::with_gradients(&model, &sizes)?
+    };
+    let sgd = Sgd {
+        momentum: 0.9,
+        ..Sgd::new(0.01)
+    };
+    let mut optimizer = if manual {
+        None
+    } else {
+        Some(Optimizer::new(net.parameters(), sgd)?)
+    };
     model.cap();
     let x = trainer.randn([batch, 784], DType::F32)?;
     let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
@@ -70,7 +100,10 @@ fn run(batch: usize, steps: usize, device: Device) -> Result<f64> {
     for i in 0..(steps + 10).div_ceil(group) {
         let start = Instant::now();
         for _ in 0..group {
-            ws.cycle(|_| net.train_step(&layers, &x, &y, 0.01, 0.9).map(|_| ()))?;
+            match optimizer.as_mut() {
+                Some(opt) => ws.cycle(|_| net.autograd_step(opt, &x, &y).map(|_| ()))?,
+                None => ws.cycle(|_| net.train_step(&layers, &x, &y, 0.01, 0.9).map(|_| ()))?,
+            }
         }
         device.synchronize()?;
         if i * group >= 10 {

@@ -4,13 +4,19 @@
 //! system
 //! ├─ data      the generated samples
 //! │  └─ prefetch   the next batches, cut on a background thread into a circular workspace
-//! └─ model     parameters and momentum buffers; capped while training
-//!    └─ trainer    owns workspace "batch" and the layer workspaces
-//!       ├─ batch#N                  one workspace cycle per step: the step's results
-//!       ├─ ws-all-layers-act#N      the activations the backward pass reads
-//!       ├─ ws-activation-grad#N     the gradients handed down the layers
-//!       └─ ws-layer-working-mem#N   one layer's temporaries (a cycle per layer)
+//! └─ model     parameters, their gradients and the optimizer's state; capped while training
+//!    └─ trainer    owns workspace "batch" (and, with --manual-backward, the layer workspaces)
+//!       ├─ batch#N                  one workspace cycle per step: the forward pass (the
+//!       │                           tape's saved arrays), backward's temporaries, the results
+//!       ├─ ws-all-layers-act#N      --manual-backward: the activations the backward pass reads
+//!       ├─ ws-activation-grad#N     --manual-backward: the gradients handed down the layers
+//!       └─ ws-layer-working-mem#N   --manual-backward: one layer's temporaries
 //! ```
+//!
+//! By default a step is what a DJL or PyTorch user writes: a gradient collector records the
+//! forward pass, `backward` fills the parameters' gradients, and an optimizer (`Sgd` with
+//! momentum, or `Adam`) updates them in place. `--manual-backward` runs the hand-written
+//! backward pass instead (fused weight updates, DL4J's layer workspaces), for comparison.
 //!
 //! Run it with `cargo run --release --example train_mlp -- [flags]`:
 //!
@@ -19,7 +25,9 @@
 //! --batch N         samples per step (default 128)
 //! --hidden A,B,...  hidden layer widths (default 256,128)
 //! --samples N       training samples (default 180000; 10000 more are held out)
-//! --lr X            learning rate (default 0.02)
+//! --optimizer sgd|adam  the optimizer of the autograd step (default sgd)
+//! --manual-backward the hand-written backward pass and SGD update instead of autograd
+//! --lr X            learning rate (default 0.02 for sgd, 0.001 for adam)
 //! --momentum X      SGD momentum (default 0.9)
 //! --seed N          seed of every random number (default 7)
 //! --no-workspace    plain scopes instead of workspace cycles, for the step and every layer
@@ -50,10 +58,12 @@ mod mlp;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use std::cell::RefCell;
+
 use mlp::{make_data, Mlp};
 use ndscope::{
-    fmt_bytes, manual_seed, memory_usage, ArrayKind, Device, LayerWorkspaceMgr, Manager, NDArray,
-    Prefetcher, RecordOptions, WorkspaceConfig,
+    fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, Device, LayerWorkspaceMgr, Manager,
+    NDArray, Optimizer, Prefetcher, RecordOptions, Sgd, WorkspaceConfig,
 };
 
 const FEATURES: usize = 784;
@@ -67,8 +77,10 @@ struct Args {
     batch: usize,
     hidden: Vec<usize>,
     samples: usize,
-    lr: f64,
+    lr: Option<f64>,
     momentum: f64,
+    adam: bool,
+    manual: bool,
     seed: u64,
     workspace: bool,
     prefetch: bool,
@@ -84,8 +96,10 @@ fn parse_args() -> Result<Args, String> {
         batch: 128,
         hidden: vec![256, 128],
         samples: 180_000,
-        lr: 0.02,
+        lr: None,
         momentum: 0.9,
+        adam: false,
+        manual: false,
         seed: 7,
         workspace: true,
         prefetch: true,
@@ -107,7 +121,15 @@ fn parse_args() -> Result<Args, String> {
                     .map(number)
                     .collect::<Result<_, _>>()?
             }
-            "--lr" => args.lr = float(&value("--lr")?)?,
+            "--lr" => args.lr = Some(float(&value("--lr")?)?),
+            "--optimizer" => {
+                args.adam = match value("--optimizer")?.as_str() {
+                    "sgd" => false,
+                    "adam" => true,
+                    other => return Err(format!("--optimizer must be sgd or adam, not {other:?}")),
+                }
+            }
+            "--manual-backward" => args.manual = true,
             "--momentum" => args.momentum = float(&value("--momentum")?)?,
             "--seed" => args.seed = number::<u64>(&value("--seed")?)?,
             "--no-workspace" => args.workspace = false,
@@ -124,7 +146,7 @@ fn parse_args() -> Result<Args, String> {
             }
             "-h" | "--help" => {
                 return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
-                            [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
+                            [--optimizer sgd|adam] [--manual-backward] [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
                             [--device cpu|cuda] [--trace PATH] [--snapshot PATH]"
                     .into())
             }
@@ -136,6 +158,11 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.hidden.contains(&0) {
         return Err("hidden widths must be positive".into());
+    }
+    if args.manual && args.adam {
+        return Err(
+            "--manual-backward is plain SGD with momentum: it takes no --optimizer adam".into(),
+        );
     }
     Ok(args)
 }
@@ -161,6 +188,14 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// How a training step learns.
+enum Learner {
+    /// Autograd: a gradient collector per step, then this optimizer's step.
+    Autograd(RefCell<Optimizer>),
+    /// The hand-written backward pass, its arrays placed by these layer workspaces.
+    Manual(Box<LayerWorkspaceMgr>),
 }
 
 /// One epoch's figures.
@@ -189,24 +224,55 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     sizes.push(CLASSES);
     let t0 = Instant::now();
     let (x, y) = make_data(&data, total, FEATURES, CLASSES, 3, SPREAD)?;
-    let net = Mlp::new(&model, &sizes)?;
+    let lr = args.lr.unwrap_or(if args.adam { 0.001 } else { 0.02 });
+    // The parameters (with their gradients, for autograd) and the optimizer's state are made
+    // in the model before it is capped; they would be allowed after it too.
+    let (net, optimizer) = if args.manual {
+        (Mlp::new(&model, &sizes)?, None)
+    } else {
+        let net = Mlp::with_gradients(&model, &sizes)?;
+        let params = net.parameters();
+        let optimizer = if args.adam {
+            Optimizer::new(&params, Adam::new(lr))?
+        } else {
+            Optimizer::new(
+                &params,
+                Sgd {
+                    momentum: args.momentum,
+                    ..Sgd::new(lr)
+                },
+            )?
+        };
+        (net, Some(RefCell::new(optimizer)))
+    };
     model.cap(); // from here on, a temporary landing in the model fails at its line
     let trainer = model.new_sub_manager()?.with_name("trainer");
     let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
-    // Where each kind of array of a step lives: DL4J's layer workspaces, or plain scopes.
-    let layers = if args.workspace {
-        LayerWorkspaceMgr::training(&trainer)?
-    } else {
-        LayerWorkspaceMgr::no_workspaces(&trainer)
+    // How a step learns: the optimizer of the autograd step, or, for the hand-written one,
+    // where each kind of its arrays lives (DL4J's layer workspaces, or plain scopes).
+    let learner = match optimizer {
+        Some(optimizer) => Learner::Autograd(optimizer),
+        None if args.workspace => Learner::Manual(Box::new(LayerWorkspaceMgr::training(&trainer)?)),
+        None => Learner::Manual(Box::new(LayerWorkspaceMgr::no_workspaces(&trainer))),
+    };
+    let method = match (&learner, args.adam) {
+        (Learner::Manual(_), _) => {
+            format!(
+                "hand-written backward, SGD lr {lr} momentum {}",
+                args.momentum
+            )
+        }
+        (Learner::Autograd(_), true) => format!("autograd, Adam lr {lr}"),
+        (Learner::Autograd(_), false) => {
+            format!("autograd, SGD lr {lr} momentum {}", args.momentum)
+        }
     };
     println!(
         "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {}, {} epochs, \
-         lr {}, momentum {}, {}, {} on {} (data generated in {:.2} s)",
+         {method}, {}, {} on {} (data generated in {:.2} s)",
         args.samples,
         args.batch,
         args.epochs,
-        args.lr,
-        args.momentum,
         if args.workspace { "workspace cycles" } else { "plain scopes" },
         if args.prefetch { "batches prefetched" } else { "batches cut in the step" },
         args.device,
@@ -259,7 +325,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     Some(b) => (b.as_slice()[0].clone(), b.as_slice()[1].clone()),
                     None => batch_of(step * args.batch, args.batch)?,
                 };
-                let out = net.train_step(&layers, &xb, &yb, args.lr, args.momentum)?;
+                let out = match &learner {
+                    Learner::Autograd(opt) => net.autograd_step(&mut opt.borrow_mut(), &xb, &yb)?,
+                    Learner::Manual(layers) => {
+                        net.train_step(layers, &xb, &yb, lr, args.momentum)?
+                    }
+                };
                 Ok((
                     out.loss.to_scalar::<f32>()? as f64,
                     out.correct.to_scalar::<i64>()?,
@@ -349,7 +420,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ArrayKind::ActivationGrad,
             ArrayKind::FfWorkingMem,
         ] {
-            if let Some(lw) = layers.workspace(kind) {
+            let layers = match &learner {
+                Learner::Manual(layers) => Some(layers),
+                Learner::Autograd(_) => None,
+            };
+            if let Some(lw) = layers.and_then(|l| l.workspace(kind)) {
                 let s = lw.stats();
                 println!(
                     "workspace '{}' ({kind}): {} cycles, block {}, {} reallocations",

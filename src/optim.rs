@@ -16,6 +16,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 
 use crate::error::Ctx;
+use crate::ndarray::autograd::pending;
 use crate::{AdamUpdate, NDArray, NoGradientGuard, Result, SgdUpdate};
 
 /// Stochastic gradient descent (PyTorch's `optim.SGD` with dampening 0, DJL's `Sgd`):
@@ -360,6 +361,20 @@ impl Optimizer {
         let _not_recorded = NoGradientGuard::new();
         for (p, slot) in self.params.iter().zip(&self.slots) {
             match (self.kind, slot.state.as_slice()) {
+                // A weight gradient that backward left pending (`xᵀ · g`, see
+                // `autograd::pending`) goes straight into the update: one pass over the
+                // parameter and its velocity, the gradient never written (it stays zero).
+                (OptimizerKind::Sgd(sgd), state)
+                    if sgd.weight_decay == 0.0
+                        && !sgd.nesterov
+                        && pending::fused_sgd_step(
+                            &ctx,
+                            p,
+                            &slot.grad,
+                            state.first(),
+                            sgd.lr,
+                            sgd.momentum,
+                        )? => {}
                 (OptimizerKind::Sgd(sgd), state) => {
                     p.sgd_update_(&slot.grad, state.first(), sgd.update())?
                 }
@@ -369,7 +384,7 @@ impl Optimizer {
                 },
                 _ => return Err(missing_state(&ctx, p)),
             }
-            slot.grad.fill_(0.0)?;
+            zero(&slot.grad)?;
         }
         self.steps = step;
         Ok(())
@@ -391,7 +406,7 @@ impl Optimizer {
         }
         let _not_recorded = NoGradientGuard::new();
         for (i, p) in self.params.iter().enumerate() {
-            gradient(&ctx, p, i)?.fill_(0.0)?;
+            zero(&gradient(&ctx, p, i)?)?;
         }
         Ok(())
     }
@@ -490,4 +505,14 @@ fn missing_state(ctx: &Ctx, p: &NDArray) -> crate::Error {
         "the optimizer's state for parameter {} does not match its rule",
         p.0.describe()
     ))
+}
+
+/// Sets a gradient to zero: a pending product is dropped, and a gradient known to hold zeros
+/// (not written since it was last zeroed) is not written again.
+fn zero(grad: &NDArray) -> Result<()> {
+    pending::drop_pending(grad);
+    if pending::known_zero(&grad.0) {
+        return Ok(());
+    }
+    grad.fill_(0.0)
 }

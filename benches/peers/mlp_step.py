@@ -100,14 +100,18 @@ def median_ms(step, steps):
     return statistics.median(times) * 1e3
 
 
-def ndscope_ms(binary, batch, steps):
-    """The median ms/step that examples/mlp_step.rs prints."""
+def ndscope_ms(binary, batch, steps, manual=False):
+    """The median ms/step that examples/mlp_step.rs prints (autograd, or the hand-written
+    backward pass with manual=True)."""
     # PyTorch's OpenMP workers keep spinning for a while after its last parallel region (up to
     # 200 ms with Intel's runtime): let them go to sleep first, or they take the cores from the
     # process being timed.
     time.sleep(0.5)
     out = subprocess.run(
-        [binary, "--batch", str(batch), "--steps", str(steps)], check=True, capture_output=True, text=True
+        [binary, "--batch", str(batch), "--steps", str(steps)] + (["--manual-backward"] if manual else []),
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     match = re.search(r"([0-9.]+) ms/step", out)
     if not match:
@@ -127,20 +131,29 @@ def main():
     for batch, steps, rounds in [(256, 30, 5), (16, 200, 11)]:
         steps_fns = [("autograd + optim.SGD", autograd_step_fn(batch, gen)), ("manual backward", manual_step_fn(batch, gen))]
         times = {name: [] for name, _ in steps_fns}
-        ours = []
+        ours = {"autograd": [], "hand-written backward": []}
         for _ in range(rounds):
             for name, step in steps_fns:
                 times[name].append(median_ms(step, steps))
-            ours.append(ndscope_ms(binary, batch, steps))
-        mine = statistics.median(ours)
-        print(f"batch {batch:>3}: ndscope {mine:7.3f} ms/step (median of {rounds} rounds of {steps} steps)")
-        for name, ms in times.items():
-            ratios = sorted(t / o for t, o in zip(ms, ours))
+            ours["autograd"].append(ndscope_ms(binary, batch, steps))
+            ours["hand-written backward"].append(ndscope_ms(binary, batch, steps, manual=True))
+        for kind, mine in ours.items():
             print(
-                f"  PyTorch {name:<21}: {statistics.median(ms):7.3f} ms/step;"
-                f" ndscope is {statistics.median(ratios):.2f}x faster"
-                f" (rounds: {ratios[0]:.2f}x to {ratios[-1]:.2f}x)"
+                f"batch {batch:>3}: ndscope {kind:<21} {statistics.median(mine):7.3f} ms/step"
+                f" (median of {rounds} rounds of {steps} steps)"
             )
+            for name, ms in times.items():
+                ratios = sorted(t / o for t, o in zip(ms, mine))
+                print(
+                    f"  PyTorch {name:<21}: {statistics.median(ms):7.3f} ms/step;"
+                    f" ndscope {kind} is {statistics.median(ratios):.2f}x faster"
+                    f" (rounds: {ratios[0]:.2f}x to {ratios[-1]:.2f}x)"
+                )
+        ratios = sorted(a / m for a, m in zip(ours["autograd"], ours["hand-written backward"]))
+        print(
+            f"  ndscope autograd / hand-written: {statistics.median(ratios):.3f}"
+            f" (rounds: {ratios[0]:.3f} to {ratios[-1]:.3f})"
+        )
 
 
 if __name__ == "__main__":

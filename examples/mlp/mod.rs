@@ -1,5 +1,12 @@
-//! A multilayer perceptron with a hand-written backward pass, built only from ndscope's public
-//! op set. Shared by `examples/train_mlp.rs`, `examples/serve_mlp.rs` and the benches.
+//! A multilayer perceptron built only from ndscope's public op set, trained either with
+//! autograd (a [`GradientCollector`](ndscope::GradientCollector) and an
+//! [`Optimizer`](ndscope::Optimizer): [`Mlp::autograd_step`]) or with a hand-written backward
+//! pass ([`Mlp::train_step`]). Shared by `examples/train_mlp.rs`, `examples/serve_mlp.rs`, the
+//! benches and the tests.
+//!
+//! The autograd step runs in the caller's active scope (a workspace cycle in training): the
+//! tape's saved arrays are the forward pass's own results there, and backward's temporaries
+//! land there too; only the parameters' gradients and the optimizer's state live in the model.
 //!
 //! Parameters (and their momentum buffers) live in the manager given to [`Mlp::new`]. A training
 //! step places its arrays through a [`LayerWorkspaceMgr`] (DL4J's layer workspace manager): each
@@ -11,14 +18,17 @@
 
 #![allow(dead_code)]
 
-use ndscope::{ArrayKind, DType, LayerWorkspaceMgr, Manager, NDArray, NDList, Result, Transpose};
+use ndscope::{
+    gradient_collector, ArrayKind, DType, Error, LayerWorkspaceMgr, Manager, NDArray, NDList,
+    Optimizer, Result, Transpose,
+};
 
-/// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and their velocities.
+/// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and, for the hand-written
+/// step, their velocities (an autograd model's optimizer keeps its own).
 pub struct Dense {
     pub w: NDArray,
     pub b: NDArray,
-    pub vw: NDArray,
-    pub vb: NDArray,
+    pub velocities: Option<(NDArray, NDArray)>,
 }
 
 /// Dense layers with ReLU between them and softmax cross-entropy on top.
@@ -37,8 +47,20 @@ pub struct StepOut {
 
 impl Mlp {
     /// He-initialised parameters for layer sizes `sizes` (input first, classes last), created
-    /// in `model` from the seeded random stream.
+    /// in `model` from the seeded random stream, with momentum buffers for the hand-written
+    /// [`train_step`](Mlp::train_step).
     pub fn new(model: &Manager, sizes: &[usize]) -> Result<Mlp> {
+        Mlp::build(model, sizes, false)
+    }
+
+    /// The same parameters (same random stream) requiring gradients, for
+    /// [`autograd_step`](Mlp::autograd_step): no momentum buffers; the optimizer made with
+    /// [`parameters`](Mlp::parameters) holds its state.
+    pub fn with_gradients(model: &Manager, sizes: &[usize]) -> Result<Mlp> {
+        Mlp::build(model, sizes, true)
+    }
+
+    fn build(model: &Manager, sizes: &[usize], autograd: bool) -> Result<Mlp> {
         let mut layers = Vec::new();
         for (i, pair) in sizes.windows(2).enumerate() {
             let (fan_in, fan_out) = (pair[0], pair[1]);
@@ -49,13 +71,20 @@ impl Mlp {
             let b = model
                 .zeros([fan_out], DType::F32)?
                 .with_name(&format!("b{}", i + 1));
-            let vw = model
-                .zeros([fan_in, fan_out], DType::F32)?
-                .with_name(&format!("vw{}", i + 1));
-            let vb = model
-                .zeros([fan_out], DType::F32)?
-                .with_name(&format!("vb{}", i + 1));
-            layers.push(Dense { w, b, vw, vb });
+            let velocities = if autograd {
+                w.set_requires_gradient(true)?;
+                b.set_requires_gradient(true)?;
+                None
+            } else {
+                let vw = model
+                    .zeros([fan_in, fan_out], DType::F32)?
+                    .with_name(&format!("vw{}", i + 1));
+                let vb = model
+                    .zeros([fan_out], DType::F32)?
+                    .with_name(&format!("vb{}", i + 1));
+                Some((vw, vb))
+            };
+            layers.push(Dense { w, b, velocities });
         }
         Ok(Mlp {
             layers,
@@ -77,6 +106,33 @@ impl Mlp {
             .collect()
     }
 
+    /// The mean softmax cross-entropy of `logits` against `labels` (`[batch]`, i64).
+    pub fn loss(logits: &NDArray, labels: &NDArray) -> Result<NDArray> {
+        logits.log_softmax(1)?.pick(labels, 1)?.mean_all()?.neg()
+    }
+
+    /// One training step with autograd, as a DJL or PyTorch user writes it: a gradient
+    /// collector on the active scope records the forward pass and the loss, `backward` adds
+    /// the gradients into the parameters' `gradient()` arrays, and `optimizer.step()` updates
+    /// the parameters in place and zeroes the gradients. Call it inside a scope (a workspace
+    /// cycle), where the tape's arrays, backward's temporaries and the returned [`StepOut`]
+    /// land.
+    pub fn autograd_step(
+        &self,
+        optimizer: &mut Optimizer,
+        x: &NDArray,
+        labels: &NDArray,
+    ) -> Result<StepOut> {
+        let collector = gradient_collector()?;
+        let logits = self.logits(x)?;
+        let loss = Mlp::loss(&logits, labels)?;
+        collector.backward(&loss)?;
+        collector.close();
+        let correct = logits.argmax(1)?.eq(labels)?.sum_all()?;
+        optimizer.step()?;
+        Ok(StepOut { loss, correct })
+    }
+
     /// One step of SGD with momentum on a batch: forward, softmax cross-entropy against
     /// `labels` (`[batch]`, i64), backward, and the in-place update of every parameter. Arrays
     /// are placed by `mgr`; call it inside a scope (a workspace cycle), where the returned
@@ -90,6 +146,21 @@ impl Mlp {
         momentum: f64,
     ) -> Result<StepOut> {
         let batch = x.dims()[0] as f64;
+        let mut velocities = Vec::with_capacity(self.layers.len());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let Some(v) = &layer.velocities else {
+                return Err(Error::InvalidArgument {
+                    op: "Mlp::train_step",
+                    at: std::panic::Location::caller(),
+                    reason: format!(
+                        "layer {} has no momentum buffers: the model was made for autograd \
+                         (Mlp::with_gradients); make it with Mlp::new for the hand-written step",
+                        i + 1
+                    ),
+                });
+            };
+            velocities.push(v);
+        }
         // Open for the whole step: what the backward pass reads, and what it hands down.
         let _activations = mgr.open(ArrayKind::Activations)?;
         let _gradients = mgr.open(ArrayKind::ActivationGrad)?;
@@ -138,12 +209,11 @@ impl Mlp {
                 };
                 // v ← μ·v + inputᵀ·grad; w ← w − lr·v, with no weight-gradient temporary (and,
                 // for f32 batches up to 64 on AVX-512 CPUs, in one pass over w and v)
-                layer
-                    .w
-                    .sgd_dense_update_(&layer.vw, input, &grad, lr, momentum)?;
-                layer.vb.mul_scalar_(momentum)?;
-                layer.vb.add_(&db)?;
-                layer.b.axpy_(-lr, &layer.vb)?;
+                let (vw, vb) = velocities[i];
+                layer.w.sgd_dense_update_(vw, input, &grad, lr, momentum)?;
+                vb.mul_scalar_(momentum)?;
+                vb.add_(&db)?;
+                layer.b.axpy_(-lr, vb)?;
                 match below {
                     Some(below) => mgr.leverage_to(ArrayKind::ActivationGrad, &below),
                     None => Ok(grad.clone()),
