@@ -29,9 +29,7 @@ fn nets(model: &Manager, trainer: &Manager) -> (mlp::Mlp, mlp::Mlp, NDArray, NDA
     manual_seed(11);
     let auto = mlp::Mlp::with_gradients(model, &SIZES).unwrap();
     let x = trainer.randn([7, SIZES[0]], DType::F32).unwrap();
-    let y = trainer
-        .from_slice(&[0i64, 1, 2, 1, 0, 2, 2], [7])
-        .unwrap();
+    let y = trainer.from_slice(&[0i64, 1, 2, 1, 0, 2, 2], [7]).unwrap();
     (manual, auto, x, y)
 }
 

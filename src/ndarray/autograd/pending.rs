@@ -10,6 +10,7 @@ use std::cell::{Cell, RefCell};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::tape::Pause;
 use crate::arena::{ArrayShared, PendingProduct};
 use crate::error::Ctx;
 use crate::ndarray::transpose::Transpose;
@@ -110,8 +111,12 @@ fn settle_slow(ctx: &Ctx, grad: &Arc<ArrayShared>) -> Result<()> {
     check_operand(ctx, grad, &b, p.versions.1)?;
     let trans = Transpose::from_flags(p.trans_a, p.trans_b);
     SETTLING.with(|s| s.set(true));
-    // The gradient holds zeros: the product overwrites it (beta 0), no read.
-    let result = NDArray(Arc::clone(grad)).addmm_(&a, &b, trans, 0.0, 1.0);
+    // The gradient holds zeros: the product overwrites it (beta 0), no read. Not recorded (an
+    // operand may be tracked by a collector recording now).
+    let result = {
+        let _not_recorded = Pause::new();
+        NDArray(Arc::clone(grad)).addmm_(&a, &b, trans, 0.0, 1.0)
+    };
     SETTLING.with(|s| s.set(false));
     result?;
     *slot = None;
@@ -175,9 +180,12 @@ pub(crate) fn fused_sgd_step(
     let (x, g) = (NDArray(Arc::clone(&p.a)), NDArray(Arc::clone(&p.b)));
     check_operand(ctx, &grad.0, &x, p.versions.0)?;
     check_operand(ctx, &grad.0, &g, p.versions.1)?;
-    match velocity {
-        Some(v) => param.sgd_dense_update_(v, &x, &g, lr, momentum)?,
-        None => param.addmm_(&x, &g, Transpose::Left, 1.0, -lr)?,
+    {
+        let _not_recorded = Pause::new();
+        match velocity {
+            Some(v) => param.sgd_dense_update_(v, &x, &g, lr, momentum)?,
+            None => param.addmm_(&x, &g, Transpose::Left, 1.0, -lr)?,
+        }
     }
     *slot = None;
     grad.0.grad.has_pending.store(false, Ordering::Release);
