@@ -138,13 +138,24 @@ impl Mlp {
     /// The mean negative log-likelihood of a batch of 4 (input and labels made in the active
     /// scope): matmul, add, relu, matmul, log_softmax, pick, mean_all, neg.
     fn loss(&self, batch: &Manager, seed: usize) -> ndscope::Result<NDArray> {
+        let (h, labels) = self.hidden(batch, seed)?;
+        self.head(&h, &labels)
+    }
+
+    /// The first half of [`loss`](Self::loss): the hidden layer, and the labels.
+    fn hidden(&self, batch: &Manager, seed: usize) -> ndscope::Result<(NDArray, NDArray)> {
         let x = batch
             .from_slice(&data(24, seed + 7), [4, 6])?
             .with_name("x");
         let labels = batch.from_slice(&[0i64, 2, 1, 2], [4])?.with_name("labels");
         let h = x.matmul(&self.w1)?.add(&self.b1)?.relu()?;
+        Ok((h, labels))
+    }
+
+    /// The second half of [`loss`](Self::loss).
+    fn head(&self, h: &NDArray, labels: &NDArray) -> ndscope::Result<NDArray> {
         let logp = h.matmul(&self.w2)?.log_softmax(1)?;
-        logp.pick(&labels, 1)?.mean_all()?.neg()
+        logp.pick(labels, 1)?.mean_all()?.neg()
     }
 
     fn grads(&self) -> Vec<Vec<f64>> {
@@ -973,24 +984,56 @@ fn a_step_on_a_capped_model_without_its_scope_is_capped_at_its_line(dev: Device)
 // ---------------------------------------------------------------------------------------------
 // Threads
 
+/// Two training threads in lockstep: at each step one leads (opens its collector and records
+/// the first half of its forward pass, then the rest and backward) while the other runs a
+/// whole step (opens its collector, records, backward, closes) between the leader's two
+/// halves. Roles swap at each step. A tape or recording flag shared between threads would
+/// lose the leader's second half or refuse the follower's collector.
+#[derive(Clone, Copy)]
+struct Lockstep<'a> {
+    barrier: &'a Barrier,
+    me: usize,
+}
+
 /// `steps` SGD steps of `Mlp::new(dev, seed)` with a collector each, in a workspace: the
-/// gradients of every step.
-fn train(dev: Device, seed: usize, steps: usize, start: Option<&Barrier>) -> Vec<Vec<Vec<f64>>> {
+/// gradients of every step (or its error). The barrier waits happen whatever fails, so the
+/// other thread never hangs.
+fn train(
+    dev: Device,
+    seed: usize,
+    steps: usize,
+    lockstep: Option<Lockstep>,
+) -> Vec<Result<Vec<Vec<f64>>, String>> {
     let mlp = Mlp::new(dev, seed);
     let t = Manager::new_base_on(dev).unwrap().with_name("trainer");
     let ws = t.workspace("step", WorkspaceConfig::default()).unwrap();
-    if let Some(b) = start {
-        b.wait();
-    }
     let mut seen = Vec::new();
     for i in 0..steps {
-        ws.cycle(|s| {
-            let c = gradient_collector()?;
-            c.backward(&mlp.loss(s, seed + i)?)?;
-            Ok(())
-        })
-        .unwrap();
-        seen.push(mlp.grads());
+        let at = seed + i;
+        let result = ws.cycle(|s| match lockstep {
+            None => gradient_collector()?.backward(&mlp.loss(s, at)?),
+            Some(Lockstep { barrier, me }) if (i + me) % 2 == 0 => {
+                let collector = gradient_collector();
+                barrier.wait();
+                let first = mlp.hidden(s, at);
+                barrier.wait();
+                let result = (|| {
+                    let collector = collector?;
+                    let (h, labels) = first?;
+                    collector.backward(&mlp.head(&h, &labels)?)
+                })();
+                barrier.wait();
+                result
+            }
+            Some(Lockstep { barrier, .. }) => {
+                barrier.wait();
+                let result = (|| gradient_collector()?.backward(&mlp.loss(s, at)?))();
+                barrier.wait();
+                barrier.wait();
+                result
+            }
+        });
+        seen.push(result.map(|()| mlp.grads()).map_err(|e| e.to_string()));
         for p in mlp.params() {
             let g = p.gradient().unwrap();
             p.sgd_update_(&g, None, SgdUpdate::new(0.25)).unwrap();
@@ -1007,22 +1050,30 @@ fn two_threads_train_two_models_with_their_own_collectors_at_once(dev: Device) {
     let _serial = serial();
     const STEPS: usize = 12;
     let alone: Vec<_> = [10, 20].map(|seed| train(dev, seed, STEPS, None)).into();
+    assert!(alone.iter().flatten().all(Result::is_ok), "{alone:?}");
     assert_ne!(alone[0], alone[1], "two different computations");
-    let start = Barrier::new(2);
+    let barrier = Barrier::new(2);
     let together: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = [10, 20]
-            .map(|seed| {
-                let start = &start;
-                s.spawn(move || train(dev, seed, STEPS, Some(start)))
+            .into_iter()
+            .enumerate()
+            .map(|(me, seed)| {
+                let lockstep = Lockstep {
+                    barrier: &barrier,
+                    me,
+                };
+                s.spawn(move || train(dev, seed, STEPS, Some(lockstep)))
             })
-            .into();
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
-        assert_eq!(
-            a, b,
-            "thread {i}: the gradients of every step equal those alone"
-        );
+        for (step, (a, b)) in a.iter().zip(b).enumerate() {
+            assert_eq!(
+                a, b,
+                "thread {i}, step {step}: the gradients equal those of the step alone"
+            );
+        }
     }
 }
 
