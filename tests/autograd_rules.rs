@@ -266,6 +266,35 @@ fn a_gradient_made_in_reused_workspace_memory_is_zeroed(dev: Device) {
     t.close().unwrap();
 }
 
+device_tests!(the_gradient_of_a_borrowed_array_is_its_owners_and_outlives_the_borrower);
+fn the_gradient_of_a_borrowed_array_is_its_owners_and_outlives_the_borrower(dev: Device) {
+    let _serial = serial();
+    let m = Manager::new_base_on(dev).unwrap().with_name("model");
+    let w = f32s(&m, &[1.0, 2.0], &[2]).with_name("w");
+    let t = Manager::new_base_on(dev).unwrap().with_name("trainer");
+    let g = {
+        let step = t.sub_scope().unwrap();
+        w.temp_attach(&step).unwrap();
+        assert_eq!(w.manager().unwrap(), *step, "borrowed");
+        w.set_requires_gradient(true).unwrap();
+        let g = w.gradient().unwrap();
+        assert_eq!(
+            g.manager().unwrap(),
+            m,
+            "made in the manager the array belongs to, not in the borrower"
+        );
+        step.close().unwrap();
+        g
+    };
+    assert_eq!(w.manager().unwrap(), m, "given back");
+    assert!(g.is_open(), "the gradient did not close with the borrower");
+    assert_eq!(w.gradient().unwrap().id(), g.id());
+    assert_eq!(owned(&m), ["w", "w.grad"]);
+    m.close().unwrap();
+    assert!(!g.is_open(), "closed with its owner");
+    t.close().unwrap();
+}
+
 #[test]
 fn requiring_gradients_toggles_and_needs_a_float_array() {
     let _serial = serial();
