@@ -6,6 +6,10 @@
 //! (`gemm`, 128-byte aligned) and small metadata (array handles, names; 8-byte aligned) are
 //! counted separately.
 //!
+//! The same holds for a training step with autograd: forward under a gradient collector,
+//! `backward` (its tape holds handles, its temporaries land in the cycle) and an SGD update of
+//! each parameter from its gradient, which is then zeroed.
+//!
 //! The counts per cycle must not depend on the thread count either (the pool's bookkeeping is
 //! allocated once, and a product is cut into the same gemm calls on 1 thread or 16): the test
 //! runs itself again in child processes with `NDSCOPE_NUM_THREADS` set to 1, 2, 3, 7 and 16 and
@@ -14,7 +18,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicUsize, Ordering};
 
-use ndscope::{DType, Manager, NDArray, Result, WorkspaceConfig};
+use ndscope::{gradient_collector, DType, Manager, NDArray, Result, SgdUpdate, WorkspaceConfig};
 
 struct Counting;
 
@@ -104,6 +108,38 @@ fn step(batch: &Manager, w1: &NDArray, w2: &NDArray) -> Result<f32> {
     let logits = h.matmul(w2)?;
     let loss = logits.mean_all()?;
     loss.to_scalar::<f32>()
+}
+
+/// The labels of the autograd step's batch.
+const LABELS: [i64; 128] = {
+    let mut labels = [0i64; 128];
+    let mut i = 0;
+    while i < 128 {
+        labels[i] = ((i * 7) % 10) as i64;
+        i += 1;
+    }
+    labels
+};
+
+/// One training step with autograd: a batch, a two-layer classifier with biases and ReLU, the
+/// mean negative log-likelihood, `backward`, then an SGD update of each parameter and its
+/// gradient zeroed.
+fn autograd_step(batch: &Manager, params: &[NDArray; 4]) -> Result<()> {
+    let [w1, b1, w2, b2] = params;
+    let collector = gradient_collector()?;
+    let x = batch.randn([128, 64], DType::F32)?;
+    let labels = batch.from_slice(&LABELS, [128])?;
+    let h = x.matmul(w1)?.add(b1)?.relu()?;
+    let logp = h.matmul(w2)?.add(b2)?.log_softmax(1)?;
+    let loss = logp.pick(&labels, 1)?.mean_all()?.neg()?;
+    collector.backward(&loss)?;
+    drop(collector);
+    for p in params {
+        let g = p.gradient()?;
+        p.sgd_update_(&g, None, SgdUpdate::new(0.01))?;
+        g.fill_(0.0)?;
+    }
+    Ok(())
 }
 
 /// Allocations made by `f`: storage buffers, their bytes, kernel scratch, metadata.
@@ -221,7 +257,6 @@ fn cycle_counts() -> String {
         });
         if i == 0 {
             line = format!("{COUNTS_PREFIX}{storage} storage, {scratch} gemm scratch, {other} metadata allocations");
-            println!("{line}");
         }
         assert_eq!(
             storage, 0,
@@ -235,6 +270,75 @@ fn cycle_counts() -> String {
     let after = ws.stats();
     assert_eq!(after.spilled_count, 5, "no spill after learning");
     assert_eq!(after.cycles, 23);
+    model.close().unwrap();
+    line.push_str("; with autograd: ");
+    line.push_str(&autograd_counts());
+    println!("{line}");
+    line
+}
+
+/// The autograd step's checks; returns its per-cycle counts.
+fn autograd_counts() -> String {
+    let model = Manager::new_base().with_name("model");
+    let params = [
+        model.randn([64, 256], DType::F32).unwrap().with_name("w1"),
+        model.zeros([256], DType::F32).unwrap().with_name("b1"),
+        model.randn([256, 10], DType::F32).unwrap().with_name("w2"),
+        model.zeros([10], DType::F32).unwrap().with_name("b2"),
+    ];
+    for p in &params {
+        p.set_requires_gradient(true).unwrap();
+    }
+    model.cap();
+    let trainer = model.new_sub_manager().unwrap().with_name("trainer");
+
+    // Control: without a workspace the step allocates storage for the forward's arrays and
+    // backward's temporaries.
+    let (storage, _, _, _) = count(|| {
+        trainer
+            .scope(|batch| autograd_step(batch, &params))
+            .unwrap();
+    });
+    assert!(
+        storage >= 20,
+        "without a workspace an autograd step allocates storage for its arrays, saw {storage}"
+    );
+
+    let ws = trainer
+        .workspace("step", WorkspaceConfig::default())
+        .unwrap();
+    for _ in 0..3 {
+        ws.cycle(|batch| autograd_step(batch, &params)).unwrap();
+    }
+    let learned = ws.stats();
+    assert!(learned.initialized);
+    let mut line = String::new();
+    for i in 0..20 {
+        let (storage, bytes, scratch, other) = count(|| {
+            ws.cycle(|batch| autograd_step(batch, &params)).unwrap();
+        });
+        if i == 0 {
+            line =
+                format!("{storage} storage, {scratch} gemm scratch, {other} metadata allocations");
+        }
+        assert_eq!(
+            storage, 0,
+            "autograd cycle {i} after learning allocated {storage} storage buffers ({bytes} bytes)"
+        );
+        let net = NET.load(Ordering::Relaxed);
+        assert_eq!(
+            net, 0,
+            "autograd cycle {i} left {net} heap bytes behind (a leak: the tape kept handles?)"
+        );
+    }
+    let after = ws.stats();
+    assert_eq!(
+        after.spilled_count, learned.spilled_count,
+        "no spill after learning"
+    );
+    assert_eq!(after.cycles, 23);
+    // The model holds its parameters and their gradients, nothing else.
+    assert_eq!(model.report().arrays.len(), 8);
     model.close().unwrap();
     line
 }

@@ -32,7 +32,8 @@ pub(crate) enum Target<'a> {
     /// is active: `to_device` keeps the owner.
     OwnerOf(&'a NDArray),
     /// As `OwnerOf`, allowed on a capped owner: an array's gradient, which belongs to the
-    /// model as the array does (as `restore_safetensors` is allowed).
+    /// model as the array does (as `restore_safetensors` is allowed). For a borrowed array,
+    /// the manager it goes back to (its first lender, while open), not the borrower.
     GradientOf(&'a NDArray),
 }
 
@@ -114,7 +115,24 @@ pub(crate) fn new_array(
             };
             (owner, why)
         }
-        Target::GradientOf(source) => (state.array(&source.0, ctx)?.owner, None),
+        Target::GradientOf(source) => {
+            let entry = state.array(&source.0, ctx)?;
+            // A borrowed array goes back to the manager that lent it first (while that one is
+            // open): its gradient is made there, not in the borrower, whose closing would
+            // close the gradient while the array lives on.
+            let home =
+                entry
+                    .returns
+                    .first()
+                    .and_then(|lender| match (lender.owner, &lender.shared) {
+                        (Owner::Manager(_), Some(shared)) => {
+                            state.live_manager(shared).map(|_| lender.owner)
+                        }
+                        (Owner::Detached, _) => Some(Owner::Detached),
+                        (Owner::Manager(_), None) => None,
+                    });
+            (home.unwrap_or(entry.owner), None)
+        }
     };
     if let (Some(what), Owner::Manager(m)) = (why, owner) {
         return Err(capped(ctx, &state.manager_entry(m).shared, what));

@@ -14,7 +14,8 @@ impl NDArray {
     /// `backward` computes (`true`) or not (`false`). The first time, its gradient array is made:
     /// zeroed, of the same shape, dtype and device, **owned by the same manager** (so a model's
     /// gradients are the model's and close with it; allowed on a capped manager, as
-    /// `restore_safetensors` is) and named `"<name>.grad"`. Turning it off keeps that array.
+    /// `restore_safetensors` is; for an array borrowed with `temp_attach`, the manager it goes
+    /// back to, not the borrower) and named `"<name>.grad"`. Turning it off keeps that array.
     ///
     /// Errors: `DTypeMismatch` for an integer array (gradients need floats); `ArrayClosed`;
     /// `OutOfMemory` when the gradient does not fit.
