@@ -169,7 +169,7 @@ fn kinds() -> Vec<(&'static str, OptimizerKind)> {
 }
 
 device_tests!(optimizers_follow_the_reference_rules);
-/// Four training steps of each optimizer over two parameters (a matrix and a vector), the
+/// Four training steps of each optimizer over three parameters (matrices and a vector), the
 /// gradients coming from `backward` of `Σ p·c_t` (so `c_t`), against the f64 reference; after
 /// each step every gradient is zero again (else the next `backward` would add to the old one
 /// and the reference would not match).
@@ -177,7 +177,8 @@ fn optimizers_follow_the_reference_rules(dev: Device) {
     for dtype in [DType::F32, DType::F64] {
         for (what, kind) in kinds() {
             let model = Manager::new_base_on(dev).unwrap();
-            let shapes: [&[usize]; 2] = [&[3, 4], &[5]];
+            // The last is large enough to be split over the CPU's worker pool.
+            let shapes: [&[usize]; 3] = [&[3, 4], &[5], &[200, 250]];
             let mut params = Vec::new();
             let mut refs = Vec::new();
             for (k, shape) in shapes.iter().enumerate() {
