@@ -253,7 +253,7 @@ struct Slot {
 /// let model = Manager::new_base();
 /// let w = model.from_slice(&[1.0f32, -2.0], [2])?.with_name("w");
 /// w.set_requires_gradient(true)?;
-/// let mut optimizer = Optimizer::new(&[w.clone()], Sgd::new(0.25))?;
+/// let mut optimizer = Optimizer::new([&w], Sgd::new(0.25))?;
 /// for _ in 0..2 {
 ///     let step = model.sub_scope()?;
 ///     {
