@@ -235,10 +235,11 @@ struct Slot {
 ///   that holds each parameter (as its gradient is: allowed on a capped model, closed with
 ///   it): SGD's `"<name>.velocity"` when the momentum is above 0, Adam's and AdamW's `"<name>.m"`
 ///   and `"<name>.v"`. Nothing else is ever allocated for it.
-/// - **What [`step`](Self::step) does.** For each parameter, in order: one fused pass updating
-///   the parameter and its state in place from its [`gradient`](NDArray::gradient), then the
-///   gradient set to zero, ready for the next `backward` (which adds into it). Adam's step
-///   count (its bias corrections) goes up by one per `step`.
+/// - **What [`step`](Self::step) does.** For each parameter, in order: one fused pass (one
+///   kernel on its device) that updates the parameter and its state in place from its
+///   [`gradient`](NDArray::gradient) and sets the gradient to zero once read, ready for the
+///   next `backward` (which adds into it). Adam's step count (its bias corrections) goes up by
+///   one per `step`.
 /// - **Zero allocations.** `step` and [`zero_gradients`](Self::zero_gradients) make no array and
 ///   no heap allocation, so they run inside a learned workspace step that allocates nothing.
 /// - **Not recorded.** `step` runs with recording off ([`NoGradientGuard`]), so it may be called
@@ -253,7 +254,7 @@ struct Slot {
 /// let model = Manager::new_base();
 /// let w = model.from_slice(&[1.0f32, -2.0], [2])?.with_name("w");
 /// w.set_requires_gradient(true)?;
-/// let mut optimizer = Optimizer::new(&[w.clone()], Sgd::new(0.25))?;
+/// let mut optimizer = Optimizer::new([&w], Sgd::new(0.25))?;
 /// for _ in 0..2 {
 ///     let step = model.sub_scope()?;
 ///     {
@@ -346,8 +347,8 @@ impl Optimizer {
     }
 
     /// One optimizer step (DJL's `trainer.step()`, PyTorch's `opt.step(); opt.zero_grad()`):
-    /// each parameter is updated in place from its gradient by one fused pass (on its own
-    /// device), then its gradient is set to zero. Allocates nothing; not recorded by an open
+    /// each parameter is updated in place from its gradient, and the gradient set to zero, by
+    /// one fused pass on its own device. Allocates nothing; not recorded by an open
     /// collector. See the contract on [`Optimizer`].
     ///
     /// Errors, checked before anything changes: `ArrayClosed` for a closed parameter, gradient
@@ -360,6 +361,7 @@ impl Optimizer {
         let step = self.steps + 1;
         let _not_recorded = NoGradientGuard::new();
         for (p, slot) in self.params.iter().zip(&self.slots) {
+            // The gradient is zeroed in the update's own pass (`zero_grad`), or never written.
             match (self.kind, slot.state.as_slice()) {
                 // A weight gradient that backward left pending (`xᵀ · g`, see
                 // `autograd::pending`) goes straight into the update: one pass over the
@@ -376,15 +378,16 @@ impl Optimizer {
                             sgd.momentum,
                         )? => {}
                 (OptimizerKind::Sgd(sgd), state) => {
-                    p.sgd_update_(&slot.grad, state.first(), sgd.update())?
+                    p.sgd_step(ctx, &slot.grad, state.first(), sgd.update(), true)?
                 }
                 (kind, [m, v]) => match kind.adam_update(step) {
-                    Some(update) => p.adam_update_(&slot.grad, m, v, update)?,
+                    Some(update) => p.adam_step(ctx, &slot.grad, (m, v), update, true)?,
                     None => return Err(missing_state(&ctx, p)),
                 },
                 _ => return Err(missing_state(&ctx, p)),
             }
-            zero(&slot.grad)?;
+            // Zero now, either way: known, so `zero_gradients` and the next backward skip it.
+            pending::mark_zero(&slot.grad.0);
         }
         self.steps = step;
         Ok(())

@@ -1,12 +1,13 @@
 //! The fused optimizer steps allocate nothing: after a first step (which may start the worker
 //! pool), further SGD and Adam steps on small and pool-sized arrays make no heap allocation at
-//! all. A counting global allocator sees every allocation of the process but the test
+//! all, and neither do `Optimizer::step` and `Optimizer::zero_gradients` over several such
+//! parameters (SGD with momentum, Adam, AdamW), also inside an open gradient collector. A counting global allocator sees every allocation of the process but the test
 //! harness's own thread (see `harness_thread`), so this file holds one test.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use ndscope::{AdamUpdate, DType, Manager, SgdUpdate};
+use ndscope::{Adam, AdamUpdate, AdamW, DType, Manager, Optimizer, OptimizerKind, Sgd, SgdUpdate};
 
 struct Counting;
 
@@ -54,6 +55,11 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn optimizer_steps_allocate_nothing() {
+    fused_steps_allocate_nothing();
+    optimizers_allocate_nothing();
+}
+
+fn fused_steps_allocate_nothing() {
     let mg = Manager::new_base();
     for (len, dtype) in [
         (100, DType::F32),
@@ -96,5 +102,58 @@ fn optimizer_steps_allocate_nothing() {
             count, 0,
             "{len} elements of {dtype}: {count} allocations in 4 steps"
         );
+    }
+}
+
+/// `Optimizer::step` and `zero_gradients` over three parameters (small and pool-sized, f32 and
+/// f64) allocate nothing after the first step, with and without an open collector.
+fn optimizers_allocate_nothing() {
+    let model = Manager::new_base();
+    let params: Vec<_> = [
+        (100, DType::F32),
+        (200_000, DType::F32),
+        (200_000, DType::F64),
+    ]
+    .into_iter()
+    .map(|(len, dtype)| {
+        let p = model.ones([len], dtype).unwrap();
+        p.set_requires_gradient(true).unwrap();
+        p
+    })
+    .collect();
+    let kinds: [OptimizerKind; 3] = [
+        Sgd {
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.01,
+            ..Sgd::new(0.1)
+        }
+        .into(),
+        Adam {
+            weight_decay: 0.01,
+            ..Adam::new(0.01)
+        }
+        .into(),
+        AdamW::new(0.01).into(),
+    ];
+    for kind in kinds {
+        let mut opt = Optimizer::new(&params, kind).unwrap();
+        opt.step().unwrap();
+        let scope = model.sub_scope().unwrap();
+        let collector = scope.gradient_collector().unwrap();
+        COUNT.store(0, Ordering::Relaxed);
+        MEASURING_ON_MAIN.store(on_main_thread(), Ordering::Relaxed);
+        WATCHING.store(true, Ordering::Relaxed);
+        for _ in 0..4 {
+            opt.step().unwrap();
+            opt.zero_gradients().unwrap();
+        }
+        WATCHING.store(false, Ordering::Relaxed);
+        drop(collector);
+        scope.close().unwrap();
+        let count = COUNT.load(Ordering::Relaxed);
+        assert_eq!(count, 0, "{kind:?}: {count} allocations in 4 steps");
+        assert_eq!(opt.steps(), 5);
+        opt.close();
     }
 }

@@ -66,6 +66,7 @@ struct Reference {
 }
 
 /// One step of `kind` at step number `t` (from 1) on the reference, PyTorch's rules.
+#[allow(clippy::needless_range_loop)] // the formulas index several vectors alike
 fn reference_step(kind: OptimizerKind, r: &mut Reference, grad: &[f64], t: u64) {
     match kind {
         OptimizerKind::Sgd(s) => {
@@ -169,7 +170,7 @@ fn kinds() -> Vec<(&'static str, OptimizerKind)> {
 }
 
 device_tests!(optimizers_follow_the_reference_rules);
-/// Four training steps of each optimizer over two parameters (a matrix and a vector), the
+/// Four training steps of each optimizer over three parameters (matrices and a vector), the
 /// gradients coming from `backward` of `Σ p·c_t` (so `c_t`), against the f64 reference; after
 /// each step every gradient is zero again (else the next `backward` would add to the old one
 /// and the reference would not match).
@@ -177,7 +178,8 @@ fn optimizers_follow_the_reference_rules(dev: Device) {
     for dtype in [DType::F32, DType::F64] {
         for (what, kind) in kinds() {
             let model = Manager::new_base_on(dev).unwrap();
-            let shapes: [&[usize]; 2] = [&[3, 4], &[5]];
+            // The last is large enough to be split over the CPU's worker pool.
+            let shapes: [&[usize]; 3] = [&[3, 4], &[5], &[200, 250]];
             let mut params = Vec::new();
             let mut refs = Vec::new();
             for (k, shape) in shapes.iter().enumerate() {
@@ -620,7 +622,7 @@ fn lr_is_settable_and_checked() {
     assert_eq!(read(&w), [0.5, 1.5, 2.5, 3.5], "the new lr is used");
     assert_eq!(read(&b), [0.0, -1.0]);
 
-    let mut adam = Optimizer::new(&[w.clone()], AdamW::new(0.1)).unwrap();
+    let mut adam = Optimizer::new([&w], AdamW::new(0.1)).unwrap();
     adam.set_lr(0.0).unwrap();
     assert_eq!(adam.lr(), 0.0);
     let e = adam.set_lr(f64::NAN).unwrap_err();
@@ -653,7 +655,7 @@ fn a_step_under_an_open_collector_is_not_recorded(dev: Device) {
         .with_name("w");
     w.set_requires_gradient(true).unwrap();
     let mut opt = Optimizer::new(
-        &[w.clone()],
+        [&w],
         Sgd {
             momentum: 0.5,
             ..Sgd::new(0.25)

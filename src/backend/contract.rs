@@ -107,6 +107,9 @@ pub(crate) struct SgdCoeffs {
     pub weight_decay: f64,
     /// Nesterov momentum (only with a velocity).
     pub nesterov: bool,
+    /// Sets the gradient to zero in the same pass, after reading it (an optimizer's step);
+    /// `false` leaves it unchanged.
+    pub zero_grad: bool,
 }
 
 /// The coefficients of an elementwise Adam step (PyTorch's `optim.Adam` and `optim.AdamW`,
@@ -129,6 +132,9 @@ pub(crate) struct AdamCoeffs {
     pub step_size: f64,
     /// `√(1 − β2^t)`.
     pub bias2_sqrt: f64,
+    /// Sets the gradient to zero in the same pass, after reading it (an optimizer's step);
+    /// `false` leaves it unchanged.
+    pub zero_grad: bool,
 }
 
 /// Where random numbers are drawn: counters `start..` of the stream `seed` (the same numbers
@@ -398,21 +404,23 @@ macro_rules! backend_contract {
             /// parameters, their gradient and their state, all of one float dtype and length.
             trait OptimOps {
                 /// One SGD step of `p` by `grad` as `step` says, updating `velocity` with it
-                /// (without one, plain SGD: momentum is not read).
+                /// (without one, plain SGD: momentum is not read). `grad` is written only with
+                /// `step.zero_grad` (set to zero after it is read).
                 fn sgd_update(
                     ctx: &Ctx,
                     dtype: DType,
-                    grad: &Self::Buffer,
+                    grad: &mut Self::Buffer,
                     p: &mut Self::Buffer,
                     velocity: Option<&mut Self::Buffer>,
                     step: SgdCoeffs,
                 ) -> Result<()> => grad;
                 /// One Adam (or AdamW) step of `p` by `grad` as `step` says, updating the moments
-                /// `mv` (first, second).
+                /// `mv` (first, second). `grad` is written only with `step.zero_grad` (set to
+                /// zero after it is read).
                 fn adam_update(
                     ctx: &Ctx,
                     dtype: DType,
-                    grad: &Self::Buffer,
+                    grad: &mut Self::Buffer,
                     p: &mut Self::Buffer,
                     mv: (&mut Self::Buffer, &mut Self::Buffer),
                     step: AdamCoeffs,

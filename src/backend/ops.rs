@@ -375,7 +375,7 @@ impl OptimOps for AnyDevice {
     fn sgd_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &Storage,
+        grad: &mut Storage,
         p: &mut Storage,
         velocity: Option<&mut Storage>,
         step: SgdCoeffs,
@@ -393,7 +393,7 @@ impl OptimOps for AnyDevice {
     fn adam_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &Storage,
+        grad: &mut Storage,
         p: &mut Storage,
         (m, v): (&mut Storage, &mut Storage),
         step: AdamCoeffs,

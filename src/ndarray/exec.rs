@@ -575,28 +575,31 @@ pub(crate) fn inplace2_with2(
     })
 }
 
-/// Runs an in-place kernel on `target` and up to two more targets (an optimizer's state,
-/// `state`) with one source. The targets are distinct and none is the source (the caller
-/// checks). The kernel gets the state's bytes in `state`'s order, `None` past its end.
-pub(crate) fn inplace_state_with1(
+/// Runs an in-place kernel on `target`, up to two more targets (an optimizer's state, `state`)
+/// and `grad`, all write-locked (an optimizer step, which zeroes the gradient it reads when
+/// asked to). The arrays are distinct (the caller checks). The kernel gets the state's bytes in
+/// `state`'s order, `None` past its end.
+pub(crate) fn inplace_state_grad(
     ctx: &Ctx,
     target: &NDArray,
     state: &[&NDArray],
-    source: &NDArray,
-    kernel: impl FnOnce(&mut Storage, [Option<&mut Storage>; 2], &Storage) -> Result<()>,
+    grad: &NDArray,
+    kernel: impl FnOnce(&mut Storage, [Option<&mut Storage>; 2], &mut Storage) -> Result<()>,
 ) -> Result<()> {
     match *state {
-        [] => locked(ctx, [target], [source], |[t], [s]| match (t, s) {
-            (Some(t), Some(s)) => kernel(t, [None, None], s),
+        [] => locked(ctx, [target, grad], [], |[t, g], []| match (t, g) {
+            (Some(t), Some(g)) => kernel(t, [None, None], g),
             _ => Err(clash(ctx)),
         }),
-        [a] => locked(ctx, [target, a], [source], |[t, a], [s]| match (t, a, s) {
-            (Some(t), Some(a), Some(s)) => kernel(t, [Some(a), None], s),
-            _ => Err(clash(ctx)),
+        [a] => locked(ctx, [target, a, grad], [], |[t, a, g], []| {
+            match (t, a, g) {
+                (Some(t), Some(a), Some(g)) => kernel(t, [Some(a), None], g),
+                _ => Err(clash(ctx)),
+            }
         }),
-        [a, b] => locked(ctx, [target, a, b], [source], |[t, a, b], [s]| {
-            match (t, a, b, s) {
-                (Some(t), Some(a), Some(b), Some(s)) => kernel(t, [Some(a), Some(b)], s),
+        [a, b] => locked(ctx, [target, a, b, grad], [], |[t, a, b, g], []| {
+            match (t, a, b, g) {
+                (Some(t), Some(a), Some(b), Some(g)) => kernel(t, [Some(a), Some(b)], g),
                 _ => Err(clash(ctx)),
             }
         }),

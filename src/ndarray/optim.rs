@@ -204,7 +204,11 @@ impl NDArray {
     /// All arrays share one float dtype and device (`DTypeMismatch`, `DeviceMismatch`) and
     /// `self`'s shape (`ShapeMismatch`), and are distinct arrays; the hyper-parameters are
     /// finite and at least 0, a momentum above 0 needs a velocity, and Nesterov a momentum above
-    /// 0 (`InvalidArgument`, naming the parameter). Allocates nothing; on error nothing changes.
+    /// 0 (`InvalidArgument`, naming the parameter). `grad` is only read, but it is locked for
+    /// writing while the step runs (the same kernel zeroes it for [`Optimizer::step`]).
+    /// Allocates nothing; on error nothing changes.
+    ///
+    /// [`Optimizer::step`]: crate::Optimizer::step
     ///
     /// ```
     /// use ndscope::{Manager, SgdUpdate};
@@ -227,7 +231,19 @@ impl NDArray {
         velocity: Option<&NDArray>,
         step: SgdUpdate,
     ) -> Result<()> {
-        let ctx = Ctx::new("sgd_update_");
+        self.sgd_step(Ctx::new("sgd_update_"), grad, velocity, step, false)
+    }
+
+    /// [`sgd_update_`](Self::sgd_update_), then, with `zero_grad`, `grad` set to zero in the
+    /// same pass (an optimizer's step).
+    pub(crate) fn sgd_step(
+        &self,
+        ctx: Ctx,
+        grad: &NDArray,
+        velocity: Option<&NDArray>,
+        step: SgdUpdate,
+        zero_grad: bool,
+    ) -> Result<()> {
         let state = velocity.as_slice();
         self.check_optim_operands(&ctx, grad, state)?;
         step.check(&ctx)?;
@@ -243,8 +259,13 @@ impl NDArray {
             momentum: step.momentum,
             weight_decay: step.weight_decay,
             nesterov: step.nesterov,
+            zero_grad,
         };
-        exec::inplace_state_with1(&ctx, self, state, grad, |p, [v, _], g| {
+        if !zero_grad {
+            // Only read: refused while a collector tracks it, as any in-place op's source.
+            crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
+        }
+        exec::inplace_state_grad(&ctx, self, state, grad, |p, [v, _], g| {
             AnyDevice::sgd_update(&ctx, dtype, g, p, v, coeffs)
         })
     }
@@ -265,8 +286,11 @@ impl NDArray {
     /// All arrays share one float dtype and device (`DTypeMismatch`, `DeviceMismatch`) and
     /// `self`'s shape (`ShapeMismatch`), and are distinct arrays; `lr` and `weight_decay` are
     /// finite and at least 0, the betas in `[0, 1)`, `eps` finite and above 0, `step` at least
-    /// 1 (`InvalidArgument`, naming the parameter). Allocates nothing; on error nothing
-    /// changes.
+    /// 1 (`InvalidArgument`, naming the parameter). `grad` is only read, but it is locked for
+    /// writing while the step runs (the same kernel zeroes it for [`Optimizer::step`]).
+    /// Allocates nothing; on error nothing changes.
+    ///
+    /// [`Optimizer::step`]: crate::Optimizer::step
     ///
     /// ```
     /// use ndscope::{AdamUpdate, DType, Manager};
@@ -288,7 +312,19 @@ impl NDArray {
         v: &NDArray,
         step: AdamUpdate,
     ) -> Result<()> {
-        let ctx = Ctx::new("adam_update_");
+        self.adam_step(Ctx::new("adam_update_"), grad, (m, v), step, false)
+    }
+
+    /// [`adam_update_`](Self::adam_update_), then, with `zero_grad`, `grad` set to zero in the
+    /// same pass (an optimizer's step).
+    pub(crate) fn adam_step(
+        &self,
+        ctx: Ctx,
+        grad: &NDArray,
+        (m, v): (&NDArray, &NDArray),
+        step: AdamUpdate,
+        zero_grad: bool,
+    ) -> Result<()> {
         self.check_optim_operands(&ctx, grad, &[m, v])?;
         step.check(&ctx)?;
         // β^t in f64, as Python's `beta ** step` (a step beyond 2^53 rounds: β^t is 0 there).
@@ -304,8 +340,13 @@ impl NDArray {
             decay: step.decoupled.then_some(1.0 - step.lr * step.weight_decay),
             step_size: step.lr / bias1,
             bias2_sqrt: bias2.sqrt(),
+            zero_grad,
         };
-        exec::inplace_state_with1(&ctx, self, &[m, v], grad, |p, [m, v], g| match (m, v) {
+        if !zero_grad {
+            // Only read: refused while a collector tracks it, as any in-place op's source.
+            crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
+        }
+        exec::inplace_state_grad(&ctx, self, &[m, v], grad, |p, [m, v], g| match (m, v) {
             (Some(m), Some(v)) => AnyDevice::adam_update(&ctx, dtype, g, p, (m, v), coeffs),
             _ => Err(ctx.invalid("adam_update_ needs both moments")),
         })

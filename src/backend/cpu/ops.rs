@@ -515,13 +515,13 @@ impl OptimOps for Cpu {
     fn sgd_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &HostBuffer,
+        grad: &mut HostBuffer,
         p: &mut HostBuffer,
         velocity: Option<&mut HostBuffer>,
         step: SgdCoeffs,
     ) -> Result<()> {
         dispatch_float!(dtype, T => optim::sgd_update(
-            grad.as_slice::<T>(),
+            grad.as_mut_slice::<T>(),
             p.as_mut_slice::<T>(),
             velocity.map(|v| v.as_mut_slice::<T>()),
             step,
@@ -532,13 +532,13 @@ impl OptimOps for Cpu {
     fn adam_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &HostBuffer,
+        grad: &mut HostBuffer,
         p: &mut HostBuffer,
         (m, v): (&mut HostBuffer, &mut HostBuffer),
         step: AdamCoeffs,
     ) -> Result<()> {
         dispatch_float!(dtype, T => optim::adam_update(
-            grad.as_slice::<T>(),
+            grad.as_mut_slice::<T>(),
             p.as_mut_slice::<T>(),
             (m.as_mut_slice::<T>(), v.as_mut_slice::<T>()),
             step,

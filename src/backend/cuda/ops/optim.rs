@@ -12,16 +12,19 @@ use crate::{DType, Result};
 const SGD_WEIGHT_DECAY: i32 = 1;
 const SGD_VELOCITY: i32 = 2;
 const SGD_NESTEROV: i32 = 4;
+const SGD_ZERO_GRAD: i32 = 8;
 
-/// `mode` of `adam_update_<T>`: the weight decay added to the gradient, or decoupled.
+/// `mode` bits of `adam_update_<T>` (the `ADAM_*` defines of `kernels/optim.cu`): the weight
+/// decay added to the gradient, or decoupled; the gradient zeroed once read.
 const ADAM_COUPLED: i32 = 1;
 const ADAM_DECOUPLED: i32 = 2;
+const ADAM_ZERO_GRAD: i32 = 4;
 
 impl OptimOps for Cuda {
     fn sgd_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &DeviceBuffer,
+        grad: &mut DeviceBuffer,
         p: &mut DeviceBuffer,
         velocity: Option<&mut DeviceBuffer>,
         step: SgdCoeffs,
@@ -38,6 +41,9 @@ impl OptimOps for Cuda {
         if step.weight_decay != 0.0 {
             flags |= SGD_WEIGHT_DECAY;
         }
+        if step.zero_grad {
+            flags |= SGD_ZERO_GRAD;
+        }
         let vel = match velocity {
             Some(v) => {
                 flags |= SGD_VELOCITY;
@@ -49,9 +55,10 @@ impl OptimOps for Cuda {
             None => 0,
         };
         let f = gpu.kernels.one(ctx, "sgd_update", dtype)?;
-        // SAFETY: sgd_update_<T>(T* p, const T* grad, T* vel, u64 n, T lr, T mu, T wd, int
-        // flags); `p`, `grad` and the velocity are locked storage of `gpu` holding `n` elements
-        // each (the front-end checked the shapes); `vel` is only read with SGD_VELOCITY set.
+        // SAFETY: sgd_update_<T>(T* p, T* grad, T* vel, u64 n, T lr, T mu, T wd, int flags);
+        // `p`, `grad` and the velocity are locked storage of `gpu` holding `n` elements each
+        // (the front-end checked the shapes), `grad` written only with SGD_ZERO_GRAD; `vel` is
+        // only read with SGD_VELOCITY set.
         unsafe {
             launch!(ctx, gpu, f, linear(gpu, n);
                 pp = p.ptr(), pg = grad.ptr(), pv = vel, count = n,
@@ -63,7 +70,7 @@ impl OptimOps for Cuda {
     fn adam_update(
         ctx: &Ctx,
         dtype: DType,
-        grad: &DeviceBuffer,
+        grad: &mut DeviceBuffer,
         p: &mut DeviceBuffer,
         (m, v): (&mut DeviceBuffer, &mut DeviceBuffer),
         step: AdamCoeffs,
@@ -73,16 +80,20 @@ impl OptimOps for Cuda {
         if n == 0 {
             return Ok(());
         }
-        let mode = match step.decay {
+        let mut mode = match step.decay {
             Some(_) => ADAM_DECOUPLED,
             None if step.weight_decay != 0.0 => ADAM_COUPLED,
             None => 0,
         };
+        if step.zero_grad {
+            mode |= ADAM_ZERO_GRAD;
+        }
         let s = |value: f64| scalar(dtype, value);
         let f = gpu.kernels.one(ctx, "adam_update", dtype)?;
-        // SAFETY: adam_update_<T>(T* p, const T* grad, T* m1, T* m2, u64 n, T b1, T c1, T b2,
-        // T c2, T eps, T wd, T decay, T step_size, T bias2, int mode); the four buffers are
-        // locked storage of `gpu` holding `n` elements each (the front-end checked the shapes).
+        // SAFETY: adam_update_<T>(T* p, T* grad, T* m1, T* m2, u64 n, T b1, T c1, T b2, T c2,
+        // T eps, T wd, T decay, T step_size, T bias2, int mode); the four buffers are locked
+        // storage of `gpu` holding `n` elements each (the front-end checked the shapes), `grad`
+        // written only with ADAM_ZERO_GRAD.
         unsafe {
             launch!(ctx, gpu, f, linear(gpu, n);
                 pp = p.ptr(), pg = grad.ptr(), pm = m.ptr(), pv = v.ptr(), count = n,
