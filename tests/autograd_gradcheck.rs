@@ -203,9 +203,20 @@ fn dims(ndim: std::ops::Range<usize>) -> impl Strategy<Value = Vec<usize>> {
     prop::collection::vec(1usize..4, ndim)
 }
 
+/// A dimension: 1 to 3, sometimes 0 (an empty array, whose gradient is empty, but whose
+/// result may not be: a product over an empty inner dimension, a bias added to no rows).
+fn dim_or_empty() -> impl Strategy<Value = usize> {
+    prop_oneof![8 => 1usize..4, 1 => Just(0usize)]
+}
+
+/// A shape of `ndim` dimensions (a range), each [`dim_or_empty`].
+fn dims_or_empty(ndim: std::ops::Range<usize>) -> impl Strategy<Value = Vec<usize>> {
+    prop::collection::vec(dim_or_empty(), ndim)
+}
+
 /// Two shapes that broadcast (each a suffix of the result's shape with some dimensions 1).
 fn broadcastable_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
-    dims(0..5).prop_flat_map(|out| {
+    dims_or_empty(0..5).prop_flat_map(|out| {
         let n = out.len();
         (
             Just(out),
@@ -688,7 +699,7 @@ device_tests!(sum_and_mean_over_axes_and_all);
 fn sum_and_mean_over_axes_and_all(dev: Device) {
     let _serial = serial();
     proptest!(config(dev, 48), |(
-        (shape, mask) in dims(1..5).prop_flat_map(|s| {
+        (shape, mask) in dims_or_empty(1..5).prop_flat_map(|s| {
             let n = s.len();
             (Just(s), prop::collection::vec(any::<bool>(), n))
         }),
@@ -755,7 +766,7 @@ device_tests!(matmul_2d_and_batched);
 fn matmul_2d_and_batched(dev: Device) {
     let _serial = serial();
     proptest!(config(dev, 32), |(
-        (b, m, k, n) in (1usize..4, 1usize..4, 1usize..5, 1usize..4),
+        (b, m, k, n) in (dim_or_empty(), dim_or_empty(), dim_or_empty(), dim_or_empty()),
         lay in layouts(2),
         seed in any::<u64>(),
     )| {
@@ -784,7 +795,7 @@ device_tests!(matmul_t_all_transposes);
 fn matmul_t_all_transposes(dev: Device) {
     let _serial = serial();
     proptest!(config(dev, 32), |(
-        (m, k, n) in (1usize..4, 1usize..5, 1usize..4),
+        (m, k, n) in (dim_or_empty(), dim_or_empty(), dim_or_empty()),
         lay in layouts(2),
         seed in any::<u64>(),
     )| {
@@ -817,8 +828,8 @@ fn dense_forward_with_and_without_bias_and_relu(dev: Device) {
     // f32 weights on the CPU are packed, f64 ones are not: the CPU's F32-vs-F64 comparison is
     // the packed layer's gradient against the unpacked one's.
     proptest!(config(dev, 32), |(
-        lead in prop::collection::vec(1usize..4, 0..3),
-        (k, n) in (1usize..5, 1usize..5),
+        lead in dims_or_empty(0..3),
+        (k, n) in (dim_or_empty(), dim_or_empty()),
         lay in layouts(3),
         seed in any::<u64>(),
     )| {
@@ -859,6 +870,57 @@ fn dense_forward_with_and_without_bias_and_relu(dev: Device) {
             }
         }
     });
+}
+
+device_tests!(empty_dimensions);
+fn empty_dimensions(dev: Device) {
+    let _serial = serial();
+    // Inputs with no elements whose results have some (products over an empty inner dimension,
+    // a bias added through a layer with no inputs), each case named (the property tests above
+    // reach them only now and then).
+    let p = Layout::Plain;
+    let any = Domain::Any;
+    let mut cases = vec![
+        Case::new("matmul k=0", &[(vec![2, 0], p, any), (vec![0, 3], p, any)], 1, |_, x| {
+            x[0].matmul(&x[1])
+        }),
+        Case::new(
+            "batched matmul k=0",
+            &[(vec![2, 3, 0], p, any), (vec![0, 2], p, any)],
+            2,
+            |_, x| x[0].matmul(&x[1]),
+        ),
+        Case::new(
+            "matmul_t(Both) k=0",
+            &[(vec![0, 2], p, any), (vec![3, 0], p, any)],
+            3,
+            |_, x| x[0].matmul_t(&x[1], Transpose::Both),
+        ),
+        Case::new("sum over an empty axis", &[(vec![3, 0], p, any)], 4, |_, x| {
+            x[0].sum(&[1], true)
+        }),
+        Case::new(
+            "add of [0, 3] and [3]",
+            &[(vec![0, 3], p, any), (vec![3], p, any)],
+            5,
+            |_, x| x[0].add(&x[1]),
+        ),
+    ];
+    for (lead, name) in [(vec![2], "2-D"), (vec![2, 3], "3-D"), (vec![], "1-D")] {
+        for activation in [Activation::Identity, Activation::Relu] {
+            let mut xsh = lead.clone();
+            xsh.push(0);
+            cases.push(Case::new(
+                format!("Dense({activation:?}) of {name} x with 0 features"),
+                &[(xsh, p, any), (vec![0, 3], p, any), (vec![3], p, Domain::AwayFromZero)],
+                6,
+                move |_, x| Dense::new(&x[1], Some(&x[2]), activation)?.forward(&x[0]),
+            ));
+        }
+    }
+    for case in &cases {
+        check(dev, case).unwrap();
+    }
 }
 
 #[test]

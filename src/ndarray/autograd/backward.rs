@@ -482,7 +482,8 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
         Backward::Dense { relu } => {
             let (a, w) = (x(0), x(1));
             let (k, n) = (w.dims()[0], w.dims()[1]);
-            let m = a.size() / k.max(1);
+            // The rows: every axis of x but the last (not x's size over k, which is 0 for k = 0).
+            let m: usize = a.dims()[..a.ndim().saturating_sub(1)].iter().product();
             let gz = if *relu {
                 g.mul(&float_mask(y.gt_scalar(0.0)?, dtype)?)?
             } else {
