@@ -256,6 +256,9 @@ struct Case {
     kink: Option<OpFn>,
     /// Which inputs require gradients (the others are constants of the loss).
     requires: Vec<bool>,
+    /// For large inputs: about how many elements of each the central differences check
+    /// (0: all of them).
+    sample: usize,
     r: Vec<f64>,
 }
 
@@ -281,6 +284,7 @@ impl Case {
         let mut case = Case {
             name: name.into(),
             requires: vec![true; specs.len()],
+            sample: 0,
             inputs,
             f: Box::new(f),
             kink: None,
@@ -302,6 +306,13 @@ impl Case {
         kink: impl Fn(&Manager, &[NDArray]) -> ndscope::Result<NDArray> + 'static,
     ) -> Case {
         self.kink = Some(Box::new(kink));
+        self
+    }
+
+    /// Central differences for about `count` elements of each input (spread over it, the first
+    /// and last included) instead of all.
+    fn sampled(mut self, count: usize) -> Case {
+        self.sample = count;
         self
     }
 
@@ -374,8 +385,8 @@ impl Case {
     }
 
     /// The gradient of the loss with respect to every leaf that requires gradients, by central
-    /// differences.
-    fn finite_differences(&self) -> Vec<Vec<f64>> {
+    /// differences. A sampled case takes the elements it skips from `reference`.
+    fn finite_differences(&self, reference: &[Vec<f64>]) -> Vec<Vec<f64>> {
         let m = Manager::new_base();
         let mut values: Vec<Vec<f64>> = self.inputs.iter().map(|i| i.values.clone()).collect();
         let mut grads = Vec::new();
@@ -383,15 +394,21 @@ impl Case {
             if !self.requires[i] {
                 continue;
             }
-            let mut g = Vec::with_capacity(values[i].len());
-            for j in 0..values[i].len() {
+            let len = values[i].len();
+            let step = if self.sample == 0 {
+                1
+            } else {
+                len.div_ceil(self.sample).max(1)
+            };
+            let mut g = reference[grads.len()].clone();
+            for j in (0..len).filter(|&j| j % step == i % step || j + 1 == len) {
                 let v = values[i][j];
                 values[i][j] = v + H;
                 let plus = self.loss(&m, &values);
                 values[i][j] = v - H;
                 let minus = self.loss(&m, &values);
                 values[i][j] = v;
-                g.push((plus - minus) / (2.0 * H));
+                g[j] = (plus - minus) / (2.0 * H);
             }
             grads.push(g);
         }
@@ -481,7 +498,7 @@ fn close_to(
 fn check(dev: Device, case: &Case) -> Result<(), TestCaseError> {
     let reference = case.analytic(Device::Cpu, DType::F64)?;
     if dev == Device::Cpu {
-        let numeric = case.finite_differences();
+        let numeric = case.finite_differences(&reference);
         close_to(
             case,
             "F64 gradient vs central differences",
@@ -920,6 +937,85 @@ fn empty_dimensions(dev: Device) {
     }
     for case in &cases {
         check(dev, case).unwrap();
+    }
+}
+
+device_tests!(large_inputs);
+fn large_inputs(dev: Device) {
+    let _serial = serial();
+    // Sizes where the kernels the gradients are made of take their blocked and parallel paths
+    // (products, transposes, reductions, broadcasting over thousands of elements); central
+    // differences for a sample of each input's elements.
+    let p = Layout::Plain;
+    let any = Domain::Any;
+    let narrowed = Layout::Padded {
+        axis: 1,
+        before: 3,
+        after: 5,
+    };
+    let cases = vec![
+        Case::new(
+            "matmul [70, 90] · [90, 80]",
+            &[(vec![70, 90], p, any), (vec![90, 80], Layout::Reversed, any)],
+            1,
+            |_, x| x[0].matmul(&x[1]),
+        ),
+        Case::new(
+            "matmul_t(Right) [64, 96] · [48, 96]ᵀ",
+            &[(vec![64, 96], narrowed, any), (vec![48, 96], p, any)],
+            2,
+            |_, x| x[0].matmul_t(&x[1], Transpose::Right),
+        ),
+        Case::new(
+            "batched matmul [6, 40, 30] · [6, 30, 20]",
+            &[(vec![6, 40, 30], p, any), (vec![6, 30, 20], Layout::Reversed, any)],
+            3,
+            |_, x| x[0].matmul(&x[1]),
+        ),
+        Case::new(
+            "Dense(Relu) of [4, 16, 96] by [96, 64] + [64]",
+            &[
+                (vec![4, 16, 96], p, any),
+                (vec![96, 64], p, any),
+                (vec![64], p, any),
+            ],
+            4,
+            |_, x| Dense::new(&x[1], Some(&x[2]), Activation::Relu)?.forward(&x[0]),
+        )
+        .with_kink(|_, x| Dense::new(&x[1], Some(&x[2]), Activation::Identity)?.forward(&x[0])),
+        Case::new(
+            "mul [128, 1, 64] by [1, 32, 64]",
+            &[(vec![128, 1, 64], p, any), (vec![1, 32, 64], narrowed, any)],
+            5,
+            |_, x| x[0].mul(&x[1]),
+        ),
+        Case::new(
+            "transpose [130, 70] then sum over 0, mean over 1",
+            &[(vec![130, 70], p, any)],
+            6,
+            |_, x| {
+                let t = x[0].transpose()?.square()?;
+                t.sum(&[0], false)?.add(&t.mean(&[1], false)?.sum_all()?)
+            },
+        ),
+        Case::new(
+            "log_softmax over [32, 300] then pick",
+            &[(vec![32, 300], p, any)],
+            7,
+            |m, x| {
+                let labels: Vec<i64> = (0..32).map(|i| (i * 37) % 300).collect();
+                let labels = m.from_vec(labels, [32])?;
+                x[0].log_softmax(1)?.pick(&labels, 1)
+            },
+        ),
+    ];
+    for case in cases {
+        let case = case.sampled(24);
+        if case.clear_of_kinks() {
+            check(dev, &case).unwrap();
+        } else {
+            panic!("{}: the pre-activation comes near 0 (pick another seed)", case.describe());
+        }
     }
 }
 
