@@ -898,9 +898,12 @@ fn empty_dimensions(dev: Device) {
     let p = Layout::Plain;
     let any = Domain::Any;
     let mut cases = vec![
-        Case::new("matmul k=0", &[(vec![2, 0], p, any), (vec![0, 3], p, any)], 1, |_, x| {
-            x[0].matmul(&x[1])
-        }),
+        Case::new(
+            "matmul k=0",
+            &[(vec![2, 0], p, any), (vec![0, 3], p, any)],
+            1,
+            |_, x| x[0].matmul(&x[1]),
+        ),
         Case::new(
             "batched matmul k=0",
             &[(vec![2, 3, 0], p, any), (vec![0, 2], p, any)],
@@ -913,9 +916,12 @@ fn empty_dimensions(dev: Device) {
             3,
             |_, x| x[0].matmul_t(&x[1], Transpose::Both),
         ),
-        Case::new("sum over an empty axis", &[(vec![3, 0], p, any)], 4, |_, x| {
-            x[0].sum(&[1], true)
-        }),
+        Case::new(
+            "sum over an empty axis",
+            &[(vec![3, 0], p, any)],
+            4,
+            |_, x| x[0].sum(&[1], true),
+        ),
         Case::new(
             "add of [0, 3] and [3]",
             &[(vec![0, 3], p, any), (vec![3], p, any)],
@@ -929,7 +935,11 @@ fn empty_dimensions(dev: Device) {
             xsh.push(0);
             cases.push(Case::new(
                 format!("Dense({activation:?}) of {name} x with 0 features"),
-                &[(xsh, p, any), (vec![0, 3], p, any), (vec![3], p, Domain::AwayFromZero)],
+                &[
+                    (xsh, p, any),
+                    (vec![0, 3], p, any),
+                    (vec![3], p, Domain::AwayFromZero),
+                ],
                 6,
                 move |_, x| Dense::new(&x[1], Some(&x[2]), activation)?.forward(&x[0]),
             ));
@@ -956,7 +966,10 @@ fn large_inputs(dev: Device) {
     let cases = vec![
         Case::new(
             "matmul [70, 90] · [90, 80]",
-            &[(vec![70, 90], p, any), (vec![90, 80], Layout::Reversed, any)],
+            &[
+                (vec![70, 90], p, any),
+                (vec![90, 80], Layout::Reversed, any),
+            ],
             1,
             |_, x| x[0].matmul(&x[1]),
         ),
@@ -968,7 +981,10 @@ fn large_inputs(dev: Device) {
         ),
         Case::new(
             "batched matmul [6, 40, 30] · [6, 30, 20]",
-            &[(vec![6, 40, 30], p, any), (vec![6, 30, 20], Layout::Reversed, any)],
+            &[
+                (vec![6, 40, 30], p, any),
+                (vec![6, 30, 20], Layout::Reversed, any),
+            ],
             3,
             |_, x| x[0].matmul(&x[1]),
         ),
@@ -1014,7 +1030,10 @@ fn large_inputs(dev: Device) {
         if case.clear_of_kinks() {
             check(dev, &case).unwrap();
         } else {
-            panic!("{}: the pre-activation comes near 0 (pick another seed)", case.describe());
+            panic!(
+                "{}: the pre-activation comes near 0 (pick another seed)",
+                case.describe()
+            );
         }
     }
 }
@@ -1026,7 +1045,9 @@ fn dense_f32_layers_on_the_cpu_are_packed() {
     let w = m.from_slice(&[1.0f32, 2.0], [1, 2]).unwrap();
     let w64 = w.to_dtype(DType::F64).unwrap();
     assert!(Dense::new(&w, None, Activation::Relu).unwrap().is_packed());
-    assert!(!Dense::new(&w64, None, Activation::Relu).unwrap().is_packed());
+    assert!(!Dense::new(&w64, None, Activation::Relu)
+        .unwrap()
+        .is_packed());
     m.close().unwrap();
 }
 
@@ -1282,7 +1303,9 @@ fn to_device_passes_gradients_across_devices(dev: Device) {
                 let y = moved.square().unwrap().to_device(home).unwrap();
                 let y = y.mul_scalar(3.0).unwrap();
                 let r = array(&m, dtype, &[2, 3], &r_values);
-                collector.backward(&y.mul(&r).unwrap().sum_all().unwrap()).unwrap();
+                collector
+                    .backward(&y.mul(&r).unwrap().sum_all().unwrap())
+                    .unwrap();
             }
             let g = x.gradient().unwrap();
             assert_eq!((g.device(), g.dtype()), (home, dtype));
@@ -1387,7 +1410,10 @@ fn an_op_without_gradient_is_an_error_at_backward(dev: Device) {
         text.contains("`gelu`") && text.contains("has no gradient"),
         "{text}"
     );
-    assert!(text.contains("autograd_gradcheck.rs"), "names the call site: {text}");
+    assert!(
+        text.contains("autograd_gradcheck.rs"),
+        "names the call site: {text}"
+    );
     assert_eq!(common::as_f64(&x.gradient().unwrap()), vec![0.0; 3]);
     // A gelu the loss does not depend on is no obstacle.
     let _unused = x.gelu().unwrap();
@@ -1396,7 +1422,11 @@ fn an_op_without_gradient_is_an_error_at_backward(dev: Device) {
         .unwrap();
     assert_eq!(common::as_f64(&x.gradient().unwrap()), vec![1.0, -2.0, 4.0]);
     // Nor is one on an array that does not require gradients.
-    let c = m.from_slice(&[1.0f32, 1.0, 1.0], [3]).unwrap().gelu().unwrap();
+    let c = m
+        .from_slice(&[1.0f32, 1.0, 1.0], [3])
+        .unwrap()
+        .gelu()
+        .unwrap();
     collector
         .backward(&x.mul(&c).unwrap().sum_all().unwrap())
         .unwrap();
@@ -1462,6 +1492,39 @@ fn a_loss_that_is_itself_a_leaf(dev: Device) {
     m.close().unwrap();
 }
 
+device_tests!(an_op_result_that_requires_gradients_receives_its_gradient);
+fn an_op_result_that_requires_gradients_receives_its_gradient(dev: Device) {
+    let _serial = serial();
+    // `backward` computes the gradient of every array that requires gradients and that the loss
+    // depends on: an op's result marked so (after it was recorded) too, not only the leaves.
+    let m = Manager::new_base_on(dev).unwrap();
+    let x = m.from_slice(&[1.0f64, -2.0, 3.0], [3]).unwrap();
+    x.set_requires_gradient(true).unwrap();
+    let collector = m.gradient_collector().unwrap();
+    let y = x.square().unwrap();
+    y.set_requires_gradient(true).unwrap();
+    let z = y.mul_scalar(3.0).unwrap();
+    z.set_requires_gradient(true).unwrap();
+    // loss = Σ z·y + z, with y = x² and z = 3y.
+    let loss = z.mul(&y).unwrap().add(&z).unwrap().sum_all().unwrap();
+    collector.backward(&loss).unwrap();
+    let (xs, ys, zs) = ([1.0, -2.0, 3.0], [1.0, 4.0, 9.0], [3.0, 12.0, 27.0]);
+    // ∂loss/∂z = y + 1; ∂loss/∂y = z + 3·(y + 1) (directly, and through z); ∂loss/∂x = 2x·∂loss/∂y.
+    let dz: Vec<f64> = ys.iter().map(|y| y + 1.0).collect();
+    let dy: Vec<f64> = (0..3).map(|i| zs[i] + 3.0 * dz[i]).collect();
+    let dx: Vec<f64> = (0..3).map(|i| 2.0 * xs[i] * dy[i]).collect();
+    assert_eq!(common::as_f64(&z.gradient().unwrap()), dz);
+    assert_eq!(common::as_f64(&y.gradient().unwrap()), dy);
+    assert_eq!(common::as_f64(&x.gradient().unwrap()), dx);
+    // The loss itself, marked, receives 1.
+    let loss = x.sum_all().unwrap();
+    loss.set_requires_gradient(true).unwrap();
+    collector.backward(&loss).unwrap();
+    assert_eq!(common::as_f64(&loss.gradient().unwrap()), vec![1.0]);
+    drop(collector);
+    m.close().unwrap();
+}
+
 device_tests!(backward_twice_through_one_tape_is_an_error);
 fn backward_twice_through_one_tape_is_an_error(dev: Device) {
     let _serial = serial();
@@ -1496,7 +1559,10 @@ fn a_loss_that_was_not_recorded_is_an_error(dev: Device) {
         "a loss computed before the collector opened",
     );
     let paused = no_gradient(|| x.square().unwrap().sum_all().unwrap());
-    assert_not_recorded(collector.backward(&paused), "a loss computed in no_gradient");
+    assert_not_recorded(
+        collector.backward(&paused),
+        "a loss computed in no_gradient",
+    );
     let unrelated = plain.square().unwrap().sum_all().unwrap();
     assert_not_recorded(
         collector.backward(&unrelated),

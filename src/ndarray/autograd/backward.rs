@@ -113,6 +113,11 @@ fn walk(
         let Some(g) = nodes[i].grad.take() else {
             continue;
         };
+        // A result that itself requires gradients (marked after it was recorded) receives its
+        // gradient too, as a leaf does: its output gradient is complete here.
+        if nodes[i].output.requires_gradient() {
+            leaves.push((nodes[i].output.clone(), Grad::Array(g.clone())));
+        }
         let grads = input_grads(&nodes[i], &g)?;
         let tracks: Vec<(NDArray, Track)> =
             nodes[i].all_inputs().map(|(a, t)| (a.clone(), t)).collect();
@@ -181,7 +186,8 @@ fn check(ctx: &Ctx, node: &Node) -> Result<()> {
     if node.output.0.grad.version.load(Ordering::Relaxed) != node.out_version {
         return Err(modified(ctx, &node.output, node, "computed it"));
     }
-    for (input, track) in node.all_inputs() {
+    let output = std::iter::once((&node.output, Track::Leaf));
+    for (input, track) in node.all_inputs().chain(output) {
         if track == Track::Leaf && input.requires_gradient() && input.gradient_if_open().is_none() {
             return Err(ctx.invalid(format!(
                 "the gradient of {} is closed, so backward cannot add into it",
