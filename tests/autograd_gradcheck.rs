@@ -277,7 +277,11 @@ impl Case {
                 Input {
                     shape: shape.clone(),
                     layout: *layout,
-                    values: gen(*domain, common::size(&leaf), seed ^ (i as u64 + 1) * 0x5151),
+                    values: gen(
+                        *domain,
+                        common::size(&leaf),
+                        seed ^ ((i as u64 + 1) * 0x5151),
+                    ),
                 }
             })
             .collect();
