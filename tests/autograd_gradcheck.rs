@@ -983,6 +983,24 @@ fn large_inputs(dev: Device) {
             2,
             |_, x| x[0].matmul_t(&x[1], Transpose::Right),
         ),
+        // A short result (m ≤ n / 8): the CPU computes it as (b · aᵀ)ᵀ.
+        Case::new(
+            "matmul_t(Right) [4, 96] · [64, 96]ᵀ",
+            &[(vec![4, 96], p, any), (vec![64, 96], narrowed, any)],
+            8,
+            |_, x| x[0].matmul_t(&x[1], Transpose::Right),
+        ),
+        // Two rows and 96 features: the input gradient g · wᵀ is such a short product too.
+        Case::new(
+            "Dense of [2, 96] by [96, 16] + [16]",
+            &[
+                (vec![2, 96], p, any),
+                (vec![96, 16], p, any),
+                (vec![16], p, any),
+            ],
+            9,
+            |_, x| Dense::new(&x[1], Some(&x[2]), Activation::Identity)?.forward(&x[0]),
+        ),
         Case::new(
             "batched matmul [6, 40, 30] · [6, 30, 20]",
             &[
