@@ -55,7 +55,7 @@ fn config(dev: Device, cpu: u32) -> ProptestConfig {
     let cases = if dev == Device::Cpu {
         cpu
     } else {
-        (cpu / 8).max(2)
+        (cpu / 16).max(2)
     };
     ProptestConfig {
         cases,
@@ -562,7 +562,7 @@ fn binary(op: &str, a: &NDArray, b: &NDArray) -> ndscope::Result<NDArray> {
 device_tests!(binary_ops_sum_gradients_over_broadcast_dims);
 fn binary_ops_sum_gradients_over_broadcast_dims(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 64), |(
+    proptest!(config(dev, 128), |(
         (ash, bsh) in broadcastable_pair(),
         lay in layouts(2),
         swap in any::<bool>(),
@@ -610,7 +610,7 @@ fn binary_ops_with_one_array_on_both_sides(dev: Device) {
 device_tests!(scalar_ops);
 fn scalar_ops(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         shape in dims(0..5),
         lay in layout(),
         c in (0.5f64..3.0, any::<bool>()).prop_map(|(c, neg)| f32_exact(if neg { -c } else { c })),
@@ -666,7 +666,7 @@ fn unary(op: &str, x: &NDArray) -> ndscope::Result<NDArray> {
 device_tests!(unary_ops);
 fn unary_ops(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         shape in dims(0..5),
         lay in layout(),
         seed in any::<u64>(),
@@ -685,7 +685,7 @@ fn chained_ops_reuse_intermediates(dev: Device) {
     let _serial = serial();
     // An intermediate read by several later ops (its gradient is the sum of theirs), and a
     // leaf read at several depths.
-    proptest!(config(dev, 32), |(
+    proptest!(config(dev, 64), |(
         (ash, bsh) in broadcastable_pair(),
         lay in layouts(2),
         seed in any::<u64>(),
@@ -719,7 +719,7 @@ fn axes_of(mask: &[bool], negative: bool) -> Vec<isize> {
 device_tests!(sum_and_mean_over_axes_and_all);
 fn sum_and_mean_over_axes_and_all(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         (shape, mask) in dims_or_empty(1..5).prop_flat_map(|s| {
             let n = s.len();
             (Just(s), prop::collection::vec(any::<bool>(), n))
@@ -758,7 +758,7 @@ fn sum_and_mean_over_axes_and_all(dev: Device) {
 device_tests!(max_routes_the_gradient_to_the_arg_max);
 fn max_routes_the_gradient_to_the_arg_max(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         shape in dims(1..5),
         axis in any::<Index>(),
         negative in any::<bool>(),
@@ -786,7 +786,7 @@ fn max_routes_the_gradient_to_the_arg_max(dev: Device) {
 device_tests!(matmul_2d_and_batched);
 fn matmul_2d_and_batched(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 32), |(
+    proptest!(config(dev, 64), |(
         (b, m, k, n) in (dim_or_empty(), dim_or_empty(), dim_or_empty(), dim_or_empty()),
         lay in layouts(2),
         seed in any::<u64>(),
@@ -815,7 +815,7 @@ fn matmul_2d_and_batched(dev: Device) {
 device_tests!(matmul_t_all_transposes);
 fn matmul_t_all_transposes(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 32), |(
+    proptest!(config(dev, 64), |(
         (m, k, n) in (dim_or_empty(), dim_or_empty(), dim_or_empty()),
         lay in layouts(2),
         seed in any::<u64>(),
@@ -848,7 +848,7 @@ fn dense_forward_with_and_without_bias_and_relu(dev: Device) {
     let _serial = serial();
     // f32 weights on the CPU are packed, f64 ones are not: the CPU's F32-vs-F64 comparison is
     // the packed layer's gradient against the unpacked one's.
-    proptest!(config(dev, 32), |(
+    proptest!(config(dev, 64), |(
         lead in dims_or_empty(0..3),
         (k, n) in (dim_or_empty(), dim_or_empty()),
         lay in layouts(3),
@@ -1086,7 +1086,7 @@ fn argsort(keys: &[u32]) -> Vec<usize> {
 device_tests!(shape_ops);
 fn shape_ops(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         shape in dims(1..5),
         picks in prop::collection::vec(any::<Index>(), 4),
         keys in prop::collection::vec(any::<u32>(), 5),
@@ -1199,7 +1199,7 @@ fn one_leaf_in_concat_and_stack_several_times(dev: Device) {
 device_tests!(softmax_log_softmax_and_pick_over_axes);
 fn softmax_log_softmax_and_pick_over_axes(dev: Device) {
     let _serial = serial();
-    proptest!(config(dev, 48), |(
+    proptest!(config(dev, 96), |(
         shape in dims(1..5),
         axis in any::<Index>(),
         negative in any::<bool>(),
@@ -1261,7 +1261,7 @@ device_tests!(to_dtype_between_floats);
 fn to_dtype_between_floats(dev: Device) {
     let _serial = serial();
     // Σ r · square(x as the other float dtype), back to x's: the gradient is 2·r·x, in x's dtype.
-    proptest!(config(dev, 24), |(
+    proptest!(config(dev, 48), |(
         shape in dims(0..5),
         lay in layout(),
         seed in any::<u64>(),
