@@ -114,6 +114,11 @@ fn walk(
         let Some(g) = nodes[i].grad.take() else {
             continue;
         };
+        // A result that itself requires gradients (marked after it was recorded) receives its
+        // gradient too, as a leaf does: its output gradient is complete here.
+        if nodes[i].output.requires_gradient() {
+            leaves.push((nodes[i].output.clone(), Grad::Array(g.clone())));
+        }
         let grads = input_grads(&nodes[i], &g)?;
         let tracks: Vec<(NDArray, Track)> =
             nodes[i].all_inputs().map(|(a, t)| (a.clone(), t)).collect();
@@ -182,7 +187,8 @@ fn check(ctx: &Ctx, node: &Node) -> Result<()> {
     if node.output.0.grad.version.load(Ordering::Relaxed) != node.out_version {
         return Err(modified(ctx, &node.output, node, "computed it"));
     }
-    for (input, track) in node.all_inputs() {
+    let output = std::iter::once((&node.output, Track::Leaf));
+    for (input, track) in node.all_inputs().chain(output) {
         if track == Track::Leaf && input.requires_gradient() && input.gradient_if_open().is_none() {
             return Err(ctx.invalid(format!(
                 "the gradient of {} is closed, so backward cannot add into it",
@@ -490,7 +496,8 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
         Backward::Dense { relu } => {
             let (a, w) = (x(0), x(1));
             let (k, n) = (w.dims()[0], w.dims()[1]);
-            let m = a.size() / k.max(1);
+            // The rows: every axis of x but the last (not x's size over k, which is 0 for k = 0).
+            let m: usize = a.dims()[..a.ndim().saturating_sub(1)].iter().product();
             let gz = if *relu {
                 g.mul(&float_mask(y.gt_scalar(0.0)?, dtype)?)?
             } else {
