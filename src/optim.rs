@@ -325,7 +325,7 @@ impl Optimizer {
         for (p, grad) in params.iter().zip(grads) {
             let mut state = Vec::with_capacity(kind.state_names().len());
             for what in kind.state_names() {
-                match p.new_optimizer_state(&ctx, what) {
+                match p.new_companion(&ctx, what) {
                     Ok(array) => state.push(array),
                     Err(e) => {
                         for array in slots.iter().flat_map(|s| &s.state).chain(&state) {

@@ -7,7 +7,7 @@ use crate::backend::AnyDevice;
 use crate::error::Ctx;
 use crate::{NDArray, Result};
 
-use super::exec::{self, Target};
+use super::exec;
 use super::ops::check_same;
 
 /// The hyper-parameters of one SGD step ([`NDArray::sgd_update_`]), PyTorch's `optim.SGD` with
@@ -126,31 +126,6 @@ fn check_non_negative(ctx: &Ctx, what: &str, value: f64) -> Result<()> {
 }
 
 impl NDArray {
-    /// A new zeroed array of this array's shape, dtype and device for an optimizer's state,
-    /// placed as its gradient is (in the manager that holds it, allowed on a capped one) and
-    /// named `"<name>.<what>"` (`"a12.<what>"` for an unnamed array). On error nothing is left.
-    pub(crate) fn new_optimizer_state(&self, ctx: &Ctx, what: &str) -> Result<NDArray> {
-        let (state, dirty) = exec::new_array(
-            ctx,
-            Target::GradientOf(self),
-            self.shape().clone(),
-            self.dtype(),
-            self.device(),
-        )?;
-        if dirty {
-            if let Err(e) = state.fill_(0.0) {
-                exec::discard(&state);
-                return Err(e);
-            }
-        }
-        let name = match self.name() {
-            Some(name) => format!("{name}.{what}"),
-            None => format!("{}.{what}", self.id()),
-        };
-        state.set_name(&name);
-        Ok(state)
-    }
-
     /// Checks an optimizer step's operands: `self` a float array, every other of its dtype,
     /// device and shape, and all of them distinct arrays.
     fn check_optim_operands(&self, ctx: &Ctx, grad: &NDArray, state: &[&NDArray]) -> Result<()> {

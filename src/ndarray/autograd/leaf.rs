@@ -32,26 +32,35 @@ impl NDArray {
         let mut slot = self.0.grad.array.lock();
         let missing = slot.as_ref().is_none_or(|g| g.closed.get().is_some());
         if missing {
-            let (grad, dirty) = exec::new_array(
-                &ctx,
-                Target::GradientOf(self),
-                self.shape().clone(),
-                self.dtype(),
-                self.device(),
-            )?;
-            if dirty {
-                if let Err(e) = grad.fill_(0.0) {
-                    exec::discard(&grad);
-                    return Err(e);
-                }
-            }
-            mark_zero(&grad.0);
-            grad.set_name(&grad_name(self));
+            let grad = self.new_companion(&ctx, "grad")?;
             *slot = Some(Arc::clone(&grad.0));
         }
         drop(slot);
         self.0.grad.requires.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// A new zeroed array of this array's shape, dtype and device that belongs with it: its
+    /// gradient, an optimizer's state. Placed as a gradient is (in the manager the array
+    /// belongs to, allowed on a capped one), known to hold zeros, named `"<name>.<what>"`
+    /// (`"a12.<what>"` for an unnamed array). On error nothing is left.
+    pub(crate) fn new_companion(&self, ctx: &Ctx, what: &str) -> Result<NDArray> {
+        let (array, dirty) = exec::new_array(
+            ctx,
+            Target::GradientOf(self),
+            self.shape().clone(),
+            self.dtype(),
+            self.device(),
+        )?;
+        if dirty {
+            if let Err(e) = array.fill_(0.0) {
+                exec::discard(&array);
+                return Err(e);
+            }
+        }
+        mark_zero(&array.0);
+        array.set_name(&companion_name(self, what));
+        Ok(array)
     }
 
     /// Whether [`set_requires_gradient(true)`](Self::set_requires_gradient) is in force. Results
@@ -96,15 +105,15 @@ impl NDArray {
     pub(crate) fn rename_gradient(&self) {
         let grad = self.0.grad.array.lock().clone();
         if let Some(grad) = grad {
-            *grad.name.lock() = Some(Arc::from(grad_name(self).as_str()));
+            *grad.name.lock() = Some(Arc::from(companion_name(self, "grad").as_str()));
         }
     }
 }
 
-/// `"<name>.grad"`, or `"a12.grad"` for an unnamed array.
-fn grad_name(a: &NDArray) -> String {
+/// `"<name>.<what>"`, or `"a12.<what>"` for an unnamed array.
+fn companion_name(a: &NDArray, what: &str) -> String {
     match a.name() {
-        Some(name) => format!("{name}.grad"),
-        None => format!("{}.grad", a.id()),
+        Some(name) => format!("{name}.{what}"),
+        None => format!("{}.{what}", a.id()),
     }
 }
