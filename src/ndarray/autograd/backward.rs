@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use super::pending;
-use super::tape::{self, Backward, Node, Pause, Track, TAPE};
+use super::tape::{self, Backward, Node, Pause, Track, INLINE_INPUTS, TAPE};
 use crate::backend::{Binary, Unary};
 use crate::error::Ctx;
 use crate::manager::Manager;
@@ -82,22 +82,19 @@ fn walk(
         // `y` is itself a leaf.
         return accumulate(ctx, &[(y.clone(), Grad::Array(seed))]);
     };
-    // Which records the gradient reaches.
+    // Which records the gradient reaches. A record's inputs were recorded before it, so they
+    // sit before it on the tape.
     nodes[start].reached = true;
     for i in (0..=start).rev() {
-        if !nodes[i].reached {
+        let (before, rest) = nodes.split_at_mut(i);
+        if !rest[0].reached {
             continue;
         }
-        let sources: Vec<u32> = nodes[i]
-            .all_inputs()
-            .filter_map(|(_, t)| match t {
-                Track::Node(j) => Some(j),
-                _ => None,
-            })
-            .collect();
-        for j in sources {
-            if let Some(n) = nodes.get_mut(j as usize) {
-                n.reached = true;
+        for (_, track) in rest[0].all_inputs() {
+            if let Track::Node(j) = track {
+                if let Some(n) = before.get_mut(j as usize) {
+                    n.reached = true;
+                }
             }
         }
     }
@@ -106,31 +103,33 @@ fn walk(
         check(ctx, node)?;
     }
     nodes[start].grad = Some(seed);
-    let mut leaves: Vec<(NDArray, Grad)> = Vec::new();
+    let mut leaves: Vec<(NDArray, Grad)> = Vec::with_capacity(16);
     for i in (0..=start).rev() {
-        if !nodes[i].reached {
+        let (before, rest) = nodes.split_at_mut(i);
+        let node = &mut rest[0];
+        if !node.reached {
             continue;
         }
-        let Some(g) = nodes[i].grad.take() else {
+        let Some(g) = node.grad.take() else {
             continue;
         };
         // A result that itself requires gradients (marked after it was recorded) receives its
         // gradient too, as a leaf does: its output gradient is complete here.
-        if nodes[i].output.requires_gradient() {
-            leaves.push((nodes[i].output.clone(), Grad::Array(g.clone())));
+        if node.output.requires_gradient() {
+            leaves.push((node.output.clone(), Grad::Array(g.clone())));
         }
-        let grads = input_grads(&nodes[i], &g)?;
-        let tracks: Vec<(NDArray, Track)> =
-            nodes[i].all_inputs().map(|(a, t)| (a.clone(), t)).collect();
-        for ((input, track), grad) in tracks.into_iter().zip(grads) {
-            let Some(grad) = grad else { continue };
+        let mut grads = input_grads(node, &g)?;
+        for (k, (input, track)) in node.all_inputs().enumerate() {
+            let Some(grad) = grads.take(k) else { continue };
             match track {
                 Track::No => {}
-                Track::Leaf => leaves.push((input, grad)),
+                Track::Leaf => leaves.push((input.clone(), grad)),
                 Track::Node(j) => {
-                    let node = &mut nodes[j as usize];
+                    let Some(source) = before.get_mut(j as usize) else {
+                        continue;
+                    };
                     let grad = grad.into_array()?;
-                    node.grad = Some(match node.grad.take() {
+                    source.grad = Some(match source.grad.take() {
                         None => grad,
                         Some(sum) => sum.add(&grad)?,
                     });
@@ -307,17 +306,20 @@ fn scatter(indices: &NDArray, n: usize, axis: usize, g_keep: &NDArray) -> Result
 
 /// The gradients of a record's inputs from its output gradient `g` (`None` for inputs whose
 /// gradient goes nowhere), in input order.
-fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
-    let inputs: Vec<(&NDArray, Track)> = node.all_inputs().collect();
-    let wants = |i: usize| inputs.get(i).is_some_and(|(_, t)| *t != Track::No);
-    let x = |i: usize| inputs[i].0;
+fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
+    let wants = |i: usize| node.input(i).is_some_and(|(_, t)| t != Track::No);
+    // Every record has the inputs its backward reads (the front-end records them).
+    let x = |i: usize| match node.input(i) {
+        Some((a, _)) => Ok(a),
+        None => unreachable_gradient(node),
+    };
     let y = &node.output;
     let dtype = g.dtype();
     let arr = |a: NDArray| Some(Grad::Array(a));
-    let mut out: Vec<Option<Grad>> = (0..inputs.len()).map(|_| None).collect();
+    let mut out = Grads::default();
     match &node.backward {
         Backward::Unary(op) => {
-            let a = x(0);
+            let a = x(0)?;
             let ga = match op {
                 Unary::Neg => g.neg()?,
                 Unary::Abs => {
@@ -337,7 +339,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             out[0] = arr(ga);
         }
         Backward::Binary(op) => {
-            let (a, b) = (x(0), x(1));
+            let (a, b) = (x(0)?, x(1)?);
             let (ga, gb) = match op {
                 Binary::Add => (wants(0).then(|| g.clone()), wants(1).then(|| g.clone())),
                 Binary::Sub => (
@@ -389,11 +391,11 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
         Backward::Shift => out[0] = arr(g.clone()),
         Backward::Scale(c) => out[0] = arr(g.mul_scalar(*c)?),
         Backward::PowScalar(p) => {
-            let a = x(0);
+            let a = x(0)?;
             out[0] = arr(g.mul(&a.pow_scalar(p - 1.0)?)?.mul_scalar(*p)?);
         }
         Backward::Sum { keep, scale } => {
-            let a = x(0);
+            let a = x(0)?;
             let spread = g.reshape(keep.clone())?.broadcast_to(a.shape().clone())?;
             out[0] = arr(if *scale == 1.0 {
                 spread
@@ -402,7 +404,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             });
         }
         Backward::Max { axis } => {
-            let a = x(0);
+            let a = x(0)?;
             let mut keep = a.dims().to_vec();
             keep[*axis] = 1;
             let g_keep = g.reshape(Shape::new(&keep))?;
@@ -410,7 +412,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             out[0] = arr(scatter(&indices, a.dims()[*axis], *axis, &g_keep)?);
         }
         Backward::Matmul => {
-            let (a, b) = (x(0), x(1));
+            let (a, b) = (x(0)?, x(1)?);
             let (ga, gb) = match (a.ndim(), b.ndim()) {
                 (2, 2) => (
                     Grad::Product(g.clone(), b.clone(), Transpose::Right),
@@ -470,7 +472,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             }
         }
         Backward::MatmulT { left, right } => {
-            let (a, b) = (x(0), x(1));
+            let (a, b) = (x(0)?, x(1)?);
             let (ta, tb) = (*left, *right);
             let flags = |l: bool, r: bool| match (l, r) {
                 (false, false) => Transpose::None,
@@ -494,7 +496,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             }
         }
         Backward::Dense { relu } => {
-            let (a, w) = (x(0), x(1));
+            let (a, w) = (x(0)?, x(1)?);
             let (k, n) = (w.dims()[0], w.dims()[1]);
             // The rows: every axis of x but the last (not x's size over k, which is 0 for k = 0).
             let m: usize = a.dims()[..a.ndim().saturating_sub(1)].iter().product();
@@ -526,7 +528,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
                 out[2] = arr(gz2.sum(&[0], false)?);
             }
         }
-        Backward::Reshape => out[0] = arr(g.reshape(x(0).shape().clone())?),
+        Backward::Reshape => out[0] = arr(g.reshape(x(0)?.shape().clone())?),
         Backward::Transpose => out[0] = arr(g.transpose()?),
         Backward::Permute(axes) => {
             let mut inverse = vec![0; axes.ndim()];
@@ -535,9 +537,9 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             }
             out[0] = arr(g.permute(&inverse)?);
         }
-        Backward::BroadcastTo => out[0] = arr(sum_to(g.clone(), x(0).shape())?),
+        Backward::BroadcastTo => out[0] = arr(sum_to(g.clone(), x(0)?.shape())?),
         Backward::Narrow { axis, start } => {
-            let a = x(0);
+            let a = x(0)?;
             let len = g.dims()[*axis];
             let size = a.dims()[*axis];
             let mut parts = Vec::with_capacity(3);
@@ -561,17 +563,17 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
         }
         Backward::Concat { axis } => {
             let mut offset = 0;
-            for (i, (input, track)) in inputs.iter().enumerate() {
+            for (i, (input, track)) in node.all_inputs().enumerate() {
                 let len = input.dims()[*axis];
-                if *track != Track::No {
+                if track != Track::No {
                     out[i] = arr(g.narrow(*axis as isize, offset, len)?);
                 }
                 offset += len;
             }
         }
         Backward::Stack { axis } => {
-            for (i, (input, track)) in inputs.iter().enumerate() {
-                if *track != Track::No {
+            for (i, (input, track)) in node.all_inputs().enumerate() {
+                if track != Track::No {
                     out[i] = arr(g
                         .narrow(*axis as isize, i, 1)?
                         .reshape(input.shape().clone())?);
@@ -588,12 +590,12 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
             out[0] = arr(g.sub(&y.exp()?.mul(&total)?)?);
         }
         Backward::Pick { axis } => {
-            let (a, indices) = (x(0), x(1));
+            let (a, indices) = (x(0)?, x(1)?);
             let g_keep = g.unsqueeze(*axis as isize)?;
             out[0] = arr(scatter(indices, a.dims()[*axis], *axis, &g_keep)?);
         }
         Backward::Convert => {
-            let a = x(0);
+            let a = x(0)?;
             let mut ga = g.clone();
             if ga.device() != a.device() {
                 ga = ga.to_device(a.device())?;
@@ -606,12 +608,54 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Vec<Option<Grad>>> {
         Backward::None => unreachable_gradient(node)?,
     }
     // Only the inputs whose gradients go somewhere.
-    for (slot, (_, track)) in out.iter_mut().zip(&inputs) {
-        if *track == Track::No {
-            *slot = None;
+    for (i, (_, track)) in node.all_inputs().enumerate() {
+        if track == Track::No {
+            out.take(i);
         }
     }
     Ok(out)
+}
+
+/// The gradients of a record's inputs, by input index: inline for the first three (no
+/// allocation per record), in a list past them (`concat`, `stack`).
+#[derive(Default)]
+struct Grads {
+    inline: [Option<Grad>; INLINE_INPUTS],
+    more: Vec<Option<Grad>>,
+}
+
+impl Grads {
+    /// Takes input `i`'s gradient out.
+    fn take(&mut self, i: usize) -> Option<Grad> {
+        match i.checked_sub(INLINE_INPUTS) {
+            None => self.inline[i].take(),
+            Some(j) => self.more.get_mut(j).and_then(Option::take),
+        }
+    }
+}
+
+impl std::ops::Index<usize> for Grads {
+    type Output = Option<Grad>;
+    fn index(&self, i: usize) -> &Option<Grad> {
+        match i.checked_sub(INLINE_INPUTS) {
+            None => &self.inline[i],
+            Some(j) => self.more.get(j).unwrap_or(&None),
+        }
+    }
+}
+
+impl std::ops::IndexMut<usize> for Grads {
+    fn index_mut(&mut self, i: usize) -> &mut Option<Grad> {
+        match i.checked_sub(INLINE_INPUTS) {
+            None => &mut self.inline[i],
+            Some(j) => {
+                if self.more.len() <= j {
+                    self.more.resize_with(j + 1, || None);
+                }
+                &mut self.more[j]
+            }
+        }
+    }
 }
 
 /// `check` refuses records without a gradient before backward starts; this is its message

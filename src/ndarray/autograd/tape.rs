@@ -123,6 +123,14 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    /// Input `i` with its track.
+    pub fn input(&self, i: usize) -> Option<(&NDArray, Track)> {
+        match i.checked_sub(INLINE_INPUTS) {
+            None => self.inputs[i].as_ref().map(|(a, t, _)| (a, *t)),
+            Some(j) => self.more.get(j).map(|(a, t)| (a, *t)),
+        }
+    }
+
     /// Every input with its track, inline ones first.
     pub fn all_inputs(&self) -> impl Iterator<Item = (&NDArray, Track)> {
         self.inputs
