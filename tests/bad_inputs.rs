@@ -10,6 +10,16 @@ use ndscope::{
     LocationPolicy, Manager, Prefetcher, RecordOptions, WorkspaceConfig,
 };
 
+/// Two tests check that the process's memory in use is unchanged; the others create arrays.
+/// The tests of this file take turns, so no array of one lands between another's two readings.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// This test's turn (a test that failed before releasing it does not block the others).
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A path under a regular file (no process can create it), and that file.
 fn under_a_file(test: &str) -> (PathBuf, PathBuf) {
     let file = std::env::temp_dir().join(format!("ndscope-bad-{}-{test}", std::process::id()));
@@ -19,6 +29,7 @@ fn under_a_file(test: &str) -> (PathBuf, PathBuf) {
 
 #[test]
 fn recordings_written_to_bad_paths_are_io_errors_and_write_nothing() {
+    let _turn = turn();
     let (path, file) = under_a_file("trace");
     let dir = std::env::temp_dir();
     // A recording of its own: the recorder is process-wide, so none may run meanwhile in this
@@ -48,6 +59,7 @@ fn recordings_written_to_bad_paths_are_io_errors_and_write_nothing() {
 
 #[test]
 fn a_memory_mapped_workspace_at_a_bad_path_is_refused_and_holds_nothing() {
+    let _turn = turn();
     let (path, file) = under_a_file("mmap");
     let owner = Manager::new_base();
     let before = memory_usage(Device::Cpu).in_use;
@@ -75,6 +87,7 @@ fn a_memory_mapped_workspace_at_a_bad_path_is_refused_and_holds_nothing() {
 
 #[test]
 fn bad_workspace_numbers_are_invalid_config() {
+    let _turn = turn();
     for (what, built) in [
         (
             "overallocation NaN",
@@ -111,6 +124,7 @@ fn bad_workspace_numbers_are_invalid_config() {
 
 #[test]
 fn bad_shapes_and_ranges_are_errors_and_create_nothing() {
+    let _turn = turn();
     let m = Manager::new_base();
     let before = memory_usage(Device::Cpu).in_use;
     let results = [
@@ -157,6 +171,7 @@ fn bad_shapes_and_ranges_are_errors_and_create_nothing() {
 
 #[test]
 fn a_prefetch_depth_of_zero_is_refused_and_starts_nothing() {
+    let _turn = turn();
     let owner = Manager::new_base();
     let err = Prefetcher::from_iter(&owner, 0, 0..3, |s, _| {
         Ok(vec![s.zeros([1], DType::F32)?].into())
