@@ -491,15 +491,7 @@ fn gradient(ctx: &Ctx, p: &NDArray, i: usize) -> Result<NDArray> {
             p.0.describe()
         )));
     }
-    let grad = p.0.grad.array.lock().clone();
-    match grad {
-        Some(grad) if grad.closed.get().is_none() => Ok(NDArray(grad)),
-        Some(grad) => Err(grad.closed_error(ctx)),
-        None => Err(ctx.invalid(format!(
-            "parameter {} has no gradient array",
-            p.0.describe()
-        ))),
-    }
+    p.gradient_array(ctx)
 }
 
 /// The error for a parameter whose state does not match the rule (never, by construction).

@@ -79,19 +79,24 @@ impl NDArray {
     #[track_caller]
     pub fn gradient(&self) -> Result<NDArray> {
         let ctx = Ctx::new("NDArray::gradient");
-        let grad = self.0.grad.array.lock().clone();
-        match grad {
-            Some(grad) if self.requires_gradient() => {
-                if grad.closed.get().is_some() {
-                    return Err(grad.closed_error(&ctx));
-                }
-                Ok(NDArray(grad))
-            }
-            _ => Err(ctx.invalid(format!(
+        if !self.requires_gradient() {
+            return Err(ctx.invalid(format!(
                 "{} does not require gradients, so it has no gradient (call \
                  set_requires_gradient(true) on it before recording)",
                 self.0.describe()
-            ))),
+            )));
+        }
+        self.gradient_array(&ctx)
+    }
+
+    /// The gradient array, for a caller that checked the array requires gradients:
+    /// `ArrayClosed` (for `ctx`) when it was closed.
+    pub(crate) fn gradient_array(&self, ctx: &Ctx) -> Result<NDArray> {
+        let grad = self.0.grad.array.lock().clone();
+        match grad {
+            Some(grad) if grad.closed.get().is_none() => Ok(NDArray(grad)),
+            Some(grad) => Err(grad.closed_error(ctx)),
+            None => Err(ctx.invalid(format!("{} has no gradient array", self.0.describe()))),
         }
     }
 
