@@ -5,6 +5,8 @@
 
 use ndscope::{DType, Device, Error, Manager, NDArray};
 
+pub mod sim;
+
 /// Registers tests that take the device they run on: for each `name` listed, a module `name`
 /// with two tests, `name::cpu`, which calls `name(Device::Cpu)`, and `name::cuda`, which calls
 /// `name(Device::Cuda(0))` when that device is usable and otherwise prints why it skipped (see
