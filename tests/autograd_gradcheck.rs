@@ -893,6 +893,53 @@ fn dense_forward_with_and_without_bias_and_relu(dev: Device) {
     });
 }
 
+device_tests!(linear_with_and_without_bias_and_relu);
+fn linear_with_and_without_bias_and_relu(dev: Device) {
+    let _serial = serial();
+    // The fused op (on CUDA a cuBLASLt epilogue forward; the ReLU mask and the bias gradient
+    // in one kernel backward, the bias gradient written into the leaf's own gradient).
+    proptest!(config(dev, 64), |(
+        lead in dims_or_empty(0..3),
+        (k, n) in (dim_or_empty(), dim_or_empty()),
+        lay in layouts(3),
+        seed in any::<u64>(),
+    )| {
+        let mut xsh = lead.clone();
+        xsh.push(k);
+        for bias in [false, true] {
+            for activation in [Activation::Identity, Activation::Relu] {
+                let mut specs = vec![
+                    (xsh.clone(), lay[0], Domain::Any),
+                    (vec![k, n], lay[1], Domain::Any),
+                ];
+                if bias {
+                    specs.push((vec![n], lay[2], Domain::Any));
+                }
+                let layer = move |x: &[NDArray], activation| -> ndscope::Result<NDArray> {
+                    x[0].linear(&x[1], x.get(2), activation)
+                };
+                for mask in masks(specs.len()) {
+                    let case = Case::new(
+                        format!("linear(bias {bias}, {activation:?}) of x {xsh:?}"),
+                        &specs,
+                        seed,
+                        move |_, x| layer(x, activation),
+                    )
+                    .requiring(mask);
+                    let case = if activation == Activation::Relu {
+                        case.with_kink(move |_, x| layer(x, Activation::Identity))
+                    } else {
+                        case
+                    };
+                    if case.clear_of_kinks() {
+                        check(dev, &case)?;
+                    }
+                }
+            }
+        }
+    });
+}
+
 device_tests!(empty_dimensions);
 fn empty_dimensions(dev: Device) {
     let _serial = serial();

@@ -19,8 +19,8 @@
 #![allow(dead_code)]
 
 use ndscope::{
-    gradient_collector, ArrayKind, DType, Error, LayerWorkspaceMgr, Manager, NDArray, NDList,
-    Optimizer, Result, Transpose,
+    gradient_collector, Activation, ArrayKind, DType, Error, LayerWorkspaceMgr, Manager, NDArray,
+    NDList, Optimizer, Result, Transpose,
 };
 
 /// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and, for the hand-written
@@ -250,8 +250,12 @@ fn logits<'a>(
     let last = layers.len().saturating_sub(1);
     let mut h = x.clone();
     for (i, (w, b)) in layers.enumerate() {
-        let z = h.matmul(w)?.add(b)?;
-        h = if i < last { z.relu()? } else { z };
+        let act = if i < last {
+            Activation::Relu
+        } else {
+            Activation::Identity
+        };
+        h = h.linear(w, Some(b), act)?;
     }
     Ok(h)
 }

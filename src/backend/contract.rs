@@ -344,6 +344,19 @@ macro_rules! backend_contract {
                     b: &Self::Buffer,
                     out: &mut Self::Buffer,
                 ) -> Result<()> => a;
+                /// A dense layer's forward pass in one product: `out = act(x · w + bias)` for
+                /// `x` `[m, k]`, `w` `[k, n]`, `bias` `[n]` (floats, contiguous), the bias added
+                /// and the activation applied as the product is written (on CUDA a cuBLASLt
+                /// epilogue: one launch).
+                fn linear(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    dims: Mnk,
+                    xw: (&Self::Buffer, &Self::Buffer),
+                    bias: Option<&Self::Buffer>,
+                    relu: bool,
+                    out: &mut Self::Buffer,
+                ) -> Result<()> => xw.0;
                 /// One SGD-with-momentum step of a dense layer: `v ← momentum·v + xᵀ·g;
                 /// w ← w − lr·v`, with `x` `[k, m]`, `g` `[k, n]`, `v` and `w` `[m, n]` (floats).
                 fn sgd_dense(
@@ -367,6 +380,21 @@ macro_rules! backend_contract {
                     out: &mut Self::Buffer,
                     log: bool,
                 ) -> Result<()> => a;
+                /// The backward of a dense layer's bias and activation over the output
+                /// gradient `g` `[rows, cols]` (floats), in one pass: `dz = g` where the layer's
+                /// output `y` is positive and 0 elsewhere (with `relu`: `y` and `dz` given;
+                /// without, `dz` is `g` itself and neither is given), and the bias gradient,
+                /// each column of `dz` summed down the rows in order, written into `db`, or
+                /// added to it with `accumulate`.
+                fn bias_act_grad(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    rows_cols: (usize, usize),
+                    g: &Self::Buffer,
+                    relu: Option<(&Self::Buffer, &mut Self::Buffer)>,
+                    db: &mut Self::Buffer,
+                    accumulate: bool,
+                ) -> Result<()> => g;
                 /// The flat position and value of the first index of `indices` (an integer dtype)
                 /// outside `0..bound`, if any. A device answers `None`: its kernels check the
                 /// indices they use and the next wait reports a bad one.

@@ -344,6 +344,25 @@ impl MatmulOps for AnyDevice {
             cuda => Cuda::matmul(ctx, dtype, batch, dims, a, b, out))
     }
 
+    fn linear(
+        ctx: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, w): (&Storage, &Storage),
+        bias: Option<&Storage>,
+        relu: bool,
+        out: &mut Storage,
+    ) -> Result<()> {
+        match bias {
+            None => on_device!(ctx, (x, w, out),
+                host => Cpu::linear(ctx, dtype, dims, (x, w), None, relu, out),
+                cuda => Cuda::linear(ctx, dtype, dims, (x, w), None, relu, out)),
+            Some(b) => on_device!(ctx, (x, w, b, out),
+                host => Cpu::linear(ctx, dtype, dims, (x, w), Some(b), relu, out),
+                cuda => Cuda::linear(ctx, dtype, dims, (x, w), Some(b), relu, out)),
+        }
+    }
+
     fn gemm(
         ctx: &Ctx,
         dtype: DType,
@@ -405,6 +424,25 @@ impl OptimOps for AnyDevice {
 }
 
 impl NnOps for AnyDevice {
+    fn bias_act_grad(
+        ctx: &Ctx,
+        dtype: DType,
+        rows_cols: (usize, usize),
+        g: &Storage,
+        relu: Option<(&Storage, &mut Storage)>,
+        db: &mut Storage,
+        accumulate: bool,
+    ) -> Result<()> {
+        match relu {
+            None => on_device!(ctx, (g, db),
+                host => Cpu::bias_act_grad(ctx, dtype, rows_cols, g, None, db, accumulate),
+                cuda => Cuda::bias_act_grad(ctx, dtype, rows_cols, g, None, db, accumulate)),
+            Some((y, dz)) => on_device!(ctx, (g, y, dz, db),
+                host => Cpu::bias_act_grad(ctx, dtype, rows_cols, g, Some((y, dz)), db, accumulate),
+                cuda => Cuda::bias_act_grad(ctx, dtype, rows_cols, g, Some((y, dz)), db, accumulate)),
+        }
+    }
+
     fn softmax(
         ctx: &Ctx,
         dtype: DType,

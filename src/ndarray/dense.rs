@@ -1,6 +1,7 @@
 //! [`Dense`]: a fully connected layer prepared for inference, its weights packed once.
 
-use crate::backend::{self, contract::Mnk};
+use crate::backend::contract::{MatmulOps, Mnk};
+use crate::backend::{self, AnyDevice};
 use crate::error::Ctx;
 use crate::{DType, Device, NDArray, Result, Shape};
 
@@ -169,7 +170,7 @@ impl Dense {
         let shape = Shape::new(&dims);
         let relu = self.activation == Activation::Relu;
         let Some(packed) = &self.packed else {
-            return self.unpacked(x, m, shape);
+            return self.unpacked(&ctx, x, m, shape);
         };
         // The inputs on the stack (no list allocated per call): the bias last, when there is one.
         let all = [x, packed, self.bias.as_ref().unwrap_or(x)];
@@ -186,29 +187,11 @@ impl Dense {
         })
     }
 
-    /// `forward` without a packed copy: `matmul`, `add`, the activation, each intermediate
-    /// closed as soon as the next step has read it.
-    fn unpacked(&self, x: &NDArray, m: usize, shape: Shape) -> Result<NDArray> {
-        let flat = if x.dims().len() == 2 {
-            None
-        } else {
-            Some(x.reshape([m, self.k])?)
-        };
-        let mut y = flat.as_ref().unwrap_or(x).matmul(&self.w);
-        if let Some(flat) = flat {
-            flat.close()?;
-        }
-        if let Some(b) = &self.bias {
-            y = then(y, |z| z.add(b));
-        }
-        if self.activation == Activation::Relu {
-            y = then(y, NDArray::relu);
-        }
-        if shape.dims() == [m, self.n] {
-            y
-        } else {
-            then(y, |z| z.reshape(shape.clone()))
-        }
+    /// `forward` without a packed copy: the fused product of [`NDArray::linear`] (on CUDA one
+    /// cuBLASLt launch with the bias and activation as its epilogue).
+    fn unpacked(&self, ctx: &Ctx, x: &NDArray, m: usize, shape: Shape) -> Result<NDArray> {
+        let relu = self.activation == Activation::Relu;
+        linear_unrecorded(ctx, x, &self.w, self.bias.as_ref(), relu, (m, shape))
     }
 
     /// Packs the weights again, for a layer whose `w` changed since it was made (a training
@@ -284,10 +267,117 @@ impl Drop for Dense {
     }
 }
 
-/// `f(y)`, closing `y` after `f` has read it.
-fn then(y: Result<NDArray>, f: impl FnOnce(&NDArray) -> Result<NDArray>) -> Result<NDArray> {
-    let y = y?;
-    let z = f(&y);
-    y.close()?;
-    z
+/// `act(x · w + b)` as one op: `x` `[m, k]` flat, the result of `shape` (`[…, n]`).
+fn linear_unrecorded(
+    ctx: &Ctx,
+    x: &NDArray,
+    w: &NDArray,
+    bias: Option<&NDArray>,
+    relu: bool,
+    (m, shape): (usize, Shape),
+) -> Result<NDArray> {
+    let (k, n) = (w.dims()[0], w.dims()[1]);
+    let dtype = w.dtype();
+    // The inputs on the stack (no list allocated per call): the bias last, when there is one.
+    let all = [x, w, bias.unwrap_or(x)];
+    let inputs = &all[..2 + usize::from(bias.is_some())];
+    exec::op(ctx, inputs, shape, dtype, |buffers, out| {
+        AnyDevice::linear(
+            ctx,
+            dtype,
+            Mnk { m, k, n },
+            (buffers[0], buffers[1]),
+            buffers.get(2).copied(),
+            relu,
+            out,
+        )
+    })
+}
+
+impl NDArray {
+    /// A dense layer in one op, `act(self · w + bias)`, for `self` of shape `[…, in]`, weights
+    /// `w` `[in, out]` and an optional bias `[out]` (one float dtype, one device), giving
+    /// `[…, out]` (every leading axis is a batch axis, as in PyTorch's `Linear`, whose weight
+    /// is stored `[out, in]`). The result is placed as any op's result.
+    ///
+    /// It computes what `matmul`, `add` and `relu` compute, with one array made instead of
+    /// three: on the CPU the bias and activation are applied in one pass over the product; on
+    /// CUDA the product runs through cuBLASLt with the bias and ReLU as its epilogue, one
+    /// launch (where cuBLASLt cannot be loaded, a cuBLAS product and one kernel). The gradient
+    /// (with a [`GradientCollector`](crate::GradientCollector)) is fused too: the ReLU mask and
+    /// the bias gradient in one pass, the bias gradient written straight into the bias's
+    /// `gradient()`, the weight gradient left as a pending product.
+    ///
+    /// Where they differ from the three ops: cuBLASLt's ReLU gives 0 for a NaN (the `relu` op
+    /// and the CPU keep NaN), and the gradient where a unit was off is 0 even when the
+    /// incoming gradient is NaN (PyTorch's `threshold_backward` does the same).
+    ///
+    /// Errors: `ShapeMismatch` when `w` is not 2-D, the last axis of `self` is not `in` (or
+    /// `self` is a scalar), or the bias is not `[out]`; `DTypeMismatch` for integer or mixed
+    /// dtypes; `DeviceMismatch`; `ArrayClosed`. Nothing is created on an error.
+    ///
+    /// ```
+    /// use ndscope::{Activation, Manager};
+    /// let m = Manager::new_base();
+    /// let x = m.from_slice(&[1.0f32, 2.0], [1, 2])?;
+    /// let w = m.from_slice(&[1.0f32, -1.0, 2.0, 0.5, 0.0, 1.0], [2, 3])?;
+    /// let b = m.from_slice(&[0.0f32, 1.0, -4.0], [3])?;
+    /// // relu([1 + 1, −1 + 0 + 1, 2 + 2 − 4]) = [2, 0, 0]
+    /// let y = x.linear(&w, Some(&b), Activation::Relu)?;
+    /// assert_eq!(y.to_vec::<f32>()?, vec![2.0, 0.0, 0.0]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn linear(
+        &self,
+        w: &NDArray,
+        bias: Option<&NDArray>,
+        activation: Activation,
+    ) -> Result<NDArray> {
+        let ctx = Ctx::new("linear");
+        let &[k, n] = w.dims() else {
+            return Err(ctx.shape(format!(
+                "the weights must be 2-D [in, out], got {} {}",
+                w.0.describe(),
+                w.shape()
+            )));
+        };
+        if !w.dtype().is_float() {
+            return Err(ctx.dtype(
+                w.dtype(),
+                format!("the weights must be floats, got {}", w.0.describe()),
+            ));
+        }
+        check_same(&ctx, self, w)?;
+        if let Some(b) = bias {
+            check_same(&ctx, w, b)?;
+            if b.dims() != [n] {
+                return Err(ctx.shape(format!(
+                    "the bias must be [{n}] for weights {}, got {} {}",
+                    w.shape(),
+                    b.0.describe(),
+                    b.shape()
+                )));
+            }
+        }
+        let Some((_, lead)) = self.dims().split_last().filter(|(&last, _)| last == k) else {
+            return Err(ctx.shape(format!(
+                "the input must be [..., {k}] for weights {}, got {} {}",
+                w.shape(),
+                self.0.describe(),
+                self.shape()
+            )));
+        };
+        let m = lead.iter().product::<usize>();
+        let mut dims = lead.to_vec();
+        dims.push(n);
+        let relu = activation == Activation::Relu;
+        let out = linear_unrecorded(&ctx, self, w, bias, relu, (m, Shape::new(&dims)))?;
+        let all = [self, w, bias.unwrap_or(self)];
+        let inputs = &all[..2 + usize::from(bias.is_some())];
+        super::autograd::record(&ctx, inputs, &out, || super::autograd::Backward::Dense {
+            relu,
+        });
+        Ok(out)
+    }
 }

@@ -150,3 +150,63 @@ pub(crate) fn pick<T: Num, I: Element>(
             .unwrap_or(T::ZERO);
     }
 }
+
+/// A dense layer's epilogue on its product `out` (`[rows, bias.len()]` row-major, or any rows of
+/// `cols` without a bias): the bias added to every row, then with `relu` negatives (and NaN)
+/// kept as `max(0, v)` gives them, as `add` then `relu` would.
+pub(crate) fn bias_act<T: Num>(out: &mut [T], cols: usize, bias: Option<&[T]>, relu: bool) {
+    if cols == 0 {
+        return;
+    }
+    for row in out.chunks_exact_mut(cols) {
+        if let Some(bias) = bias {
+            for (o, &b) in row.iter_mut().zip(bias) {
+                *o = o.add(b);
+            }
+        }
+        if relu {
+            for o in row.iter_mut() {
+                *o = o.relu();
+            }
+        }
+    }
+}
+
+/// The backward of a dense layer's bias and activation over `g` `[rows, cols]`: with `relu`
+/// (`y`, the layer's output, and `dz`), `dz = g` where `y > 0` and 0 elsewhere (a selection, so
+/// a NaN gradient where the unit was off gives 0, as PyTorch's `threshold_backward`); the bias
+/// gradient, each column of `dz` (or `g`) summed down the rows in order, into `db`, or added to
+/// it with `accumulate`. Row by row, so every access is sequential; the sum's order per column
+/// is the CUDA kernel's.
+pub(crate) fn bias_act_grad<T: Num + PartialOrd>(
+    (rows, cols): (usize, usize),
+    g: &[T],
+    mut relu: Option<(&[T], &mut [T])>,
+    db: &mut [T],
+    accumulate: bool,
+) {
+    if !accumulate {
+        db.fill(T::ZERO);
+    }
+    if cols == 0 {
+        return;
+    }
+    for r in 0..rows {
+        let at = r * cols;
+        let g = &g[at..at + cols];
+        match relu.as_mut() {
+            Some((y, dz)) => {
+                let (y, dz) = (&y[at..at + cols], &mut dz[at..at + cols]);
+                for (((d, &g), &y), s) in dz.iter_mut().zip(g).zip(y).zip(db.iter_mut()) {
+                    *d = if y > T::ZERO { g } else { T::ZERO };
+                    *s = s.add(*d);
+                }
+            }
+            None => {
+                for (&g, s) in g.iter().zip(db.iter_mut()) {
+                    *s = s.add(g);
+                }
+            }
+        }
+    }
+}

@@ -494,6 +494,22 @@ impl MatmulOps for Cpu {
         Ok(())
     }
 
+    fn linear(
+        ctx: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, w): (&HostBuffer, &HostBuffer),
+        bias: Option<&HostBuffer>,
+        relu: bool,
+        out: &mut HostBuffer,
+    ) -> Result<()> {
+        Cpu::matmul(ctx, dtype, None, dims, x, w, out)?;
+        dispatch_float!(dtype, T => nn::bias_act(
+            out.as_mut_slice::<T>(), dims.n, bias.map(|b| b.as_slice::<T>()), relu
+        ), _ => {});
+        Ok(())
+    }
+
     fn sgd_dense(
         _: &Ctx,
         dtype: DType,
@@ -548,6 +564,25 @@ impl OptimOps for Cpu {
 }
 
 impl NnOps for Cpu {
+    fn bias_act_grad(
+        _: &Ctx,
+        dtype: DType,
+        rows_cols: (usize, usize),
+        g: &HostBuffer,
+        relu: Option<(&HostBuffer, &mut HostBuffer)>,
+        db: &mut HostBuffer,
+        accumulate: bool,
+    ) -> Result<()> {
+        dispatch_float!(dtype, T => nn::bias_act_grad(
+            rows_cols,
+            g.as_slice::<T>(),
+            relu.map(|(y, dz)| (y.as_slice::<T>(), dz.as_mut_slice::<T>())),
+            db.as_mut_slice::<T>(),
+            accumulate,
+        ), _ => {});
+        Ok(())
+    }
+
     fn softmax(
         _: &Ctx,
         dtype: DType,

@@ -17,6 +17,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::cache;
 use super::driver::{describe, pretend};
 use super::kernels::Kernels;
+use super::lt::Lt;
 use crate::backend::settings::ALLOW_TF32;
 use crate::error::Ctx;
 use crate::memory;
@@ -705,6 +706,9 @@ pub(crate) struct Blas {
     /// [`release_workspace`](Blas::release_workspace)).
     workspace: CUdeviceptr,
     ordinal: usize,
+    /// cuBLASLt for products with an epilogue: `None` until the first, then `Some(None)` where
+    /// the library is missing.
+    lt: Option<Option<Lt>>,
 }
 
 impl Drop for Blas {
@@ -747,6 +751,7 @@ impl Blas {
             stream: stream.cu_stream(),
             workspace: 0,
             ordinal,
+            lt: None,
         };
         // SAFETY: the handle was just created; the stream belongs to the current context.
         unsafe {
@@ -778,6 +783,23 @@ impl Blas {
             memory::cache_held(gpu.device(), BLAS_WORKSPACE);
         }
         self.apply_math_mode(ctx)
+    }
+
+    /// cuBLASLt, made at the first call (the context is current: the caller bound it), or
+    /// `None` where the library cannot be loaded.
+    pub fn lt(&mut self) -> Option<&mut Lt> {
+        self.lt.get_or_insert_with(Lt::new).as_mut()
+    }
+
+    /// The workspace and its size, after [`prepare`](Self::prepare).
+    pub fn workspace(&self) -> (CUdeviceptr, usize) {
+        (self.workspace, BLAS_WORKSPACE)
+    }
+
+    /// Whether f32 products may round their inputs to TF32 now (what [`prepare`](Self::prepare)
+    /// applied).
+    pub fn tf32(&self) -> bool {
+        self.tf32
     }
 
     /// Frees the workspace (in stream order, after the products queued so far); the next

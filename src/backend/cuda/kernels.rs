@@ -77,6 +77,8 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("argmax_parts", Types::All),
     ("softmax", Types::Float),
     ("softmax_split", Types::Float),
+    ("bias_act", Types::Float),
+    ("bias_act_grad", Types::Float),
     ("matmul", Types::Int),
     ("sgd_update", Types::Float),
     ("adam_update", Types::Float),

@@ -24,6 +24,8 @@ mod driver;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
+mod lt;
+#[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]
 mod ops;

@@ -7,7 +7,8 @@ use std::sync::atomic::Ordering;
 
 use super::pending;
 use super::tape::{self, Backward, Node, Pause, Track, INLINE_INPUTS, TAPE};
-use crate::backend::{Binary, Unary};
+use crate::backend::contract::NnOps;
+use crate::backend::{AnyDevice, Binary, Unary};
 use crate::error::Ctx;
 use crate::manager::Manager;
 use crate::ndarray::exec::{self, Target};
@@ -250,6 +251,82 @@ fn full(ctx: &Ctx, like: &NDArray, shape: Shape, value: f64) -> Result<NDArray> 
         return Err(e);
     }
     Ok(out)
+}
+
+/// A dense layer's `dz` (`g` masked by its ReLU, `y > 0`; `g` itself without) and its bias
+/// gradient, in one kernel pass ([`NnOps::bias_act_grad`]). A bias that is a leaf requiring
+/// gradients gets its gradient written straight into its `gradient()` (overwritten when that
+/// is known to hold zeros, else added to: no zeroing and no copy) and `None` is returned for
+/// it; another bias gets a new array; without a bias (`bias` `None`) only the mask is applied.
+fn dense_bias_grad(
+    g: &NDArray,
+    y: &NDArray,
+    relu: bool,
+    (m, n): (usize, usize),
+    bias: Option<(&NDArray, Track)>,
+) -> Result<(NDArray, Option<NDArray>)> {
+    let ctx = Ctx::new("backward (linear)");
+    let dtype = g.dtype();
+    let fresh = |shape: Shape| -> Result<NDArray> {
+        exec::new_array(&ctx, Target::ResultOf(&[g]), shape, dtype, g.device()).map(|(a, _)| a)
+    };
+    // Where the bias gradient goes: the leaf's own gradient, or a new array.
+    let into_leaf = match bias {
+        Some((b, Track::Leaf)) if b.requires_gradient() => b.gradient_if_open(),
+        _ => None,
+    };
+    let (db, accumulate) = match (&into_leaf, bias) {
+        (Some(target), _) => {
+            pending::settle(&ctx, &target.0)?;
+            (target.clone(), !pending::known_zero(&target.0))
+        }
+        (None, Some(_)) => (fresh(Shape::new(&[n]))?, false),
+        (None, None) if relu => (fresh(Shape::new(&[n]))?, false),
+        (None, None) => return Ok((g.clone(), None)),
+    };
+    let discard = |a: &NDArray| {
+        if into_leaf.is_none() {
+            exec::discard(a);
+        }
+    };
+    let dz = if relu {
+        let dz = match fresh(g.shape().clone()) {
+            Ok(dz) => dz,
+            Err(e) => {
+                discard(&db);
+                return Err(e);
+            }
+        };
+        let ran = exec::inplace2_with2(&ctx, (&db, &dz), (g, y), |db, dz, g, y| {
+            AnyDevice::bias_act_grad(&ctx, dtype, (m, n), g, Some((y, dz)), db, accumulate)
+        });
+        if let Err(e) = ran {
+            exec::discard(&dz);
+            discard(&db);
+            return Err(e);
+        }
+        dz
+    } else {
+        let ran = exec::inplace_with(&ctx, &db, g, |db, g| match g {
+            Some(g) => AnyDevice::bias_act_grad(&ctx, dtype, (m, n), g, None, db, accumulate),
+            None => Err(ctx.invalid("the bias gradient is the output gradient itself")),
+        });
+        if let Err(e) = ran {
+            discard(&db);
+            return Err(e);
+        }
+        g.clone()
+    };
+    let gb = match (into_leaf, bias) {
+        (None, Some(_)) => Some(db),
+        _ => {
+            if bias.is_none() {
+                exec::discard(&db);
+            }
+            None
+        }
+    };
+    Ok((dz, gb))
 }
 
 /// `g` summed over the axes it was broadcast along, to `shape` (NumPy broadcasting undone).
@@ -500,11 +577,10 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
             let (k, n) = (w.dims()[0], w.dims()[1]);
             // The rows: every axis of x but the last (not x's size over k, which is 0 for k = 0).
             let m: usize = a.dims()[..a.ndim().saturating_sub(1)].iter().product();
-            let gz = if *relu {
-                g.mul(&float_mask(y.gt_scalar(0.0)?, dtype)?)?
-            } else {
-                g.clone()
-            };
+            // The ReLU mask and the bias gradient in one pass (the bias's own gradient written
+            // in place when it is a leaf's).
+            let bias = node.input(2).filter(|_| wants(2));
+            let (gz, gb) = dense_bias_grad(g, y, *relu, (m, n), bias)?;
             let flat = |t: &NDArray, cols: usize| -> Result<NDArray> {
                 if t.ndim() == 2 {
                     Ok(t.clone())
@@ -524,9 +600,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
             if wants(1) {
                 out[1] = Some(Grad::Product(flat(a, k)?, gz2.clone(), Transpose::Left));
             }
-            if wants(2) {
-                out[2] = arr(gz2.sum(&[0], false)?);
-            }
+            out[2] = gb.map(Grad::Array);
         }
         Backward::Reshape => out[0] = arr(g.reshape(x(0)?.shape().clone())?),
         Backward::Transpose => out[0] = arr(g.transpose()?),

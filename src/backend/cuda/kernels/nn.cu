@@ -156,3 +156,44 @@ ONE_HOT_TO(u8)
     }
 #define PICK_OF(T) PICK(T, i32) PICK(T, i64) PICK(T, u8)
 FOR_ALL(PICK_OF)
+
+// A dense layer's bias and activation on its product `out` ([rows, cols], in place), for a
+// device without cuBLASLt epilogues and for k = 0: as `add` then `relu` (NaN stays NaN).
+#define BIAS_ACT(T)                                                                                \
+    extern "C" __global__ void bias_act_##T(T* out, const T* bias, u64 rows, u64 cols, int relu) { \
+        u64 n = rows * cols;                                                                       \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;                            \
+             i += (u64)gridDim.x * blockDim.x) {                                                   \
+            T v = out[i];                                                                          \
+            if (bias) v = v + bias[i % cols];                                                      \
+            if (relu) v = op_max(v, (T)0);                                                         \
+            out[i] = v;                                                                            \
+        }                                                                                          \
+    }
+BIAS_ACT(f32)
+BIAS_ACT(f64)
+
+// The backward of a dense layer's bias and activation over g [rows, cols]: one thread per
+// column, down the rows in order (the CPU's order, so both give the same bits): with `relu`,
+// dz = g where y > 0 and 0 elsewhere (written to dz); the bias gradient, the column's sum of dz
+// (or g), written to db or added to it with `acc`. Adjacent threads read adjacent columns.
+#define BIAS_ACT_GRAD(T)                                                                           \
+    extern "C" __global__ void bias_act_grad_##T(const T* g, const T* y, T* dz, T* db, u64 rows,  \
+                                                 u64 cols, int relu, int acc) {                    \
+        for (u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x; j < cols;                         \
+             j += (u64)gridDim.x * blockDim.x) {                                                   \
+            T s = acc ? db[j] : (T)0;                                                              \
+            for (u64 r = 0; r < rows; ++r) {                                                       \
+                u64 at = r * cols + j;                                                             \
+                T v = g[at];                                                                       \
+                if (relu) {                                                                        \
+                    v = y[at] > (T)0 ? v : (T)0;                                                   \
+                    dz[at] = v;                                                                    \
+                }                                                                                  \
+                s = s + v;                                                                         \
+            }                                                                                      \
+            db[j] = s;                                                                             \
+        }                                                                                          \
+    }
+BIAS_ACT_GRAD(f32)
+BIAS_ACT_GRAD(f64)

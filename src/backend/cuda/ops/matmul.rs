@@ -11,6 +11,7 @@ use super::Cuda;
 use crate::backend::contract::{Accumulate, Gemm, MatmulOps, Mnk, SgdStep};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{blas_error, Gpu};
+use crate::backend::cuda::lt::{Operands, Shape as LtShape};
 use crate::backend::Batched;
 use crate::error::Ctx;
 use crate::{DType, Result};
@@ -194,6 +195,48 @@ fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
         .map_err(|e| blas_error(ctx, "cuBLAS gemm", e))
 }
 
+/// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
+/// where cuBLASLt cannot be loaded.
+fn lt_linear(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    Mnk { m, k, n }: Mnk,
+    (x, w, bias): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+    relu: bool,
+    out: CUdeviceptr,
+) -> Result<bool> {
+    gpu.bind(ctx)?;
+    let mut handle = gpu.blas();
+    handle.prepare(ctx, gpu)?;
+    let (workspace, tf32) = (handle.workspace(), handle.tf32());
+    let Some(lt) = handle.lt() else {
+        return Ok(false);
+    };
+    let shape = LtShape {
+        f64: dtype == DType::F64,
+        m,
+        k,
+        n,
+        bias: bias != 0,
+        relu,
+        tf32: tf32 && dtype == DType::F32,
+    };
+    let ops = Operands {
+        x,
+        w,
+        bias,
+        out,
+        workspace,
+        stream: gpu.cu_stream(),
+    };
+    // SAFETY: `x`, `w`, the bias and `out` are locked storage of `gpu` of the sizes `shape`
+    // gives (the front-end checked them); the workspace is cuBLAS's, used on the same stream
+    // under the same mutex, held here.
+    unsafe { lt.linear(ctx, shape, &ops) }?;
+    Ok(true)
+}
+
 /// The products for integers.
 fn int_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
     let Mnk { m, k, n } = p.spec.dims;
@@ -305,6 +348,53 @@ impl MatmulOps for Cuda {
             steps: (0, 0, 0),
         };
         product(ctx, gpu, dtype, products)
+    }
+
+    fn linear(
+        ctx: &Ctx,
+        dtype: DType,
+        dims: Mnk,
+        (x, w): (&DeviceBuffer, &DeviceBuffer),
+        bias: Option<&DeviceBuffer>,
+        relu: bool,
+        out: &mut DeviceBuffer,
+    ) -> Result<()> {
+        let gpu = match bias {
+            Some(b) => same_gpu(ctx, &[x.gpu(), w.gpu(), b.gpu(), out.gpu()])?,
+            None => same_gpu(ctx, &[x.gpu(), w.gpu(), out.gpu()])?,
+        };
+        let Mnk { m, k, n } = dims;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let bias_ptr = bias.map_or(0, DeviceBuffer::ptr);
+        if k > 0
+            && lt_linear(
+                ctx,
+                gpu,
+                dtype,
+                dims,
+                (x.ptr(), w.ptr(), bias_ptr),
+                relu,
+                out.ptr(),
+            )?
+        {
+            return Ok(());
+        }
+        // Without cuBLASLt (or for k = 0, which it need not take): the product, then the bias
+        // and activation in one kernel.
+        Cuda::matmul(ctx, dtype, None, dims, x, w, out)?;
+        if bias.is_none() && !relu {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "bias_act", dtype)?;
+        let len = (m * n) as u64;
+        // SAFETY: bias_act_<T>(T* out, const T* bias, u64 rows, u64 cols, int relu); `out` holds
+        // m·n elements and the bias (when not null) n, locked storage of `gpu`.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, len);
+                po = out.ptr(), pb = bias_ptr, r = m as u64, c = n as u64, act = i32::from(relu))
+        }
     }
 
     fn sgd_dense(

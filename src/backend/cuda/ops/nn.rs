@@ -59,6 +59,34 @@ fn empty_range(ctx: &Ctx, count: u64, from: DType, what: &str) -> Error {
 }
 
 impl NnOps for Cuda {
+    fn bias_act_grad(
+        ctx: &Ctx,
+        dtype: DType,
+        (rows, cols): (usize, usize),
+        g: &DeviceBuffer,
+        relu: Option<(&DeviceBuffer, &mut DeviceBuffer)>,
+        db: &mut DeviceBuffer,
+        accumulate: bool,
+    ) -> Result<()> {
+        let gpu = match &relu {
+            Some((y, dz)) => same_gpu(ctx, &[g.gpu(), y.gpu(), dz.gpu(), db.gpu()])?,
+            None => same_gpu(ctx, &[g.gpu(), db.gpu()])?,
+        };
+        if cols == 0 {
+            return Ok(());
+        }
+        let f = gpu.kernels.one(ctx, "bias_act_grad", dtype)?;
+        let (y, dz) = relu.map_or((0, 0), |(y, dz)| (y.ptr(), dz.ptr()));
+        // SAFETY: bias_act_grad_<T>(const T* g, const T* y, T* dz, T* db, u64 rows, u64 cols,
+        // int relu, int acc); `g` (and with relu `y`, `dz`) hold rows·cols elements and `db`
+        // cols, locked storage of `gpu`; without relu `y` and `dz` are never read.
+        unsafe {
+            launch!(ctx, gpu, f, linear(gpu, cols as u64);
+                pg = g.ptr(), py = y, pz = dz, pb = db.ptr(), r = rows as u64, c = cols as u64,
+                act = i32::from(y != 0), acc = i32::from(accumulate))
+        }
+    }
+
     fn softmax(
         ctx: &Ctx,
         dtype: DType,
