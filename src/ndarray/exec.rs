@@ -16,7 +16,7 @@ use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
 use crate::manager::Manager;
-use crate::ndarray::autograd::pending;
+use crate::ndarray::hooks;
 use crate::state::{self, capped, Allocation, NewArray};
 use crate::{DType, Device, Error, NDArray, Result, Shape};
 
@@ -282,12 +282,12 @@ fn read_sorted<'a>(ctx: &Ctx, inputs: &[&'a NDArray]) -> Result<(Vec<ReadGuard<'
     Ok((guards, slot))
 }
 
-/// Computes the pending weight gradient of any of `arrays` that has one (see
-/// `autograd::pending`), before their bytes are locked: no access sees a gradient without it.
+/// Computes the product pending in any of `arrays` that has one (a weight gradient; see
+/// `hooks`), before their bytes are locked: no access sees an array without it.
 #[inline]
 fn settle(ctx: &Ctx, arrays: &[&NDArray]) -> Result<()> {
     for a in arrays {
-        pending::settle(ctx, &a.0)?;
+        hooks::before_access(ctx, &a.0)?;
     }
     Ok(())
 }
@@ -443,7 +443,7 @@ pub(crate) fn inplace_with(
     source: &NDArray,
     kernel: impl FnOnce(&mut Storage, Option<&Storage>) -> Result<()>,
 ) -> Result<()> {
-    super::autograd::check_inplace_sources(ctx, &[source])?;
+    hooks::before_inplace_reads(ctx, &[source])?;
     settle(ctx, &[target, source])?;
     if addr(target) == addr(source) {
         let mut guard = write(ctx, &target.0)?;
@@ -483,7 +483,7 @@ fn locked<const W: usize, const R: usize>(
     }
     // Roles 0..W are the targets, W..W+R the sources.
     const { assert!(W + R <= MAX_LOCKED) };
-    super::autograd::check_inplace_sources(ctx, &sources)?;
+    hooks::before_inplace_reads(ctx, &sources)?;
     settle(ctx, &targets)?;
     settle(ctx, &sources)?;
     let count = W + R;

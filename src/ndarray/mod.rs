@@ -7,6 +7,7 @@ mod convert;
 mod dense;
 pub(crate) mod exec;
 mod factory;
+mod hooks;
 mod host;
 mod list;
 mod nn_ops;

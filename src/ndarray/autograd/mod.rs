@@ -27,12 +27,29 @@ mod tape;
 
 use std::marker::PhantomData;
 use std::panic::Location;
+use std::sync::Arc;
 
+use crate::arena::ArrayShared;
 use crate::error::Ctx;
 use crate::manager::Manager;
+use crate::ndarray::hooks::{ExecObserver, Observer};
 use crate::{NDArray, Result};
 
 pub(crate) use tape::{check_inplace_sources, record, recording, Backward, Pause};
+
+/// The tape observes how ops run: exec settles a gradient's pending product before any access
+/// to its bytes, and asks before an in-place op reads arrays the recording collector tracks.
+impl ExecObserver for Observer {
+    #[inline]
+    fn settle(ctx: &Ctx, array: &Arc<ArrayShared>) -> Result<()> {
+        pending::settle(ctx, array)
+    }
+
+    #[inline]
+    fn inplace_reads(ctx: &Ctx, sources: &[&NDArray]) -> Result<()> {
+        check_inplace_sources(ctx, sources)
+    }
+}
 
 /// Records the ops of this thread on a tape while it is open, for [`backward`](Self::backward)
 /// (DJL's `GradientCollector`, PyTorch's autograd recording). Made by

@@ -2,12 +2,13 @@
 //! op calls after computing its result ([`record`]), which costs one thread-local read when no
 //! collector records.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::backend::{Binary, Unary};
 use crate::error::{Ctx, Site};
+use crate::ndarray::hooks;
 use crate::{NDArray, Result, Shape};
 
 /// How backward turns an op's output gradient into its inputs' gradients, with what it needs
@@ -157,9 +158,6 @@ thread_local! {
     pub(crate) static TAPE: RefCell<Tape> = const {
         RefCell::new(Tape { id: 0, nodes: Vec::new(), opened_at: None, paused: 0 })
     };
-    /// `true` while a collector is open and not paused: the one read an op makes when no
-    /// collector records.
-    static RECORDING: Cell<bool> = const { Cell::new(false) };
 }
 
 static NEXT_TAPE: AtomicU32 = AtomicU32::new(1);
@@ -174,14 +172,16 @@ pub(crate) fn next_tape_id() -> u32 {
     }
 }
 
+/// A collector records while it is open and not paused: then the tape watches the thread's
+/// ops (the dispatch path's switch, one thread-local read when no collector records).
 fn update_recording(tape: &Tape) {
-    RECORDING.with(|r| r.set(tape.id != 0 && tape.paused == 0));
+    hooks::set_watching(tape.id != 0 && tape.paused == 0);
 }
 
 /// Whether ops on this thread are recorded now.
 #[inline]
 pub(crate) fn recording() -> bool {
-    RECORDING.with(Cell::get)
+    hooks::watching()
 }
 
 /// Opens the thread's tape, or `InvalidArgument` when one is open.
