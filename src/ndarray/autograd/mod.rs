@@ -32,7 +32,7 @@ use crate::error::Ctx;
 use crate::manager::Manager;
 use crate::{NDArray, Result};
 
-pub(crate) use tape::{check_inplace_sources, record, recording, Backward, Pause};
+pub(crate) use tape::{check_inplace_sources, record, recording, tracked, Backward, Pause};
 
 /// Records the ops of this thread on a tape while it is open, for [`backward`](Self::backward)
 /// (DJL's `GradientCollector`, PyTorch's autograd recording). Made by
