@@ -4,12 +4,23 @@
 //! root and inside a graph) against the composed path's; CPU and CUDA agreeing; the errors
 //! (labels out of range, shapes, dtypes, devices), after which nothing was created; where its
 //! arrays go, and the check of the gradient it saves; and, on the simulated GPU, what it costs:
-//! one launch forward, no launch and no copy for the seed and its own backward.
+//! one launch forward, no launch and no copy for the seed and its own backward. The tests take
+//! turns (`turn`).
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use ndscope::{DType, Device, Error, Manager, NDArray};
 
 mod common;
 use common::{as_f64, device_tests, sim};
+
+/// The tests take turns: the simulated GPU's counters are process-wide, so the test that reads
+/// them must not see another test's launches (and the others are short).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn turn() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Logits `[rows, classes]` of `dtype` from deterministic values in [-4, 4] (exact in f32).
 fn logits(m: &Manager, dtype: DType, rows: usize, classes: usize, seed: u64) -> NDArray {
@@ -70,6 +81,7 @@ const SHAPES: &[(usize, usize)] = &[
 
 device_tests!(loss_equals_the_composed_ops);
 fn loss_equals_the_composed_ops(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64] {
         for &(rows, classes) in SHAPES {
@@ -99,6 +111,7 @@ fn loss_equals_the_composed_ops(dev: Device) {
 
 device_tests!(extreme_logits_stay_finite);
 fn extreme_logits_stay_finite(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64] {
         // Rows of ±1e30 (the label on the large or the small side), one NaN-free tie row.
@@ -156,6 +169,7 @@ fn extreme_logits_stay_finite(dev: Device) {
 
 device_tests!(no_rows_give_nan_as_the_mean_of_nothing);
 fn no_rows_give_nan_as_the_mean_of_nothing(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     let x = m.zeros([0, 4], DType::F32).unwrap();
     let l = m.from_vec(Vec::<i64>::new(), [0]).unwrap();
@@ -199,6 +213,7 @@ fn gradient_of(
 
 device_tests!(gradient_equals_the_composed_path);
 fn gradient_equals_the_composed_path(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     for dtype in [DType::F32, DType::F64] {
         for &(rows, classes) in SHAPES {
@@ -235,6 +250,7 @@ fn gradient_equals_the_composed_path(dev: Device) {
 
 #[test]
 fn gradient_is_finite_differences_of_the_loss() {
+    let _turn = turn();
     let m = Manager::new_base();
     let (rows, classes) = (3, 5);
     let x = logits(&m, DType::F64, rows, classes, 11);
@@ -260,6 +276,7 @@ fn gradient_is_finite_differences_of_the_loss() {
 
 #[test]
 fn cpu_and_cuda_agree() {
+    let _turn = turn();
     let Some(dev) = common::cuda_device() else {
         return;
     };
@@ -289,6 +306,7 @@ fn cpu_and_cuda_agree() {
 
 device_tests!(saved_gradient_is_an_op_result_made_only_when_recorded);
 fn saved_gradient_is_an_op_result_made_only_when_recorded(dev: Device) {
+    let _turn = turn();
     let model = Manager::new_base_on(dev).unwrap();
     let x = logits(&model, DType::F32, 4, 6, 3);
     let l = labels(&model, DType::I64, 4, 6, 3);
@@ -329,6 +347,7 @@ fn saved_gradient_is_an_op_result_made_only_when_recorded(dev: Device) {
 
 device_tests!(a_closed_saved_gradient_fails_backward_naming_the_op);
 fn a_closed_saved_gradient_fails_backward_naming_the_op(dev: Device) {
+    let _turn = turn();
     let model = Manager::new_base_on(dev).unwrap();
     let x = logits(&model, DType::F32, 4, 6, 5);
     let l = labels(&model, DType::I64, 4, 6, 5);
@@ -373,6 +392,7 @@ fn invalid(e: &Error) -> (&'static str, String) {
 
 device_tests!(labels_out_of_range_are_invalid_argument);
 fn labels_out_of_range_are_invalid_argument(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     let x = logits(&m, DType::F32, 4, 5, 1);
     let bad: [(NDArray, i64); 3] = [
@@ -403,6 +423,7 @@ fn labels_out_of_range_are_invalid_argument(dev: Device) {
 
 device_tests!(bad_shapes_dtypes_and_devices_create_nothing);
 fn bad_shapes_dtypes_and_devices_create_nothing(dev: Device) {
+    let _turn = turn();
     let m = Manager::new_base_on(dev).unwrap();
     let x = logits(&m, DType::F32, 4, 5, 2);
     let l = labels(&m, DType::I64, 4, 5, 2);
@@ -479,6 +500,7 @@ fn bad_shapes_dtypes_and_devices_create_nothing(dev: Device) {
 
 #[test]
 fn one_launch_forward_and_none_for_its_backward_on_the_simulator() {
+    let _turn = turn();
     let Some(dev) = common::cuda_device() else {
         return;
     };

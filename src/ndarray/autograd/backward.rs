@@ -115,20 +115,23 @@ fn walk(
         }
         let g = match node.grad.take() {
             Some(g) => Some(g),
+            // The root without a seed: its ones stay implicit until something needs them.
             None if i == start => None,
             None => continue,
         };
         // A result that itself requires gradients (marked after it was recorded) receives its
-        // gradient too, as a leaf does: its output gradient is complete here.
-        let g = match g {
-            None if node.output.requires_gradient() => Some(ones_like(ctx, &node.output)?),
-            g => g,
+        // gradient too, as a leaf does (the ones materialised): its output gradient is complete
+        // here.
+        let g = if node.output.requires_gradient() {
+            let g = match g {
+                Some(g) => g,
+                None => ones_like(ctx, &node.output)?,
+            };
+            leaves.push((node.output.clone(), Grad::Array(g.clone())));
+            Some(g)
+        } else {
+            g
         };
-        if node.output.requires_gradient() {
-            if let Some(g) = &g {
-                leaves.push((node.output.clone(), Grad::Array(g.clone())));
-            }
-        }
         let mut grads = match g {
             Some(g) => input_grads(node, &g)?,
             None => match input_grads_of_ones(node)? {
