@@ -1292,6 +1292,47 @@ fn softmax_log_softmax_and_pick_over_axes(dev: Device) {
     });
 }
 
+device_tests!(softmax_cross_entropy_over_rows);
+fn softmax_cross_entropy_over_rows(dev: Device) {
+    let _serial = serial();
+    proptest!(config(dev, 64), |(
+        rows in 1usize..5,
+        classes in 1usize..6,
+        index_dtype in prop::sample::select(vec![DType::I64, DType::I32, DType::U8]),
+        lay in layout(),
+        seed in any::<u64>(),
+    )| {
+        let labels: Vec<i64> = common::values(rows, seed ^ 0xCE, 1000)
+            .into_iter()
+            .map(|v| v.rem_euclid(classes as i64))
+            .collect();
+        let make_labels = move |m: &Manager| -> ndscope::Result<NDArray> {
+            match index_dtype {
+                DType::I64 => m.from_vec(labels.clone(), [rows]),
+                DType::I32 => m.from_vec(labels.iter().map(|&i| i as i32).collect(), [rows]),
+                _ => m.from_vec(labels.iter().map(|&i| i as u8).collect(), [rows]),
+            }
+        };
+        let composed = make_labels.clone();
+        let cases = [
+            Case::new(format!("softmax_cross_entropy({index_dtype})"),
+                &[(vec![rows, classes], lay, Domain::Any)], seed,
+                move |m, x| x[0].softmax_cross_entropy(&make_labels(m)?)),
+            // Twice in one loss, so its output gradient is a sum, not the seed.
+            Case::new(format!("softmax_cross_entropy({index_dtype}) twice"),
+                &[(vec![rows, classes], lay, Domain::Any)], seed,
+                move |m, x| {
+                    let labels = composed(m)?;
+                    x[0].softmax_cross_entropy(&labels)?
+                        .add(&x[0].mul_scalar(2.0)?.softmax_cross_entropy(&labels)?)
+                }),
+        ];
+        for case in &cases {
+            check(dev, case)?;
+        }
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Conversions: to_dtype between floats, to_device
 

@@ -106,9 +106,11 @@ impl Mlp {
             .collect()
     }
 
-    /// The mean softmax cross-entropy of `logits` against `labels` (`[batch]`, i64).
+    /// The mean softmax cross-entropy of `logits` against `labels` (`[batch]`, i64): one fused
+    /// op (`log_softmax`, `pick`, `mean_all` and `neg` in one pass, one launch on a GPU), whose
+    /// gradient is saved by the forward pass.
     pub fn loss(logits: &NDArray, labels: &NDArray) -> Result<NDArray> {
-        logits.log_softmax(1)?.pick(labels, 1)?.mean_all()?.neg()
+        logits.softmax_cross_entropy(labels)
     }
 
     /// One training step with autograd, as a DJL or PyTorch user writes it: a gradient

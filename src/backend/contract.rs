@@ -426,6 +426,20 @@ macro_rules! backend_contract {
                     indices: &Self::Buffer,
                     out: &mut Self::Buffer,
                 ) -> Result<Option<(usize, i64)>> => x;
+                /// Softmax cross-entropy over the rows of `logits` (`[rows, classes]` of
+                /// `dtypes.0`, a float) against integer `labels` (`[rows]` of `dtypes.1`): writes
+                /// the mean over rows of `-log_softmax(logits)[r, labels[r]]` (numerically stable,
+                /// summed in f64) into the one element of `out.0`, and, when `out.1` is given, the
+                /// gradient of that mean for a unit seed, `(softmax(logits) - one_hot(labels)) /
+                /// rows`, into it (`[rows, classes]`). Bad labels as for [`NnOps::one_hot`].
+                fn softmax_cross_entropy(
+                    ctx: &Ctx,
+                    dtypes: (DType, DType),
+                    logits: &Self::Buffer,
+                    rows_classes: (usize, usize),
+                    labels: &Self::Buffer,
+                    out: (&mut Self::Buffer, Option<&mut Self::Buffer>),
+                ) -> Result<Option<(usize, i64)>> => logits;
             }
 
             /// The fused elementwise optimizer steps: one pass over the elements of the

@@ -492,6 +492,32 @@ impl NnOps for AnyDevice {
             host => Cpu::pick(ctx, dtypes, x, n_inner, indices, out),
             cuda => Cuda::pick(ctx, dtypes, x, n_inner, indices, out))
     }
+
+    fn softmax_cross_entropy(
+        ctx: &Ctx,
+        dtypes: (DType, DType),
+        logits: &Storage,
+        rows_classes: (usize, usize),
+        labels: &Storage,
+        (loss, grad): (&mut Storage, Option<&mut Storage>),
+    ) -> Result<Option<(usize, i64)>> {
+        match (logits, labels, loss, grad) {
+            (Storage::Host(x), Storage::Host(l), Storage::Host(loss), None) => {
+                Cpu::softmax_cross_entropy(ctx, dtypes, x, rows_classes, l, (loss, None))
+            }
+            (Storage::Host(x), Storage::Host(l), Storage::Host(loss), Some(Storage::Host(g))) => {
+                Cpu::softmax_cross_entropy(ctx, dtypes, x, rows_classes, l, (loss, Some(g)))
+            }
+            (Storage::Cuda(x), Storage::Cuda(l), Storage::Cuda(loss), None) => {
+                Cuda::softmax_cross_entropy(ctx, dtypes, x, rows_classes, l, (loss, None))
+            }
+            (Storage::Cuda(x), Storage::Cuda(l), Storage::Cuda(loss), Some(Storage::Cuda(g))) => {
+                Cuda::softmax_cross_entropy(ctx, dtypes, x, rows_classes, l, (loss, Some(g)))
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(mixed(ctx)),
+        }
+    }
 }
 
 impl ShapeOps for AnyDevice {

@@ -423,6 +423,54 @@ pub(crate) fn op2(
     }
 }
 
+/// Makes the results of an op on `inputs` with two outputs, `first` and (when given) `second`
+/// (shape, dtype), both placed as op results are, and fills them with `kernel`; on any failure
+/// both are discarded and nothing else changed.
+pub(crate) fn op_pair(
+    ctx: &Ctx,
+    inputs: &[&NDArray],
+    first: (Shape, DType),
+    second: Option<(Shape, DType)>,
+    kernel: impl FnOnce(&[&Storage], &mut Storage, Option<&mut Storage>) -> Result<()>,
+) -> Result<(NDArray, Option<NDArray>)> {
+    settle(ctx, inputs)?;
+    let device = inputs.first().map_or(Device::Cpu, |a| a.device());
+    let (out, _) = new_array(ctx, Target::ResultOf(inputs), first.0, first.1, device)?;
+    let extra = match second {
+        None => None,
+        Some((shape, dtype)) => {
+            match new_array(ctx, Target::ResultOf(inputs), shape, dtype, device) {
+                Ok((extra, _)) => Some(extra),
+                Err(e) => {
+                    discard(&out);
+                    return Err(e);
+                }
+            }
+        }
+    };
+    let result = (|| {
+        let (guards, slot) = read_sorted(ctx, inputs)?;
+        // Both outputs are fresh: counted after the inputs, the first before the second.
+        let mut first = write_at(ctx, &out.0, usize::MAX - 1)?;
+        let mut second = match &extra {
+            Some(extra) => Some(write_fresh(ctx, &extra.0)?),
+            None => None,
+        };
+        let buffers: Vec<&Storage> = slot.iter().map(|&j| &*guards[j]).collect();
+        kernel(&buffers, &mut first, second.as_deref_mut())
+    })();
+    match result {
+        Ok(()) => Ok((out, extra)),
+        Err(e) => {
+            discard(&out);
+            if let Some(extra) = &extra {
+                discard(extra);
+            }
+            Err(e)
+        }
+    }
+}
+
 /// Runs an in-place kernel on `target`; allocates nothing, takes no arena lock. The kernel
 /// must validate before writing so a failure changes nothing.
 pub(crate) fn inplace(

@@ -1,12 +1,13 @@
 //! Matrix products and the neural-network ops: `matmul` (2-D and batched 3-D), `matmul_t` and
-//! `addmm_` (transposed operands without copies), `softmax`, `log_softmax`, `one_hot`, `pick`.
+//! `addmm_` (transposed operands without copies), `softmax`, `log_softmax`, `one_hot`, `pick`,
+//! `softmax_cross_entropy`.
 
 use crate::backend::contract::{Accumulate, Gemm, Lanes, MatmulOps, Mnk, NnOps, SgdStep, ShapeOps};
 use crate::backend::{self, AnyDevice, Batched};
 use crate::error::Ctx;
 use crate::{DType, NDArray, Result, Shape};
 
-use super::autograd::{record, Backward};
+use super::autograd::{record, tracked, Backward};
 use super::exec;
 use super::ops::{check_device, check_same, normalize_axis};
 use super::reduce_ops::split_at_axis;
@@ -527,6 +528,101 @@ impl NDArray {
             axis: index,
         });
         Ok(out)
+    }
+
+    /// The softmax cross-entropy of logits `self` (`[rows, classes]`, f32 or f64) against
+    /// integer `labels` (`[rows]`: `I32`, `I64` or `U8`, each the class of its row): the mean
+    /// over rows of `-log_softmax(self, 1)[r, labels[r]]`, a 0-d array of `self`'s dtype: what
+    /// `self.log_softmax(1)?.pick(labels, 1)?.mean_all()?.neg()` computes, in one pass (on a
+    /// CUDA device one kernel launch). Numerically stable: each row's maximum is subtracted
+    /// first, and sums, logarithms and the mean are taken in f64 (so logits as large as ±1e30
+    /// give finite, accurate values). Zero rows give NaN, as the mean of nothing does.
+    ///
+    /// While a [`GradientCollector`](crate::GradientCollector) records it, the pass also
+    /// computes the gradient `(softmax(self) - one_hot(labels)) / rows` (an op result placed as
+    /// the loss is) and the tape saves it: backward multiplies it by the output gradient, and
+    /// `backward(&loss)` with the loss at the root hands it on as it is (no kernel at all).
+    ///
+    /// Errors, before anything is created: `DTypeMismatch` for integer logits or labels of
+    /// another dtype; `ShapeMismatch` for logits that are not 2-D or labels that are not
+    /// `[rows]`; `DeviceMismatch`. A label that is negative or not below `classes` gives
+    /// `InvalidArgument` naming its position and value (on a CUDA device from the next wait on
+    /// the device, a read or `Device::synchronize`, naming `softmax_cross_entropy` and this
+    /// call's site: the kernel checks the labels without waiting).
+    ///
+    /// ```
+    /// use ndscope::Manager;
+    /// let m = Manager::new_base();
+    /// let logits = m.from_slice(&[0.0f64, 0.0, 2.0, 0.0], [2, 2])?;
+    /// let labels = m.from_slice(&[1i64, 0], [2])?;
+    /// let loss = logits.softmax_cross_entropy(&labels)?;
+    /// let expected = (2.0f64.ln() + (1.0 + (-2.0f64).exp()).ln()) / 2.0;
+    /// assert!((loss.to_vec::<f64>()?[0] - expected).abs() < 1e-15);
+    /// assert_eq!(loss.dims(), &[] as &[usize]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn softmax_cross_entropy(&self, labels: &NDArray) -> Result<NDArray> {
+        let ctx = Ctx::new("softmax_cross_entropy");
+        let dtype = self.dtype();
+        if !dtype.is_float() {
+            return Err(self.dtype_error(&ctx, "f32 or f64 logits"));
+        }
+        let from = labels.dtype();
+        if !is_index_dtype(from) {
+            return Err(labels.dtype_error(&ctx, "integer labels (i32, i64 or u8)"));
+        }
+        check_device(&ctx, self, labels)?;
+        let &[rows, classes] = self.dims() else {
+            return Err(ctx.shape(format!(
+                "softmax_cross_entropy needs 2-D logits [rows, classes], got {} of shape {}",
+                self.0.describe(),
+                self.shape()
+            )));
+        };
+        if labels.dims() != [rows] {
+            return Err(ctx.shape(format!(
+                "softmax_cross_entropy of logits of shape {} needs labels of shape [{rows}], got \
+                 {} of shape {}",
+                self.shape(),
+                labels.0.describe(),
+                labels.shape()
+            )));
+        }
+        let bad = |found| index_error(&ctx, labels, found, classes, "the number of classes");
+        exec::read_all(&ctx, &[labels], |b| {
+            match AnyDevice::first_bad_index(&ctx, from, b[0], classes)? {
+                Some(found) => Err(bad(found)),
+                None => Ok(()),
+            }
+        })?;
+        let saved = tracked(&[self]).then(|| (self.shape().clone(), dtype));
+        let (loss, grad) = exec::op_pair(
+            &ctx,
+            &[self, labels],
+            (Shape::scalar(), dtype),
+            saved,
+            |b, loss, grad| {
+                let out = (loss, grad);
+                match AnyDevice::softmax_cross_entropy(
+                    &ctx,
+                    (dtype, from),
+                    b[0],
+                    (rows, classes),
+                    b[1],
+                    out,
+                )? {
+                    Some(found) => Err(bad(found)),
+                    None => Ok(()),
+                }
+            },
+        )?;
+        if let Some(grad) = grad {
+            record(&ctx, &[self, labels, &grad], &loss, || {
+                Backward::SoftmaxCrossEntropy
+            });
+        }
+        Ok(loss)
     }
 }
 

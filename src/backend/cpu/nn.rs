@@ -1,5 +1,6 @@
 //! Neural-network kernels: softmax and log-softmax (numerically stable: the maximum is
-//! subtracted first), one-hot encoding and gathering one element per position (`pick`).
+//! subtracted first), one-hot encoding, gathering one element per position (`pick`) and the
+//! fused softmax cross-entropy.
 
 use super::num::{Float, Num};
 use super::{chunk_len, pool, PAR_MIN};
@@ -149,6 +150,44 @@ pub(crate) fn pick<T: Num, I: Element>(
             .copied()
             .unwrap_or(T::ZERO);
     }
+}
+
+/// Softmax cross-entropy of `x` (`[labels.len(), classes]`) against `labels` (each in
+/// `0..classes`, checked by the caller; a row with a label outside adds nothing): returns the
+/// mean over rows of `-log_softmax(x)[r, labels[r]]`, and writes `(softmax(x) - one_hot(labels))
+/// / rows` into `grad` when given. Per row: the maximum `m`, `e = exp(x - m)` in `T`, their sum
+/// `s` in f64 (in order); the log-probability `(x[label] - m) - ln s` and the gradient
+/// `(e / s - [j == label]) / rows` in f64. So a row whose maximum dwarfs `ln s` (logits of
+/// ±1e30) keeps its `ln s`, which `max + ln s` in `T` would round away.
+pub(crate) fn softmax_cross_entropy<T: Float, I: Element>(
+    x: &[T],
+    classes: usize,
+    labels: &[I],
+    mut grad: Option<&mut [T]>,
+) -> T {
+    let rows = labels.len();
+    debug_assert!(x.len() == rows * classes);
+    let inv = 1.0 / rows as f64;
+    let mut total = 0.0f64;
+    if classes > 0 {
+        for (r, (row, &label)) in x.chunks_exact(classes).zip(labels).enumerate() {
+            let max = row[1..].iter().fold(row[0], |m, &v| m.maximum(v));
+            let sum: f64 = row.iter().map(|&v| v.sub(max).exp().to_f64()).sum();
+            let label = usize::try_from(index(label)).ok().filter(|&l| l < classes);
+            if let Some(l) = label {
+                total += row[l].sub(max).to_f64() - sum.ln();
+            }
+            if let Some(grad) = grad.as_deref_mut() {
+                let out = &mut grad[r * classes..(r + 1) * classes];
+                for (j, (o, &v)) in out.iter_mut().zip(row).enumerate() {
+                    let p = v.sub(max).exp().to_f64() / sum;
+                    let hot = if label == Some(j) { 1.0 } else { 0.0 };
+                    *o = T::from_f64((p - hot) * inv);
+                }
+            }
+        }
+    }
+    T::from_f64(-(total / rows as f64))
 }
 
 /// A dense layer's epilogue on its product `out` (`[rows, bias.len()]` row-major, or any rows of

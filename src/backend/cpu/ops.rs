@@ -655,6 +655,28 @@ impl NnOps for Cpu {
         });
         Ok(None)
     }
+
+    fn softmax_cross_entropy(
+        ctx: &Ctx,
+        (dtype, from): (DType, DType),
+        logits: &HostBuffer,
+        (_, classes): (usize, usize),
+        labels: &HostBuffer,
+        (loss, grad): (&mut HostBuffer, Option<&mut HostBuffer>),
+    ) -> Result<Option<(usize, i64)>> {
+        dispatch!(from, I => {
+            let idx = labels.as_slice::<I>();
+            if let Some(bad) = nn::first_out_of_range(idx, classes) {
+                return Ok(Some(bad));
+            }
+            dispatch_float!(dtype, T => {
+                let grad = grad.map(|g| g.as_mut_slice::<T>());
+                loss.as_mut_slice::<T>()[0] =
+                    nn::softmax_cross_entropy(logits.as_slice::<T>(), classes, idx, grad);
+            }, _ => return Err(ctx.unsupported(format!("`{}` on {dtype}: floats only", ctx.op))));
+        });
+        Ok(None)
+    }
 }
 
 impl ShapeOps for Cpu {

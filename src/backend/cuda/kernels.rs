@@ -89,6 +89,7 @@ const TWO_DTYPES: &[(&str, Types, Types)] = &[
     ("cast", Types::All, Types::All),
     ("one_hot", Types::Index, Types::All),
     ("pick", Types::All, Types::Index),
+    ("softmax_ce", Types::Float, Types::Index),
 ];
 
 /// `sum_<in>_<out>`: floats accumulate in f64, integers in i64 (sums) or f64 (means).

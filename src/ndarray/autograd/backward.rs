@@ -75,12 +75,12 @@ fn walk(
     y: &NDArray,
     seed: Option<&NDArray>,
 ) -> Result<()> {
-    let seed = match seed {
-        Some(s) => s.clone(),
-        None => full(ctx, y, y.shape().clone(), 1.0)?,
-    };
     let Some(start) = start else {
         // `y` is itself a leaf.
+        let seed = match seed {
+            Some(s) => s.clone(),
+            None => full(ctx, y, y.shape().clone(), 1.0)?,
+        };
         return accumulate(ctx, &[(y.clone(), Grad::Array(seed))]);
     };
     // Which records the gradient reaches. A record's inputs were recorded before it, so they
@@ -103,7 +103,10 @@ fn walk(
     for node in nodes[..=start].iter().filter(|n| n.reached) {
         check(ctx, node)?;
     }
-    nodes[start].grad = Some(seed);
+    // Without a seed, the root's output gradient is ones, left implicit: a record whose
+    // backward needs no array for it (`input_grads_of_ones`) uses none, the others get it
+    // materialised.
+    nodes[start].grad = seed.cloned();
     let mut leaves: Vec<(NDArray, Grad)> = Vec::with_capacity(16);
     for i in (0..=start).rev() {
         let (before, rest) = nodes.split_at_mut(i);
@@ -111,15 +114,32 @@ fn walk(
         if !node.reached {
             continue;
         }
-        let Some(g) = node.grad.take() else {
-            continue;
+        let g = match node.grad.take() {
+            Some(g) => Some(g),
+            // The root without a seed: its ones stay implicit until something needs them.
+            None if i == start => None,
+            None => continue,
         };
         // A result that itself requires gradients (marked after it was recorded) receives its
-        // gradient too, as a leaf does: its output gradient is complete here.
-        if node.output.requires_gradient() {
+        // gradient too, as a leaf does (the ones materialised): its output gradient is complete
+        // here.
+        let g = if node.output.requires_gradient() {
+            let g = match g {
+                Some(g) => g,
+                None => ones_like(ctx, &node.output)?,
+            };
             leaves.push((node.output.clone(), Grad::Array(g.clone())));
-        }
-        let mut grads = input_grads(node, &g)?;
+            Some(g)
+        } else {
+            g
+        };
+        let mut grads = match g {
+            Some(g) => input_grads(node, &g)?,
+            None => match input_grads_of_ones(node)? {
+                Some(grads) => grads,
+                None => input_grads(node, &ones_like(ctx, &node.output)?)?,
+            },
+        };
         for (k, (input, track)) in node.all_inputs().enumerate() {
             let Some(grad) = grads.take(k) else { continue };
             match track {
@@ -327,6 +347,33 @@ fn dense_bias_grad(
         }
     };
     Ok((dz, gb))
+}
+
+/// Ones of `y`'s shape, dtype and device, placed as an op result: a root's implicit seed,
+/// materialised.
+fn ones_like(ctx: &Ctx, y: &NDArray) -> Result<NDArray> {
+    full(ctx, y, y.shape().clone(), 1.0)
+}
+
+/// The gradients of a record's inputs for an output gradient of ones left implicit (the seed of
+/// `backward(&loss)`), for the records whose backward needs no array for it; `None` for the
+/// others, which get the ones materialised. `softmax_cross_entropy` hands on the gradient its
+/// forward pass saved, as it is: no kernel.
+fn input_grads_of_ones(node: &Node) -> Result<Option<Grads>> {
+    let mut out = Grads::default();
+    match &node.backward {
+        Backward::SoftmaxCrossEntropy => match node.input(2) {
+            Some((saved, _)) => out[0] = Some(Grad::Array(saved.clone())),
+            None => return unreachable_gradient(node),
+        },
+        _ => return Ok(None),
+    }
+    for (i, (_, track)) in node.all_inputs().enumerate() {
+        if track == Track::No {
+            out.take(i);
+        }
+    }
+    Ok(Some(out))
 }
 
 /// `g` summed over the axes it was broadcast along, to `shape` (NumPy broadcasting undone).
@@ -668,6 +715,7 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
             let g_keep = g.unsqueeze(*axis as isize)?;
             out[0] = arr(scatter(indices, a.dims()[*axis], *axis, &g_keep)?);
         }
+        Backward::SoftmaxCrossEntropy => out[0] = arr(x(2)?.mul(g)?),
         Backward::Convert => {
             let a = x(0)?;
             let mut ga = g.clone();

@@ -35,7 +35,7 @@ use crate::manager::Manager;
 use crate::ndarray::hooks::{ExecObserver, Observer};
 use crate::{NDArray, Result};
 
-pub(crate) use tape::{check_inplace_sources, record, recording, Backward, Pause};
+pub(crate) use tape::{check_inplace_sources, record, recording, tracked, Backward, Pause};
 
 /// The tape observes how ops run: exec settles a gradient's pending product before any access
 /// to its bytes, and asks before an in-place op reads arrays the recording collector tracks.

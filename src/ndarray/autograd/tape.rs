@@ -57,6 +57,10 @@ pub(crate) enum Backward {
     LogSoftmax { axis: usize },
     /// `pick` along `axis`; inputs `x` and the indices.
     Pick { axis: usize },
+    /// `softmax_cross_entropy`; inputs the logits, the labels, and the logits' gradient for a
+    /// unit seed that the forward pass computed (saved): the gradient is that times the output
+    /// gradient, or that itself for an implicit seed of ones.
+    SoftmaxCrossEntropy,
     /// `to_dtype` (between floats), `duplicate`, `to_device`: the gradient converted back.
     Convert,
     /// An op with no gradient: `backward` through it is an error naming it.
@@ -83,6 +87,7 @@ impl Backward {
             Backward::Dense { relu } => (0b11, *relu),
             Backward::Softmax { .. } | Backward::LogSoftmax { .. } => (0, true),
             Backward::Pick { .. } => (0b10, false),
+            Backward::SoftmaxCrossEntropy => (0b100, false),
             _ => (0, false),
         }
     }
@@ -268,6 +273,19 @@ pub(crate) fn track(a: &NDArray, id: u32) -> Track {
     } else {
         Track::No
     }
+}
+
+/// Whether an op on `inputs` would be recorded now: a collector records and one of them depends
+/// on an array that requires gradients. An op whose record saves work done for its backward
+/// does that work only then.
+pub(crate) fn tracked(inputs: &[&NDArray]) -> bool {
+    if !recording() {
+        return false;
+    }
+    TAPE.with(|t| {
+        let id = t.borrow().id;
+        id != 0 && inputs.iter().any(|a| track(a, id) != Track::No)
+    })
 }
 
 /// Records an op on this thread's tape when a collector records and one of `inputs` depends on

@@ -1,4 +1,5 @@
-// Kernels of the neural-network ops: softmax (whole rows and split rows), `one_hot`, `pick`.
+// Kernels of the neural-network ops: softmax (whole rows and split rows), `one_hot`, `pick`, the
+// fused softmax cross-entropy.
 
 // ---- neural-network ops ----
 
@@ -156,6 +157,57 @@ ONE_HOT_TO(u8)
     }
 #define PICK_OF(T) PICK(T, i32) PICK(T, i64) PICK(T, u8)
 FOR_ALL(PICK_OF)
+
+// Softmax cross-entropy of x [rows, classes] against labels [rows], in one launch of one block
+// (so the mean needs no second pass and no atomics): groups of `tpr` threads (a power of two
+// dividing blockDim.x) take the rows in turn, each group one row at a time, as the CPU does it:
+// the maximum m, e = exp(x - m) in T summed in f64 (s), the row's log-probability
+// (x[label] - m) - log(s) in f64. Lane 0 of a group adds it to its own f64 total; the block then
+// adds the totals in a fixed tree, so the result is the same whatever order the threads run in.
+// With `grad` (may be null) it writes (e / s - [i == label]) / rows, in f64. A label outside
+// 0..classes adds nothing, gives a row of the plain softmax / rows and is reported
+// (`report_bad`, its row).
+#define SOFTMAX_CE(T, I)                                                                           \
+    extern "C" __global__ void softmax_ce_##T##_##I(const T* x, const I* labels, T* loss,         \
+                                                    T* grad, u64 rows, u64 classes, u32 tpr,      \
+                                                    u64* flag, u64 key) {                          \
+        __shared__ T smax[256];                                                                    \
+        __shared__ f64 ssum[256];                                                                  \
+        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;      \
+        f64 inv = 1.0 / (f64)rows;                                                                 \
+        f64 total = 0.0;                                                                           \
+        for (u64 base = 0; base < rows; base += per) {                                             \
+            u64 row = base + slot;                                                                 \
+            bool live = row < rows;                                                                \
+            const T* p = x + (live ? row * classes : 0);                                           \
+            T m = lowest((T)0);                                                                    \
+            if (live)                                                                              \
+                for (u64 i = lane; i < classes; i += tpr) m = op_max(m, p[i]);                     \
+            m = group_reduce(m, smax, tpr, MaxOf<T>());                                            \
+            f64 s = 0.0;                                                                           \
+            if (live)                                                                              \
+                for (u64 i = lane; i < classes; i += tpr) s += (f64)e_exp(p[i] - m);               \
+            s = group_reduce(s, ssum, tpr, AddF());                                                \
+            if (!live) continue;                                                                   \
+            i64 v = (i64)labels[row];                                                              \
+            bool ok = v >= 0 && (u64)v < classes;                                                  \
+            if (lane == 0) {                                                                       \
+                if (ok) total += (f64)(p[v] - m) - log(s);                                         \
+                else report_bad(flag, key, row);                                                   \
+            }                                                                                      \
+            if (grad) {                                                                            \
+                T* q = grad + row * classes;                                                       \
+                for (u64 i = lane; i < classes; i += tpr) {                                        \
+                    f64 hot = (ok && (u64)v == i) ? 1.0 : 0.0;                                     \
+                    q[i] = (T)(((f64)e_exp(p[i] - m) / s - hot) * inv);                            \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        total = block_reduce(total, ssum, AddF());                                                 \
+        if (threadIdx.x == 0) loss[0] = (T)(-(total / (f64)rows));                                 \
+    }
+#define SOFTMAX_CE_OF(T) SOFTMAX_CE(T, i32) SOFTMAX_CE(T, i64) SOFTMAX_CE(T, u8)
+FOR_FLOAT(SOFTMAX_CE_OF)
 
 // A dense layer's bias and activation on its product `out` ([rows, cols], in place), for a
 // device without cuBLASLt epilogues and for k = 0: as `add` then `relu` (NaN stays NaN).

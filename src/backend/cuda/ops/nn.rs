@@ -1,6 +1,6 @@
-//! Neural-network ops: softmax and log-softmax (split over the device for few long rows), and
-//! the index ops `one_hot` and `pick`, whose indices the kernels check (reported at the next
-//! wait).
+//! Neural-network ops: softmax and log-softmax (split over the device for few long rows), the
+//! index ops `one_hot` and `pick` and the fused softmax cross-entropy, whose indices the kernels
+//! check (reported at the next wait).
 
 use super::error::{checked_launch, Refusal};
 use super::launch::{blocks, elements, linear, same_gpu, Config, THREADS};
@@ -201,6 +201,55 @@ impl NnOps for Cuda {
                 launch!(ctx, gpu, f, linear(gpu, count);
                     px = x.ptr(), pi = indices.ptr(), po = out.ptr(), c = count, len = n as u64,
                     i = inner as u64, pf = flag, k = key)
+            }
+        })
+        .map(|()| None)
+    }
+
+    /// One launch of one block whatever the size (the mean is reduced in the block, in a fixed
+    /// order): `rows` below the block's threads give each row a group of threads (a power of
+    /// two, no more than the classes need).
+    fn softmax_cross_entropy(
+        ctx: &Ctx,
+        (dtype, from): (DType, DType),
+        logits: &DeviceBuffer,
+        (rows, classes): (usize, usize),
+        labels: &DeviceBuffer,
+        (loss, grad): (&mut DeviceBuffer, Option<&mut DeviceBuffer>),
+    ) -> Result<Option<(usize, i64)>> {
+        let mut buffers = vec![logits.gpu(), labels.gpu(), loss.gpu()];
+        buffers.extend(grad.as_deref().map(DeviceBuffer::gpu));
+        let gpu = same_gpu(ctx, &buffers)?;
+        if classes == 0 && rows > 0 {
+            return Err(empty_range(ctx, rows as u64, from, "the number of classes"));
+        }
+        let f = gpu.kernels.two(ctx, "softmax_ce", dtype, from)?;
+        let tpr = (THREADS as usize / rows.max(1))
+            .min(classes.next_power_of_two())
+            .max(1);
+        // The largest power of two not above `tpr`.
+        let tpr = (1usize << tpr.ilog2()) as u32;
+        let cfg = Config {
+            blocks: 1,
+            threads: (THREADS, 1),
+        };
+        let grad_ptr = grad.as_deref().map_or(0, DeviceBuffer::ptr);
+        let refusal = || Refusal::Index {
+            count: rows as u64,
+            from,
+            bound: classes,
+            what: "the number of classes",
+        };
+        checked_launch(ctx, gpu, refusal, |flag, key| {
+            // SAFETY: softmax_ce_<T>_<I>(const T* x, const I* labels, T* loss, T* grad, u64 rows,
+            // u64 classes, u32 tpr, u64* flag, u64 key); locked storage of `gpu`: `logits` (and
+            // `grad`, when not null) hold rows·classes elements, `labels` rows, `loss` one;
+            // labels outside the classes read nothing; `tpr` is a power of two dividing the
+            // block's THREADS; `flag` is the device's check word.
+            unsafe {
+                launch!(ctx, gpu, f, cfg;
+                    px = logits.ptr(), pl = labels.ptr(), po = loss.ptr(), pg = grad_ptr,
+                    r = rows as u64, c = classes as u64, t = tpr, pf = flag, k = key)
             }
         })
         .map(|()| None)
