@@ -833,6 +833,14 @@ pub(crate) struct Staging {
     pub events: [CudaEvent; 2],
     /// Whether the event of each buffer was recorded since the buffer was last waited for.
     pub pending: [bool; 2],
+    /// When each buffer's event was last recorded (a count of records): a wait on one event
+    /// also frees the buffers whose events were recorded before it, on the device's one stream.
+    recorded: [u64; 2],
+    /// Records so far.
+    records: u64,
+    /// The buffer the next copy starts with: the one after the last used, so that a copy out
+    /// right after a copy in (an inference call) does not wait for the copy in.
+    next: usize,
 }
 
 // SAFETY: the buffers are page-locked host memory owned by this struct, used under its mutex.
@@ -883,6 +891,9 @@ impl Staging {
             bufs,
             events,
             pending: [false; 2],
+            recorded: [0; 2],
+            records: 0,
+            next: 0,
         })
     }
 
@@ -921,13 +932,29 @@ impl Staging {
         2 * STAGING
     }
 
-    /// Waits until staging buffer `b` is free again.
+    /// The buffers a copy of `chunks` chunks uses, in order: chunk `i` goes through buffer
+    /// `(start + i) % 2` for the `start` returned. The next copy starts after the last.
+    pub fn take(&mut self, chunks: usize) -> usize {
+        let start = self.next;
+        self.next = (start + chunks) % 2;
+        start
+    }
+
+    /// Waits until staging buffer `b` is free again. The device runs its work on one stream,
+    /// in order, so the copies marked in the other buffer before this one's are finished too:
+    /// its next use waits for nothing (no second synchronisation per call).
     pub fn wait(&mut self, ctx: &Ctx, gpu: &Gpu, b: usize) -> Result<()> {
         if self.pending[b] {
             self.events[b]
                 .synchronize()
                 .map_err(|e| sticky(ctx, gpu, e))?;
             self.pending[b] = false;
+            let done = self.recorded[b];
+            for (pending, &at) in self.pending.iter_mut().zip(&self.recorded) {
+                if at < done {
+                    *pending = false;
+                }
+            }
         }
         Ok(())
     }
@@ -938,6 +965,8 @@ impl Staging {
             .record(&gpu.stream)
             .map_err(|e| gpu.failed(ctx, "cuEventRecord", e))?;
         self.pending[b] = true;
+        self.records += 1;
+        self.recorded[b] = self.records;
         Ok(())
     }
 }

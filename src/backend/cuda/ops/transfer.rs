@@ -41,8 +41,9 @@ fn host_to_device(
         return wait_all(ctx, gpu);
     }
     let mut staging = gpu.staging(ctx)?;
+    let start = staging.take(bytes.len().div_ceil(STAGING));
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
-        let b = i % 2;
+        let b = (start + i) % 2;
         staging.wait(ctx, gpu, b)?;
         // SAFETY: the staging buffer holds STAGING bytes and its last copy has finished
         // (`wait`); the chunk is at most STAGING bytes.
@@ -83,9 +84,10 @@ fn device_to_host(
     let len = out.len();
     let chunks = len.div_ceil(STAGING);
     let mut staging = gpu.staging(ctx)?;
+    let start = staging.take(chunks);
     for i in 0..=chunks {
         if i < chunks {
-            let b = i % 2;
+            let b = (start + i) % 2;
             staging.wait(ctx, gpu, b)?;
             let n = STAGING.min(len - i * STAGING);
             // SAFETY: the staging buffer is free (`wait`) and holds at least `n` bytes, which the
@@ -98,7 +100,7 @@ fn device_to_host(
         }
         if i > 0 {
             let j = i - 1;
-            let b = j % 2;
+            let b = (start + j) % 2;
             staging.wait(ctx, gpu, b)?;
             let n = STAGING.min(len - j * STAGING);
             // SAFETY: the copy into the buffer has finished (`wait`); it holds `n` bytes.
