@@ -308,3 +308,52 @@ fn a_predictor_on_an_absent_device_is_refused_and_caps_nothing() {
     assert!(model.children().is_empty());
     model.close().unwrap();
 }
+
+#[test]
+fn concurrent_copies_through_the_staging_buffers_each_get_their_own_bytes() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let _turn = turn();
+    let (model, params) = model_on(dev);
+    let (cpu_model, cpu_params) = model_on(Device::Cpu);
+    let cpu = predictor(&cpu_model, cpu_params);
+    let gpu = predictor(&model, params);
+    let scratch = Manager::new_base_on(dev).unwrap().with_name("scratch");
+    // Small calls (one staging buffer each way, the copy out waiting without the staging lock)
+    // interleaved with copies larger than both buffers together (five chunks each way).
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (cpu, gpu, scratch) = (&cpu, &gpu, &scratch);
+            s.spawn(move || {
+                for i in 0..12 {
+                    if (t + i) % 4 == 0 {
+                        let n = 2_300_000 + t as usize;
+                        let v: Vec<f64> = (0..n)
+                            .map(|k| (k as u64 * 7 + t * 1000 + i) as f64)
+                            .collect();
+                        let host = HostArray::from_vec(v, [n]).unwrap();
+                        let back = scratch.scope(|c| c.from_host(&host)?.to_host()).unwrap();
+                        assert!(
+                            back == host,
+                            "thread {t} copy {i}: the bytes came back changed"
+                        );
+                    } else {
+                        let x = request(1000 * t + i, 1 + (i as usize % 2));
+                        let want = cpu.predict(&x).unwrap();
+                        assert_close(
+                            &gpu.predict(&x).unwrap(),
+                            &want,
+                            &format!("thread {t} call {i}"),
+                        );
+                    }
+                }
+            });
+        }
+    });
+    scratch.close().unwrap();
+    drop(gpu);
+    model.close().unwrap();
+    drop(cpu);
+    cpu_model.close().unwrap();
+}
