@@ -1,5 +1,6 @@
-//! Times inference of an MLP 784→1024→1024→10 (f32, random weights) on the CPU, as
-//! `benches/peers/mlp_infer.py` times the same network in PyTorch, in turns with it:
+//! Times inference of an MLP 784→1024→1024→10 (f32, random weights) on the CPU, or on a GPU with
+//! `--device cuda`, as `benches/peers/mlp_infer.py` times the same network in PyTorch, in turns
+//! with it:
 //!
 //! - latency at batch 1: the median time of one request through a `ParallelInference` (one
 //!   client, sequential mode) and through a `Predictor` called on this thread;
@@ -9,20 +10,32 @@
 //! ```text
 //! cargo run --release --example mlp_infer -- --what latency --requests 2000
 //! cargo run --release --example mlp_infer -- --what throughput --batch 64 --requests 300
+//! cargo run --release --features cuda --example mlp_infer -- --device cuda --what latency
 //! ```
 //!
 //! The layers are [`Dense`] layers (weights packed once, bias and ReLU applied as the output is
 //! written); `--layers matmul` runs the same network as `matmul`, `add` and `relu` instead.
 //!
+//! With `--device cuda` the parameters live on `cuda:0` and the predictor's and the workers'
+//! contexts with them; requests and answers stay in host memory, as a server receives and sends
+//! them: each call copies its input onto the device and its output back, through the device's
+//! page-locked staging buffers, and waits once, for the answer. There the weights are not
+//! packed (packing is for the CPU's product kernel): a `Dense` layer runs `matmul` (cuBLAS),
+//! `add` and `relu` and closes its intermediate arrays as it goes, where `--layers matmul` keeps
+//! them in the context until the call ends; the two differ only in the workspace's size. On the
+//! GPU the service has 2 workers unless `--workers` says otherwise (they share the device's one
+//! stream: more workers than that add no compute, only overlap of the host's share of a call).
+//!
 //! It prints one line per figure, e.g. `latency batch 1: service p50 412.3 us; predictor p50
-//! 398.0 us` and `throughput batch 64: 9120 samples/s (service, 2 workers, 4 clients)`.
+//! 398.0 us` and `throughput batch 64: 9120 samples/s (service, 2 workers, 4 clients)`; on the
+//! GPU the lines end with `on cuda:0`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ndscope::{
-    manual_seed, DType, HostArray, Manager, NDArray, ParallelInference, Predictor, Result,
+    manual_seed, DType, Device, HostArray, Manager, NDArray, ParallelInference, Predictor, Result,
     ShutdownMode,
 };
 
@@ -37,9 +50,11 @@ struct Args {
     batch: usize,
     requests: usize,
     clients: usize,
-    workers: usize,
+    /// `None`: one per core on the CPU, 2 on a GPU.
+    workers: Option<usize>,
     /// `Dense` layers (true) or `matmul` + `add` + `relu`.
     dense: bool,
+    device: Device,
 }
 
 fn main() -> ExitCode {
@@ -48,8 +63,9 @@ fn main() -> ExitCode {
         batch: 1,
         requests: 1000,
         clients: 4,
-        workers: ndscope::num_threads(),
+        workers: None,
         dense: true,
+        device: Device::Cpu,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -63,12 +79,14 @@ fn main() -> ExitCode {
             ("--batch", Some(n), _) => args.batch = n,
             ("--requests", Some(n), _) => args.requests = n,
             ("--clients", Some(n), _) => args.clients = n,
-            ("--workers", Some(n), _) => args.workers = n,
+            ("--workers", Some(n), _) => args.workers = Some(n),
             ("--layers", _, Some(l @ ("dense" | "matmul"))) => args.dense = l == "dense",
+            ("--device", _, Some("cpu")) => args.device = Device::Cpu,
+            ("--device", _, Some("cuda")) => args.device = Device::Cuda(0),
             _ => {
                 eprintln!(
                     "usage: mlp_infer [--what latency|throughput] [--batch N] [--requests N] \
-                     [--clients N] [--workers N] [--layers dense|matmul]"
+                     [--clients N] [--workers N] [--layers dense|matmul] [--device cpu|cuda]"
                 );
                 return ExitCode::from(2);
             }
@@ -90,7 +108,16 @@ fn median(mut times: Vec<Duration>) -> Duration {
 
 fn run(args: &Args) -> Result<()> {
     manual_seed(9);
-    let model = Manager::new_base().with_name("model");
+    let model = Manager::new_base_on(args.device)?.with_name("model");
+    let workers = args.workers.unwrap_or(match args.device {
+        Device::Cpu => ndscope::num_threads(),
+        Device::Cuda(_) => 2,
+    });
+    // The CPU's lines are as they always were; the GPU's name the device.
+    let on = match args.device {
+        Device::Cpu => String::new(),
+        device => format!(" on {device}"),
+    };
     let mut params = Vec::new();
     for (i, pair) in SIZES.windows(2).enumerate() {
         let w = model.randn([pair[0], pair[1]], DType::F32)?;
@@ -125,7 +152,7 @@ fn run(args: &Args) -> Result<()> {
     let service = {
         let forward = Arc::clone(&forward);
         ParallelInference::builder(&model)
-            .workers(args.workers)
+            .workers(workers)
             .build(move |_ctx, x| forward(x))?
     };
     match args.what.as_str() {
@@ -149,7 +176,7 @@ fn run(args: &Args) -> Result<()> {
                 }
             }
             println!(
-                "latency batch {}: service p50 {:.1} us; predictor p50 {:.1} us",
+                "latency batch {}: service p50 {:.1} us; predictor p50 {:.1} us{on}",
                 args.batch,
                 median(service_times).as_secs_f64() * 1e6,
                 median(direct_times).as_secs_f64() * 1e6
@@ -157,7 +184,7 @@ fn run(args: &Args) -> Result<()> {
         }
         _ => {
             // Warm every worker's workspace, then time `requests` batches from the clients.
-            for _ in 0..args.workers * 4 {
+            for _ in 0..workers * 4 {
                 service.predict(input.clone())?;
             }
             let per_client = args.requests.div_ceil(args.clients);
@@ -186,10 +213,10 @@ fn run(args: &Args) -> Result<()> {
             })?;
             let samples = (per_client * args.clients * args.batch) as f64;
             println!(
-                "throughput batch {}: {:.0} samples/s (service, {} workers, {} clients)",
+                "throughput batch {}: {:.0} samples/s (service, {} workers, {} clients){on}",
                 args.batch,
                 samples / start.elapsed().as_secs_f64(),
-                args.workers,
+                workers,
                 args.clients
             );
         }

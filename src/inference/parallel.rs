@@ -13,7 +13,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::predictor::{Predictor, PredictorBuilder};
 use crate::error::Ctx;
-use crate::{Error, HostArray, Manager, NDArray, Result, WorkspaceConfig};
+use crate::{Device, Error, HostArray, Manager, NDArray, Result, WorkspaceConfig};
 
 /// How long a worker with an empty queue, or a caller waiting for its answer, keeps polling
 /// before it sleeps. A sleeping thread's wake-up costs tens of microseconds, more on a busy
@@ -324,6 +324,13 @@ fn joinable(a: &HostArray, b: &HostArray) -> bool {
 ///   they held is freed. Later requests get `ShutDown`. Dropping the service shuts it down
 ///   with `Refuse`.
 ///
+/// - **On a GPU**, the workers' contexts are on the model manager's device (or the one given to
+///   [`ParallelInferenceBuilder::device`]): each request is copied onto it and each answer back
+///   through the device's page-locked staging buffers, one copy each way; once a worker's
+///   workspace is sized, a request allocates nothing on the device. The workers share the
+///   device's one stream; a worker waiting for its answer holds up neither the others' copies
+///   in nor their launches, so a few workers keep the device busy.
+///
 /// [`predict`]: ParallelInference::predict
 /// [`submit`]: ParallelInference::submit
 /// [`shutdown`]: ParallelInference::shutdown
@@ -377,6 +384,8 @@ pub struct ParallelInferenceBuilder {
     mode: InferenceMode,
     queue_limit: usize,
     workspace: Option<WorkspaceConfig>,
+    /// `None`: the model manager's device.
+    device: Option<Device>,
 }
 
 impl ParallelInferenceBuilder {
@@ -416,10 +425,21 @@ impl ParallelInferenceBuilder {
         self
     }
 
+    /// The device of the service's manager and of its workers' contexts (default: the model
+    /// manager's), where each request's batch is put before the forward pass: give the
+    /// parameters' device when it is not the model manager's own (see
+    /// [`PredictorBuilder::device`]). [`build`](Self::build) gives `DeviceUnavailable` for an
+    /// absent device.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
     /// Starts the workers, each with its own predictor running `forward` (called with the
     /// context manager and the input batch, as an array in that context). Caps the model.
     /// `InvalidConfig` for 0 workers, a queue limit of 0 or a batch limit of 0;
-    /// `ManagerClosed` if the model is closed.
+    /// `ManagerClosed` if the model is closed; `DeviceUnavailable` if the workers' device
+    /// ([`device`](Self::device)) is absent or failed its setup. Nothing is capped on an error.
     #[track_caller]
     pub fn build<F>(self, forward: F) -> Result<ParallelInference>
     where
@@ -438,8 +458,12 @@ impl ParallelInferenceBuilder {
         {
             return Err(ctx.config("InferenceMode::Batched needs max_requests of at least 1"));
         }
+        let device = self.device.unwrap_or_else(|| self.model.device());
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
         let forward: Arc<Forward> = Arc::new(forward);
-        let manager = self.model.new_sub_manager()?.with_name(&self.name);
+        let manager = self.model.sub_manager(ctx, device)?.with_name(&self.name);
         self.model.cap();
         manager.cap();
         let shared = Arc::new(Shared {
@@ -657,6 +681,7 @@ impl ParallelInference {
             mode: InferenceMode::Sequential,
             queue_limit: 256,
             workspace: Some(WorkspaceConfig::default()),
+            device: None,
         }
     }
 
@@ -764,6 +789,11 @@ impl ParallelInference {
     /// The service's manager: a capped child of the model, parent of every worker's predictor.
     pub fn manager(&self) -> &Manager {
         &self.manager
+    }
+
+    /// The device of the workers' contexts ([`ParallelInferenceBuilder::device`]).
+    pub fn device(&self) -> Device {
+        self.manager.device()
     }
 
     /// Worker threads started.

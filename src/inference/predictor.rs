@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use parking_lot::Mutex;
 
 use crate::error::{take_panic_message, Ctx};
-use crate::{Error, Manager, Result, Workspace, WorkspaceConfig};
+use crate::{Device, Error, Manager, Result, Workspace, WorkspaceConfig};
 
 /// A predictor's step: the input's borrowed form and the call's context manager in, owned data
 /// out.
@@ -82,6 +82,8 @@ pub struct PredictorBuilder {
     model: Manager,
     name: String,
     config: Option<WorkspaceConfig>,
+    /// `None`: the model manager's device.
+    device: Option<Device>,
 }
 
 impl PredictorBuilder {
@@ -105,8 +107,34 @@ impl PredictorBuilder {
         self
     }
 
+    /// The device of the predictor's manager and its contexts (default: the model manager's),
+    /// where `ctx.from_host(x)` and the factories put a call's arrays and where the context
+    /// workspaces' blocks live. Give the device of the model's parameters when they are not on
+    /// the model manager's own (a CPU manager holding arrays moved with
+    /// [`to_device`](crate::NDArray::to_device)). [`build`](Self::build) gives
+    /// `DeviceUnavailable` for an absent device.
+    ///
+    /// ```
+    /// use ndscope::{DType, Device, HostArray, Manager, Predictor};
+    /// let model = Manager::new_base().with_name("model");
+    /// let w = model.full([2, 2], 1.0, DType::F32)?;
+    /// let predictor = Predictor::builder(&model)
+    ///     .device(Device::Cpu)
+    ///     .build(move |ctx: &Manager, x: &HostArray| ctx.from_host(x)?.matmul(&w)?.to_host())?;
+    /// assert_eq!(predictor.device(), Device::Cpu);
+    /// let y = predictor.predict(&HostArray::from_vec(vec![1.0f32, 2.0], [1, 2])?)?;
+    /// assert_eq!(y.as_slice::<f32>()?, &[3.0, 3.0]);
+    /// assert!(Predictor::builder(&model).device(Device::Cuda(64)).build(|_, x: &u32| Ok(*x)).is_err());
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
     /// Makes the predictor: caps the model and creates the capped predictor manager under it.
-    /// `ManagerClosed` if the model is closed.
+    /// `ManagerClosed` if the model is closed; `DeviceUnavailable` if the contexts' device
+    /// ([`device`](Self::device)) is absent or failed its setup (nothing is capped then).
     #[track_caller]
     pub fn build<I, O, F>(self, step: F) -> Result<Predictor<I, O>>
     where
@@ -121,7 +149,12 @@ impl PredictorBuilder {
         self,
         step: Box<StepFn<I, O>>,
     ) -> Result<Predictor<I, O>> {
-        let manager = self.model.new_sub_manager()?.with_name(&self.name);
+        let ctx = Ctx::new("PredictorBuilder::build");
+        let device = self.device.unwrap_or_else(|| self.model.device());
+        if !device.is_available() {
+            return Err(ctx.unavailable(device));
+        }
+        let manager = self.model.sub_manager(ctx, device)?.with_name(&self.name);
         self.model.cap();
         manager.cap();
         Ok(Predictor {
@@ -146,6 +179,7 @@ impl Predictor<(), ()> {
             model: model.clone(),
             name: "predictor".to_string(),
             config: Some(WorkspaceConfig::default()),
+            device: None,
         }
     }
 }
@@ -220,6 +254,11 @@ impl<I: ?Sized, O> Predictor<I, O> {
     /// The model manager.
     pub fn model(&self) -> &Manager {
         &self.model
+    }
+
+    /// The device of the predictor's manager and its contexts ([`PredictorBuilder::device`]).
+    pub fn device(&self) -> Device {
+        self.manager.device()
     }
 
     /// Calls made so far (including failed ones).
