@@ -321,21 +321,34 @@ mod stall {
         progress: usize,
     }
 
+    /// Largest side of A's matrices: three of them (x, w, the product) take 805 MB at 8192,
+    /// and a 16- or 64-core server needs that much work for a product of a few hundred
+    /// milliseconds (3072, the old bound, takes under 40 ms on 16 AVX-512 cores).
+    const MAX_SIDE: usize = 8192;
+
     /// Side of the square matrices of A's kernel, sized so that one product takes about
-    /// `target` in this build on this machine.
+    /// `target` in this build on this machine, with the pool as wide as it is: timed at a
+    /// small side first, then once more at the side that gives (a small product does not keep
+    /// a wide pool busy, so the first guess is too small where there are many cores).
     fn matmul_side(m: &Manager, target: Duration) -> Result<usize> {
         let n0 = 192;
-        let a = m.ones([n0, n0], DType::F32)?;
-        let start = Instant::now();
-        let mut runs = 0;
-        while start.elapsed() < Duration::from_millis(20) {
-            a.matmul(&a)?.close()?;
-            runs += 1;
-        }
-        a.close()?;
-        let per_run = start.elapsed().as_secs_f64() / f64::from(runs);
-        let scale = (target.as_secs_f64() / per_run).cbrt();
-        Ok(((n0 as f64 * scale) as usize).clamp(n0, 3072))
+        let time = |n: usize, budget: Duration| -> Result<f64> {
+            let a = m.ones([n, n], DType::F32)?;
+            let start = Instant::now();
+            let mut runs = 0;
+            while runs == 0 || start.elapsed() < budget {
+                a.matmul(&a)?.close()?;
+                runs += 1;
+            }
+            a.close()?;
+            Ok(start.elapsed().as_secs_f64() / f64::from(runs))
+        };
+        let side_for = |n: usize, per_run: f64| {
+            let scale = (target.as_secs_f64() / per_run).cbrt();
+            ((n as f64 * scale) as usize).clamp(n0, MAX_SIDE)
+        };
+        let guess = side_for(n0, time(n0, Duration::from_millis(20))?);
+        Ok(side_for(guess, time(guess, Duration::ZERO)?))
     }
 
     /// One trial: A computes `x · w`; B, once A has started, runs `action(x)`; C waits until
@@ -476,7 +489,7 @@ mod stall {
                      holds a lock every thread needs"
                 );
             }
-            side = (side * 5 / 4).min(3072);
+            side = (side * 5 / 4).min(MAX_SIDE);
         }
         panic!(
             "{what}: in no trial did thread C see B's call through the arena 40 ms before A's \
