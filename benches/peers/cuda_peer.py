@@ -11,7 +11,8 @@ per-round ratios is printed with their range.
 PyTorch's side, timed here:
 - torch.empty of 1 MiB and its release, on the caching allocator;
 - torch.mm of two 4096² f32 matrices in strict FP32 (TF32 off);
-- the MLP step 784→1024→1024→10 at batch 256 and 16;
+- the MLP step 784→1024→1024→10 at batch 256 and 16, eager and captured by hand as one CUDA
+  graph (`torch.cuda.graph`, replayed each step);
 - host→device copies of 256 MiB from pinned and from pageable memory.
 
 Usage (scripts/gpu-run.sh runs it): python3 benches/peers/cuda_peer.py \\
@@ -94,6 +95,45 @@ def mlp_step_fn(batch):
     return step
 
 
+def mlp_graph_fn(batch):
+    """The same step captured by hand as one CUDA graph, as PyTorch's documentation shows
+    (whole-network capture): warm-up iterations on a side stream, then the forward pass, the
+    loss, backward and optimizer.step() captured once; each call replays the graph (one launch).
+    Inputs stay in the static tensors the graph reads."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    layers = []
+    for fan_in, fan_out in zip(SIZES, SIZES[1:]):
+        w = torch.randn(fan_in, fan_out, device="cuda", generator=gen) * (2.0 / fan_in) ** 0.5
+        layers.append((w.requires_grad_(), torch.zeros(fan_out, device="cuda").requires_grad_()))
+    opt = torch.optim.SGD([t for wb in layers for t in wb], lr=LR, momentum=MOMENTUM)
+    static_x = torch.randn(batch, SIZES[0], device="cuda", generator=gen)
+    static_y = torch.arange(batch, device="cuda") % SIZES[-1]
+
+    def forward_backward():
+        h = static_x
+        for i, (w, b) in enumerate(layers):
+            h = h @ w + b
+            if i + 1 < len(layers):
+                h = torch.relu(h)
+        loss = torch.nn.functional.cross_entropy(h, static_y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            forward_backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        forward_backward()
+    return graph.replay
+
+
 def ndscope_step_ms(mlp_step, batch, steps):
     out = subprocess.run(
         [mlp_step, "--batch", str(batch), "--steps", str(steps), "--device", "cuda"],
@@ -159,6 +199,12 @@ def main():
         row(f"MLP step 784→1024→1024→10, batch {batch}", f"{statistics.median(nd_ms):.3f} ms",
             f"PyTorch eager (autograd + SGD): {statistics.median(torch_ms):.3f} ms",
             f"{statistics.median(ratios):.2f}× faster ({min(ratios):.2f}–{max(ratios):.2f})", "≥ 2×")
+        graph = mlp_graph_fn(batch)
+        captured = per_call(graph, 50, repeats=10) * 1e3
+        target = "0.08 ms" if batch == 16 else "0.17 ms"
+        row(f"same, batch {batch}", f"{statistics.median(nd_ms):.3f} ms (eager)",
+            f"PyTorch, step captured by hand as one CUDA graph: {captured:.3f} ms",
+            f"{captured / statistics.median(nd_ms):.2f}", f"replayed ≤ {target}")
 
     nd_h2d = (256 << 20) / (nd["h2d_256MiB/ndscope"] / 1e9) / 1e9
     nd_pageable = (256 << 20) / (nd["h2d_256MiB/pageable"] / 1e9) / 1e9
