@@ -3,8 +3,8 @@
 //! block's share of a launch, more parameters than one launch takes, f32 and f64 in one
 //! optimizer) give parameters, state and gradients bit for bit equal to stepping each parameter
 //! alone with the single-tensor steps (`sgd_update_`, `adam_update_`). On the simulated GPU a
-//! step is one launch for six parameters, with one cuBLAS product more per weight gradient
-//! backward left pending, and no copy or wait.
+//! step is one launch per dtype and per 64 parameters, with one cuBLAS product more per weight
+//! gradient backward left pending, and no copy or wait.
 
 use std::sync::Mutex;
 
@@ -101,7 +101,20 @@ fn multi_equals_single(dev: Device, kind: OptimizerKind, count: usize, dtypes: &
     for round in 1..=3u64 {
         backward(&model, &ours, round);
         backward(&copy, &theirs, round);
+        let before = sim::stats();
         optimizer.step().unwrap();
+        if let (Device::Cuda(_), Some(before), Some(after)) = (dev, before, sim::stats()) {
+            // One launch per dtype and per 64 parameters of it, nothing else.
+            let launches: u64 = dtypes
+                .iter()
+                .map(|&d| {
+                    let of_dtype = ours.iter().filter(|p| p.dtype() == d).count();
+                    of_dtype.div_ceil(64) as u64
+                })
+                .sum();
+            let calls = sim::calls(&sim::diff(&before, &after));
+            assert_eq!(calls, [("launches".to_string(), launches)], "{kind:?}");
+        }
         for (p, state) in theirs.iter().zip(&states) {
             let grad = p.gradient().unwrap();
             match kind {
@@ -326,5 +339,48 @@ fn a_step_is_one_launch_on_the_simulator() {
         "{calls:?}"
     );
     assert_eq!((d["h2d"], d["d2h"], d["d2d"]), (0, 0, 0), "{calls:?}");
+    model.close().unwrap();
+}
+
+device_tests!(a_stale_pending_gradient_is_refused_before_anything_changes);
+/// A weight gradient backward left to compute whose operand changed in place since is refused
+/// by `step` before any parameter is written, also those earlier in the list.
+fn a_stale_pending_gradient_is_refused_before_anything_changes(dev: Device) {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let model = Manager::new_base_on(dev).unwrap();
+    let make = |seed: u64, shape: &[usize]| {
+        let n = shape.iter().product();
+        common::array(
+            &model,
+            DType::F32,
+            shape,
+            &common::values(n, seed, 50),
+            1.0 / 64.0,
+        )
+    };
+    let (w1, w2) = (make(1, &[4, 3]), make(2, &[4, 3]));
+    for w in [&w1, &w2] {
+        w.set_requires_gradient(true).unwrap();
+    }
+    let (x1, x2) = (make(3, &[2, 4]), make(4, &[2, 4]));
+    let mut optimizer = Optimizer::new([&w1, &w2], Sgd::new(0.5)).unwrap();
+    {
+        let collector = model.gradient_collector().unwrap();
+        let loss = x1
+            .matmul(&w1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .add(&x2.matmul(&w2).unwrap().sum_all().unwrap())
+            .unwrap();
+        collector.backward(&loss).unwrap();
+    }
+    let before = [bits(&w1), bits(&w2)];
+    // x2, an operand of w2's gradient, changes after backward used it.
+    x2.fill_(1.0).unwrap();
+    let err = optimizer.step().expect_err("a stale gradient");
+    assert!(err.to_string().contains("modified"), "{err}");
+    assert_eq!([bits(&w1), bits(&w2)], before, "a parameter changed");
+    assert_eq!(optimizer.steps(), 0);
     model.close().unwrap();
 }
