@@ -384,3 +384,11 @@ fn a_stale_pending_gradient_is_refused_before_anything_changes(dev: Device) {
     assert_eq!(optimizer.steps(), 0);
     model.close().unwrap();
 }
+
+/// The optimizer (with the memory its steps reuse) still moves to and is shared with other
+/// threads.
+#[test]
+fn the_optimizer_is_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Optimizer>();
+}
