@@ -1,7 +1,8 @@
 //! Optimizers: an [`Optimizer`] running [`Sgd`], [`Adam`] or [`AdamW`] (DJL's `Optimizer` and
 //! `trainer.step()`, PyTorch's `torch.optim`) holds a model's parameters and their state and
-//! updates them in place with the fused steps [`NDArray::sgd_update_`] and
-//! [`NDArray::adam_update_`], then zeroes their gradients.
+//! updates them in place with the arithmetic of the fused steps [`NDArray::sgd_update_`] and
+//! [`NDArray::adam_update_`], all the parameters of a device and dtype in one multi-tensor pass
+//! (one kernel launch on a GPU), then zeroes their gradients.
 //!
 //! # Where the memory goes
 //!
@@ -17,7 +18,8 @@ use std::collections::HashMap;
 
 use crate::error::Ctx;
 use crate::ndarray::autograd::pending;
-use crate::{AdamUpdate, NDArray, NoGradientGuard, Result, SgdUpdate};
+use crate::ndarray::exec::ManyLocks;
+use crate::{AdamUpdate, DType, Device, NDArray, NoGradientGuard, Result, SgdUpdate};
 
 /// Stochastic gradient descent (PyTorch's `optim.SGD` with dampening 0, DJL's `Sgd`):
 ///
@@ -235,11 +237,15 @@ struct Slot {
 ///   that holds each parameter (as its gradient is: allowed on a capped model, closed with
 ///   it): SGD's `"<name>.velocity"` when the momentum is above 0, Adam's and AdamW's `"<name>.m"`
 ///   and `"<name>.v"`. Nothing else is ever allocated for it.
-/// - **What [`step`](Self::step) does.** For each parameter, in order: one fused pass (one
-///   kernel on its device) that updates the parameter and its state in place from its
-///   [`gradient`](NDArray::gradient) and sets the gradient to zero once read, ready for the
-///   next `backward` (which adds into it). Adam's step count (its bias corrections) goes up by
-///   one per `step`.
+/// - **What [`step`](Self::step) does.** For the parameters of each device and dtype, one
+///   multi-tensor pass (on a GPU one kernel launch per 64 parameters) that updates every
+///   parameter and its state in place from its [`gradient`](NDArray::gradient) and sets the
+///   gradient to zero once read, ready for the next `backward` (which adds into it), with the
+///   arithmetic of [`NDArray::sgd_update_`] and [`NDArray::adam_update_`] bit for bit. A
+///   weight gradient backward left to compute (`xᵀ·g`) is fused into the parameter's update on
+///   the CPU (SGD without weight decay or Nesterov), and on a GPU computed by one matrix
+///   product written straight into the gradient before the launch. Adam's step count (its bias
+///   corrections) goes up by one per `step`.
 /// - **Zero allocations.** `step` and [`zero_gradients`](Self::zero_gradients) make no array and
 ///   no heap allocation, so they run inside a learned workspace step that allocates nothing.
 /// - **Not recorded.** `step` runs with recording off ([`NoGradientGuard`]), so it may be called
@@ -277,6 +283,20 @@ pub struct Optimizer {
     params: Vec<NDArray>,
     slots: Vec<Slot>,
     steps: u64,
+    /// The parameters' indices grouped by device and dtype (one multi-tensor step each), in
+    /// the order of their first parameter.
+    groups: Vec<(Device, DType, Vec<usize>)>,
+    /// What a step reuses (boxed: the optimizer stays small to move).
+    scratch: Box<Scratch>,
+}
+
+/// The memory a step reuses, so that it allocates nothing.
+#[derive(Debug)]
+struct Scratch {
+    /// The indices of a group that the multi-tensor step takes.
+    batch: Vec<usize>,
+    /// The memory of the step's locks.
+    locks: ManyLocks,
 }
 
 impl Optimizer {
@@ -338,56 +358,117 @@ impl Optimizer {
             }
             slots.push(Slot { grad, state });
         }
+        let mut groups: Vec<(Device, DType, Vec<usize>)> = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            let (device, dtype) = (p.device(), p.dtype());
+            match groups.iter_mut().find(|g| (g.0, g.1) == (device, dtype)) {
+                Some(group) => group.2.push(i),
+                None => groups.push((device, dtype, vec![i])),
+            }
+        }
+        let largest = groups.iter().map(|g| g.2.len()).max().unwrap_or(0);
         Ok(Optimizer {
             kind,
             params,
             slots,
             steps: 0,
+            groups,
+            scratch: Box::new(Scratch {
+                batch: Vec::with_capacity(largest),
+                locks: ManyLocks::with_capacity(largest * (2 + kind.state_names().len())),
+            }),
         })
     }
 
     /// One optimizer step (DJL's `trainer.step()`, PyTorch's `opt.step(); opt.zero_grad()`):
     /// each parameter is updated in place from its gradient, and the gradient set to zero, by
-    /// one fused pass on its own device. Allocates nothing; not recorded by an open
-    /// collector. See the contract on [`Optimizer`].
+    /// one multi-tensor pass per device and dtype (one kernel launch on a GPU for up to 64
+    /// parameters). Allocates nothing; not recorded by an open collector. See the contract on
+    /// [`Optimizer`].
     ///
     /// Errors, checked before anything changes: `ArrayClosed` for a closed parameter, gradient
-    /// or state array (naming it); `InvalidArgument` for a parameter that no longer requires
-    /// gradients.
+    /// or state array (naming it), or for a closed operand of a weight gradient backward left
+    /// to compute; `InvalidArgument` for a parameter that no longer requires gradients, or such
+    /// an operand changed in place since.
     #[track_caller]
     pub fn step(&mut self) -> Result<()> {
         let ctx = Ctx::new("Optimizer::step");
         self.check_ready(&ctx)?;
         let step = self.steps + 1;
         let _not_recorded = NoGradientGuard::new();
-        for (p, slot) in self.params.iter().zip(&self.slots) {
-            // The gradient is zeroed in the update's own pass (`zero_grad`), or never written.
-            match (self.kind, slot.state.as_slice()) {
-                // A weight gradient that backward left pending (`xᵀ · g`, see
+        let Optimizer {
+            kind,
+            params,
+            slots,
+            groups,
+            scratch,
+            ..
+        } = self;
+        let Scratch { batch, locks } = &mut **scratch;
+        let kind = *kind;
+        let depth = 2 + kind.state_names().len();
+        for (device, dtype, group) in groups.iter() {
+            batch.clear();
+            for &i in group {
+                // On the CPU, a weight gradient that backward left pending (`xᵀ · g`, see
                 // `autograd::pending`) goes straight into the update: one pass over the
-                // parameter and its velocity, the gradient never written (it stays zero).
-                (OptimizerKind::Sgd(sgd), state)
-                    if sgd.weight_decay == 0.0
-                        && !sgd.nesterov
-                        && pending::fused_sgd_step(
+                // parameter and its velocity, the gradient never written (it stays zero). On a
+                // GPU the multi-tensor step settles it first: one product written into the
+                // gradient (which holds zeros), then the one launch reads it.
+                let fused = match kind {
+                    OptimizerKind::Sgd(sgd)
+                        if *device == Device::Cpu && sgd.weight_decay == 0.0 && !sgd.nesterov =>
+                    {
+                        let slot = &slots[i];
+                        pending::fused_sgd_step(
                             &ctx,
-                            p,
+                            &params[i],
                             &slot.grad,
-                            state.first(),
+                            slot.state.first(),
                             sgd.lr,
                             sgd.momentum,
-                        )? => {}
-                (OptimizerKind::Sgd(sgd), state) => {
-                    p.sgd_step(ctx, &slot.grad, state.first(), sgd.update(), true)?
+                        )?
+                    }
+                    _ => false,
+                };
+                if fused {
+                    pending::mark_zero(&slots[i].grad.0);
+                } else {
+                    batch.push(i);
                 }
-                (kind, [m, v]) => match kind.adam_update(step) {
-                    Some(update) => p.adam_step(ctx, &slot.grad, (m, v), update, true)?,
-                    None => return Err(missing_state(&ctx, p)),
-                },
-                _ => return Err(missing_state(&ctx, p)),
             }
-            // Zero now, either way: known, so `zero_gradients` and the next backward skip it.
-            pending::mark_zero(&slot.grad.0);
+            if batch.is_empty() {
+                continue;
+            }
+            // Roles: 0 the gradient, 1 the parameter, then the state (`check_ready` saw
+            // `depth - 2` state arrays for every parameter).
+            let array = |t: usize, role: usize| {
+                let i = batch[t];
+                match role {
+                    0 => &slots[i].grad,
+                    1 => &params[i],
+                    r => &slots[i].state[r - 2],
+                }
+            };
+            match kind {
+                OptimizerKind::Sgd(sgd) => NDArray::sgd_step_many(
+                    &ctx,
+                    locks,
+                    (*dtype, batch.len(), depth),
+                    array,
+                    sgd.update(),
+                )?,
+                kind => match kind.adam_update(step) {
+                    Some(update) => {
+                        NDArray::adam_step_many(&ctx, locks, (*dtype, batch.len()), array, update)?
+                    }
+                    None => return Err(missing_state(&ctx, &params[batch[0]])),
+                },
+            }
+            // Zero now: known, so `zero_gradients` and the next backward skip it.
+            for &i in batch.iter() {
+                pending::mark_zero(&slots[i].grad.0);
+            }
         }
         self.steps = step;
         Ok(())
@@ -475,6 +556,10 @@ impl Optimizer {
             if let Some(closed) = slot.state.iter().find(|s| !s.is_open()) {
                 return Err(closed.0.closed_error(ctx));
             }
+            if slot.state.len() != self.kind.state_names().len() {
+                return Err(missing_state(ctx, p));
+            }
+            pending::check_pending(ctx, &slot.grad)?;
         }
         Ok(())
     }

@@ -10,7 +10,8 @@
 //! every layer, front-end calls (`AnyDevice::unary(..)`) included, against one contract.
 //!
 //! Parameters that travel together are the small `Copy` structs below ([`Mnk`], [`Gemm`],
-//! [`Lanes`], [`SumOf`], [`SgdStep`], [`SgdCoeffs`], [`AdamCoeffs`], [`Draw`]).
+//! [`Lanes`], [`SumOf`], [`SgdStep`], [`SgdCoeffs`], [`AdamCoeffs`], [`Draw`]); the multi-tensor optimizer
+//! steps take their tensors as a [`StepTensors`] list.
 //!
 //! Every op takes the op's [`Ctx`] first (for errors), returns `Result` (the CPU never fails
 //! where the device may), and names its buffers `Self::Buffer`: host bytes for the CPU, memory
@@ -135,6 +136,41 @@ pub(crate) struct AdamCoeffs {
     /// Sets the gradient to zero in the same pass, after reading it (an optimizer's step);
     /// `false` leaves it unchanged.
     pub zero_grad: bool,
+}
+
+/// The buffers of one tensor of a multi-tensor optimizer step: its gradient, the parameter,
+/// and its state (SGD's velocity in `state[0]`; Adam's moments `m`, `v`), `None` past what the
+/// rule keeps.
+pub(crate) struct StepTensor<'a, B> {
+    /// The gradient, read (and zeroed in the same pass when the coefficients say so).
+    pub grad: &'a mut B,
+    /// The parameter, updated in place.
+    pub p: &'a mut B,
+    /// The state, updated in place.
+    pub state: [Option<&'a mut B>; 2],
+}
+
+/// The tensors of a multi-tensor optimizer step, all of one float dtype and one device, each
+/// tensor's buffers of one length and every buffer distinct: a list that hands out one tensor's
+/// buffers at a time, so a caller holding many locked buffers builds no list of them.
+pub(crate) trait StepTensors<B> {
+    /// How many tensors there are.
+    fn len(&self) -> usize;
+    /// Tensor `i`'s buffers; `None` when `i` is out of range or its buffers are not of this
+    /// backend.
+    fn tensor(&mut self, i: usize) -> Option<StepTensor<'_, B>>;
+}
+
+/// The first tensor of a multi-tensor step (the contract's witness of a buffer for the list
+/// ops); `InvalidArgument` when the list is empty.
+#[cfg_attr(feature = "cuda", allow(dead_code))]
+pub(crate) fn first_tensor<'l, B>(
+    ctx: &Ctx,
+    tensors: &'l mut dyn StepTensors<B>,
+) -> Result<StepTensor<'l, B>> {
+    tensors
+        .tensor(0)
+        .ok_or_else(|| ctx.invalid("a multi-tensor step needs at least one tensor"))
 }
 
 /// Where random numbers are drawn: counters `start..` of the stream `seed` (the same numbers
@@ -467,6 +503,25 @@ macro_rules! backend_contract {
                     mv: (&mut Self::Buffer, &mut Self::Buffer),
                     step: AdamCoeffs,
                 ) -> Result<()> => grad;
+                /// [`OptimOps::sgd_update`] on every tensor of `tensors` (their state: the
+                /// velocity in `state[0]`, for all of them or none), with exactly its
+                /// arithmetic. A device runs one launch per group of tensors its kernel's
+                /// parameter block holds.
+                fn sgd_update_multi(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    tensors: &mut dyn StepTensors<Self::Buffer>,
+                    step: SgdCoeffs,
+                ) -> Result<()> => first_tensor(ctx, tensors)?.p;
+                /// [`OptimOps::adam_update`] on every tensor of `tensors` (their state: the
+                /// moments `m`, `v`), with exactly its arithmetic. A device runs one launch per
+                /// group of tensors its kernel's parameter block holds.
+                fn adam_update_multi(
+                    ctx: &Ctx,
+                    dtype: DType,
+                    tensors: &mut dyn StepTensors<Self::Buffer>,
+                    step: AdamCoeffs,
+                ) -> Result<()> => first_tensor(ctx, tensors)?.p;
             }
 
             /// Copies that rearrange elements.

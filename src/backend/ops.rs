@@ -14,7 +14,8 @@
 
 use super::contract::{
     AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
-    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, SumOf, TransferOps,
+    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, StepTensor, StepTensors, SumOf,
+    TransferOps,
 };
 use super::cpu::buffer::HostBuffer;
 use super::cpu::ops::{self as cpu, Cpu};
@@ -420,6 +421,116 @@ impl OptimOps for AnyDevice {
         on_device!(ctx, (grad, p, m, v),
             host => Cpu::adam_update(ctx, dtype, grad, p, (m, v), step),
             cuda => Cuda::adam_update(ctx, dtype, grad, p, (m, v), step))
+    }
+
+    fn sgd_update_multi(
+        ctx: &Ctx,
+        dtype: DType,
+        tensors: &mut dyn StepTensors<Storage>,
+        step: SgdCoeffs,
+    ) -> Result<()> {
+        on_one_backend(
+            ctx,
+            tensors,
+            |host| Cpu::sgd_update_multi(ctx, dtype, host, step),
+            |device| Cuda::sgd_update_multi(ctx, dtype, device, step),
+        )
+    }
+
+    fn adam_update_multi(
+        ctx: &Ctx,
+        dtype: DType,
+        tensors: &mut dyn StepTensors<Storage>,
+        step: AdamCoeffs,
+    ) -> Result<()> {
+        on_one_backend(
+            ctx,
+            tensors,
+            |host| Cpu::adam_update_multi(ctx, dtype, host, step),
+            |device| Cuda::adam_update_multi(ctx, dtype, device, step),
+        )
+    }
+}
+
+/// The tensors of a multi-tensor list of storage, seen as the buffers of one backend (`pick`
+/// takes a storage's buffer there, `None` when it is elsewhere).
+struct OnBackend<'s, 'l, B> {
+    inner: &'s mut (dyn StepTensors<Storage> + 'l),
+    pick: fn(&mut Storage) -> Option<&mut B>,
+}
+
+impl<B> StepTensors<B> for OnBackend<'_, '_, B> {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn tensor(&mut self, i: usize) -> Option<StepTensor<'_, B>> {
+        let pick = self.pick;
+        let t = self.inner.tensor(i)?;
+        let [a, b] = t.state;
+        let state = [
+            match a {
+                Some(a) => Some(pick(a)?),
+                None => None,
+            },
+            match b {
+                Some(b) => Some(pick(b)?),
+                None => None,
+            },
+        ];
+        Some(StepTensor {
+            grad: pick(t.grad)?,
+            p: pick(t.p)?,
+            state,
+        })
+    }
+}
+
+fn host_buffer(s: &mut Storage) -> Option<&mut HostBuffer> {
+    match s {
+        Storage::Host(h) => Some(h),
+        Storage::Cuda(_) => None,
+    }
+}
+
+fn device_buffer(s: &mut Storage) -> Option<&mut cuda::DeviceBuffer> {
+    match s {
+        Storage::Cuda(d) => Some(d),
+        Storage::Host(_) => None,
+    }
+}
+
+/// Runs a multi-tensor op on the CPU backend when every buffer of `tensors` is host storage,
+/// on the CUDA backend when every one is device memory (the backend checks they are one
+/// device); mixed gives `DeviceMismatch`, before anything runs. An empty list does nothing.
+fn on_one_backend(
+    ctx: &Ctx,
+    tensors: &mut dyn StepTensors<Storage>,
+    host: impl FnOnce(&mut dyn StepTensors<HostBuffer>) -> Result<()>,
+    device: impl FnOnce(&mut dyn StepTensors<cuda::DeviceBuffer>) -> Result<()>,
+) -> Result<()> {
+    let on_host = match tensors.tensor(0) {
+        None => return Ok(()),
+        Some(t) => matches!(t.p, Storage::Host(_)),
+    };
+    if on_host {
+        let mut list = OnBackend {
+            inner: tensors,
+            pick: host_buffer,
+        };
+        if (0..list.len()).any(|i| list.tensor(i).is_none()) {
+            return Err(mixed(ctx));
+        }
+        host(&mut list)
+    } else {
+        let mut list = OnBackend {
+            inner: tensors,
+            pick: device_buffer,
+        };
+        if (0..list.len()).any(|i| list.tensor(i).is_none()) {
+            return Err(mixed(ctx));
+        }
+        device(&mut list)
     }
 }
 

@@ -12,6 +12,7 @@ use parking_lot::{
 };
 
 use crate::arena::{ArrayShared, CloseReason, Owner, Place};
+use crate::backend::contract::{StepTensor, StepTensors};
 use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
@@ -653,6 +654,151 @@ pub(crate) fn inplace_state_grad(
         }),
         _ => Err(ctx.invalid("an in-place kernel takes at most two state arrays")),
     }
+}
+
+/// Memory that [`locked_steps`] reuses from call to call, kept by its caller (an optimizer):
+/// once it has grown to the step's size, locking the step's arrays allocates nothing.
+pub(crate) struct ManyLocks {
+    /// `(address, role)` of each array, sorted: the order the locks are taken in.
+    order: Vec<(usize, usize)>,
+    /// The index of each role's guard.
+    slot: Vec<usize>,
+    /// The guards' memory, empty between calls.
+    spare: SpareGuards,
+}
+
+impl ManyLocks {
+    /// Memory for steps of up to `arrays` arrays, so that not even the first allocates.
+    pub(crate) fn with_capacity(arrays: usize) -> ManyLocks {
+        ManyLocks {
+            order: Vec::with_capacity(arrays),
+            slot: Vec::with_capacity(arrays),
+            spare: SpareGuards(Vec::with_capacity(arrays)),
+        }
+    }
+}
+
+impl std::fmt::Debug for ManyLocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ManyLocks")
+            .field("capacity", &self.order.capacity())
+            .finish()
+    }
+}
+
+/// The memory of a list of write guards, holding none.
+struct SpareGuards(Vec<WriteGuard<'static>>);
+
+// SAFETY: the list is empty whenever it is stored here (`locked_steps` empties it before putting
+// it back): no guard, nothing tied to a thread, only the allocation moves between threads.
+unsafe impl Send for SpareGuards {}
+// SAFETY: as above; nothing is reachable through a shared reference to an empty list.
+unsafe impl Sync for SpareGuards {}
+
+/// The allocation of `list`, emptied, as a list of another type of the same size and alignment
+/// (the guards' lifetimes): no allocation.
+fn recycle<T, U>(mut list: Vec<T>) -> Vec<U> {
+    list.clear();
+    list.into_iter().filter_map(|_| None).collect()
+}
+
+/// The tensors of a multi-tensor step over the guards [`locked_steps`] holds.
+struct LockedTensors<'g, 'a> {
+    guards: &'g mut [WriteGuard<'a>],
+    /// The guard of each role (tensor `t`, role `r` at `t·depth + r`).
+    slot: &'g [usize],
+    depth: usize,
+    count: usize,
+}
+
+impl StepTensors<Storage> for LockedTensors<'_, '_> {
+    fn len(&self) -> usize {
+        self.count
+    }
+
+    fn tensor(&mut self, i: usize) -> Option<StepTensor<'_, Storage>> {
+        if i >= self.count {
+            return None;
+        }
+        let roles = self.slot.get(i * self.depth..(i + 1) * self.depth)?;
+        match *roles {
+            [g, p] => {
+                let [g, p] = self.guards.get_disjoint_mut([g, p]).ok()?;
+                Some(StepTensor {
+                    grad: &mut *g.guard,
+                    p: &mut *p.guard,
+                    state: [None, None],
+                })
+            }
+            [g, p, a] => {
+                let [g, p, a] = self.guards.get_disjoint_mut([g, p, a]).ok()?;
+                Some(StepTensor {
+                    grad: &mut *g.guard,
+                    p: &mut *p.guard,
+                    state: [Some(&mut *a.guard), None],
+                })
+            }
+            [g, p, a, b] => {
+                let [g, p, a, b] = self.guards.get_disjoint_mut([g, p, a, b]).ok()?;
+                Some(StepTensor {
+                    grad: &mut *g.guard,
+                    p: &mut *p.guard,
+                    state: [Some(&mut *a.guard), Some(&mut *b.guard)],
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Runs a multi-tensor optimizer step's kernel on `count` tensors of `depth` arrays each (2 to
+/// 4: role 0 the gradient, 1 the parameter, then the state), `array(t, role)` giving each: every
+/// array's pending product settled first, then all write-locked in address order (each once:
+/// an array in two roles is `InvalidArgument`, before any lock), the kernel given their bytes
+/// tensor by tensor. Reuses `locks`' memory: allocates nothing once it has grown to the size of
+/// the step.
+pub(crate) fn locked_steps<'a>(
+    ctx: &Ctx,
+    locks: &mut ManyLocks,
+    (count, depth): (usize, usize),
+    array: impl Fn(usize, usize) -> &'a NDArray,
+    kernel: impl FnOnce(&mut dyn StepTensors<Storage>) -> Result<()>,
+) -> Result<()> {
+    if !(2..=4).contains(&depth) {
+        return Err(ctx.invalid(format!(
+            "a tensor of an optimizer step has 2 to 4 arrays, not {depth}"
+        )));
+    }
+    let roles = count * depth;
+    let of = |role: usize| array(role / depth, role % depth);
+    for role in 0..roles {
+        hooks::before_access(ctx, &of(role).0)?;
+    }
+    let ManyLocks { order, slot, spare } = locks;
+    order.clear();
+    order.extend((0..roles).map(|role| (addr(of(role)), role)));
+    order.sort_unstable();
+    if order.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(clash(ctx));
+    }
+    slot.clear();
+    slot.resize(roles, 0);
+    let mut guards: Vec<WriteGuard<'a>> = recycle(std::mem::take(&mut spare.0));
+    let run = || {
+        for (at, &(_, role)) in order.iter().enumerate() {
+            guards.push(write(ctx, &of(role).0)?);
+            slot[role] = at;
+        }
+        kernel(&mut LockedTensors {
+            guards: &mut guards,
+            slot,
+            depth,
+            count,
+        })
+    };
+    let result = run();
+    spare.0 = recycle(guards);
+    result
 }
 
 #[cfg(test)]

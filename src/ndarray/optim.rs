@@ -5,7 +5,7 @@
 use crate::backend::contract::{AdamCoeffs, OptimOps, SgdCoeffs};
 use crate::backend::AnyDevice;
 use crate::error::Ctx;
-use crate::{NDArray, Result};
+use crate::{DType, NDArray, Result};
 
 use super::exec;
 use super::ops::check_same;
@@ -50,6 +50,17 @@ impl SgdUpdate {
             return Err(ctx.invalid("nesterov needs a momentum above 0"));
         }
         Ok(())
+    }
+
+    /// The kernels' coefficients, zeroing the gradient with `zero_grad`.
+    fn coeffs(&self, zero_grad: bool) -> SgdCoeffs {
+        SgdCoeffs {
+            lr: self.lr,
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+            nesterov: self.nesterov,
+            zero_grad,
+        }
     }
 }
 
@@ -113,6 +124,25 @@ impl AdamUpdate {
             return Err(ctx.invalid("step counts from 1, got 0"));
         }
         Ok(())
+    }
+
+    /// The kernels' coefficients (the bias corrections computed here, once), zeroing the
+    /// gradient with `zero_grad`.
+    fn coeffs(&self, zero_grad: bool) -> AdamCoeffs {
+        // β^t in f64, as Python's `beta ** step` (a step beyond 2^53 rounds: β^t is 0 there).
+        let power = |beta: f64| beta.powf(self.step as f64);
+        let bias1 = 1.0 - power(self.beta1);
+        let bias2 = 1.0 - power(self.beta2);
+        AdamCoeffs {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            decay: self.decoupled.then_some(1.0 - self.lr * self.weight_decay),
+            step_size: self.lr / bias1,
+            bias2_sqrt: bias2.sqrt(),
+            zero_grad,
+        }
     }
 }
 
@@ -229,13 +259,7 @@ impl NDArray {
             )));
         }
         let dtype = self.dtype();
-        let coeffs = SgdCoeffs {
-            lr: step.lr,
-            momentum: step.momentum,
-            weight_decay: step.weight_decay,
-            nesterov: step.nesterov,
-            zero_grad,
-        };
+        let coeffs = step.coeffs(zero_grad);
         if !zero_grad {
             // Only read: refused while a collector tracks it, as any in-place op's source.
             crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
@@ -302,21 +326,8 @@ impl NDArray {
     ) -> Result<()> {
         self.check_optim_operands(&ctx, grad, &[m, v])?;
         step.check(&ctx)?;
-        // β^t in f64, as Python's `beta ** step` (a step beyond 2^53 rounds: β^t is 0 there).
-        let power = |beta: f64| beta.powf(step.step as f64);
-        let bias1 = 1.0 - power(step.beta1);
-        let bias2 = 1.0 - power(step.beta2);
         let dtype = self.dtype();
-        let coeffs = AdamCoeffs {
-            beta1: step.beta1,
-            beta2: step.beta2,
-            eps: step.eps,
-            weight_decay: step.weight_decay,
-            decay: step.decoupled.then_some(1.0 - step.lr * step.weight_decay),
-            step_size: step.lr / bias1,
-            bias2_sqrt: bias2.sqrt(),
-            zero_grad,
-        };
+        let coeffs = step.coeffs(zero_grad);
         if !zero_grad {
             // Only read: refused while a collector tracks it, as any in-place op's source.
             crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
@@ -324,6 +335,43 @@ impl NDArray {
         exec::inplace_state_grad(&ctx, self, &[m, v], grad, |p, [m, v], g| match (m, v) {
             (Some(m), Some(v)) => AnyDevice::adam_update(&ctx, dtype, g, p, (m, v), coeffs),
             _ => Err(ctx.invalid("adam_update_ needs both moments")),
+        })
+    }
+    /// One SGD step of many parameters of one dtype and device at once ([`Optimizer::step`]):
+    /// `count` tensors of `depth` arrays each, `array(t, role)` giving tensor `t`'s gradient
+    /// (role 0), parameter (1) and velocity (2, with momentum), every gradient set to zero in
+    /// the same pass. The caller checked the operands (open, one dtype, device and shape per
+    /// tensor, distinct) and `step`; pending gradients are settled first. One launch per group
+    /// of tensors on a GPU; the same arithmetic as [`sgd_update_`](Self::sgd_update_). Reuses
+    /// `locks`' memory.
+    ///
+    /// [`Optimizer::step`]: crate::Optimizer::step
+    pub(crate) fn sgd_step_many<'a>(
+        ctx: &Ctx,
+        locks: &mut exec::ManyLocks,
+        (dtype, count, depth): (DType, usize, usize),
+        array: impl Fn(usize, usize) -> &'a NDArray,
+        step: SgdUpdate,
+    ) -> Result<()> {
+        let coeffs = step.coeffs(true);
+        exec::locked_steps(ctx, locks, (count, depth), array, |tensors| {
+            AnyDevice::sgd_update_multi(ctx, dtype, tensors, coeffs)
+        })
+    }
+
+    /// One Adam (or AdamW) step of many parameters of one dtype and device at once, as
+    /// [`sgd_step_many`](Self::sgd_step_many) (roles: gradient, parameter, `m`, `v`), with the
+    /// arithmetic of [`adam_update_`](Self::adam_update_).
+    pub(crate) fn adam_step_many<'a>(
+        ctx: &Ctx,
+        locks: &mut exec::ManyLocks,
+        (dtype, count): (DType, usize),
+        array: impl Fn(usize, usize) -> &'a NDArray,
+        step: AdamUpdate,
+    ) -> Result<()> {
+        let coeffs = step.coeffs(true);
+        exec::locked_steps(ctx, locks, (count, 4), array, |tensors| {
+            AnyDevice::adam_update_multi(ctx, dtype, tensors, coeffs)
         })
     }
 }

@@ -10,7 +10,7 @@ use super::num::{CastTo, Float, Num};
 use super::{matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
     AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
-    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, SumOf, TransferOps,
+    OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, StepTensors, SumOf, TransferOps,
 };
 use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
 use crate::backend::{Batched, Binary, Compare, Unary};
@@ -561,6 +561,44 @@ impl OptimOps for Cpu {
         ), _ => return Err(ctx.unsupported(format!("`{}` on {dtype}: floats only", ctx.op))));
         Ok(())
     }
+
+    fn sgd_update_multi(
+        ctx: &Ctx,
+        dtype: DType,
+        tensors: &mut dyn StepTensors<HostBuffer>,
+        step: SgdCoeffs,
+    ) -> Result<()> {
+        for i in 0..tensors.len() {
+            let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
+            let [velocity, _] = t.state;
+            Self::sgd_update(ctx, dtype, t.grad, t.p, velocity, step)?;
+        }
+        Ok(())
+    }
+
+    fn adam_update_multi(
+        ctx: &Ctx,
+        dtype: DType,
+        tensors: &mut dyn StepTensors<HostBuffer>,
+        step: AdamCoeffs,
+    ) -> Result<()> {
+        for i in 0..tensors.len() {
+            let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
+            match t.state {
+                [Some(m), Some(v)] => Self::adam_update(ctx, dtype, t.grad, t.p, (m, v), step)?,
+                _ => return Err(ctx.invalid(format!("tensor {i} of an Adam step has no moments"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The error for tensor `i` of a multi-tensor list that is not in host memory.
+fn not_host(ctx: &Ctx, i: usize) -> Error {
+    ctx.device_mismatch(format!(
+        "`{}`: tensor {i} of the list is not in host memory (move it with to_device)",
+        ctx.op
+    ))
 }
 
 impl NnOps for Cpu {

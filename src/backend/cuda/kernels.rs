@@ -82,6 +82,8 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("matmul", Types::Int),
     ("sgd_update", Types::Float),
     ("adam_update", Types::Float),
+    ("sgd_multi", Types::Float),
+    ("adam_multi", Types::Float),
 ];
 
 /// Kernels taking two dtypes, named `<base>_<a>_<b>`, with the pairs they are compiled for.
@@ -600,11 +602,22 @@ pub(crate) fn parse_signatures(
         let head = rest[..open].trim();
         let name = head.rsplit(char::is_whitespace).next().unwrap_or(head);
         let (args, after) = arguments(&rest[open..]).ok_or_else(|| format!("`{name}`: no `)`"))?;
-        let sizes = args
+        let layouts = args
             .iter()
             .filter(|a| !(a.is_empty() || a.as_str() == "void"))
-            .map(|a| types.param(a).map_err(|why| format!("`{name}`: {why}")))
-            .collect::<std::result::Result<Vec<usize>, String>>()?;
+            .map(|a| types.layout(a).map_err(|why| format!("`{name}`: {why}")))
+            .collect::<std::result::Result<Vec<(usize, usize)>, String>>()?;
+        // The parameter block, laid out as C does: a launch passes at most PARAM_BLOCK bytes.
+        let block = layouts.iter().fold(0usize, |end, &(size, align)| {
+            end.next_multiple_of(align) + size
+        });
+        if block > PARAM_BLOCK {
+            return Err(format!(
+                "`{name}`: its parameters take {block} bytes, over the {PARAM_BLOCK} bytes a \
+                 launch may pass"
+            ));
+        }
+        let sizes = layouts.into_iter().map(|(size, _)| size).collect();
         if kernels.insert(name.to_string(), sizes).is_some() {
             return Err(format!("kernel `{name}` is defined twice"));
         }
@@ -612,6 +625,10 @@ pub(crate) fn parse_signatures(
     }
     Ok(kernels)
 }
+
+/// The most bytes of parameters a kernel launch may pass (CUDA's classic limit, which every
+/// architecture and driver accepts).
+pub(crate) const PARAM_BLOCK: usize = 4096;
 
 /// A `#define`: its parameters (function-like) and body.
 struct Macro {
@@ -824,8 +841,16 @@ impl CTypes {
     fn struct_layout(&self, fields: &str) -> Option<(usize, usize)> {
         let (mut size, mut align) = (0, 1);
         for field in fields.split(';').map(str::trim).filter(|f| !f.is_empty()) {
+            // `TYPE name[A][B]...`: A·B... elements.
             let (decl, count) = match field.split_once('[') {
-                Some((decl, n)) => (decl, n.trim_end_matches(']').trim().parse().ok()?),
+                Some((decl, dims)) => {
+                    let mut count = 1usize;
+                    for dim in dims.split('[') {
+                        let dim = dim.trim().strip_suffix(']')?.trim();
+                        count = count.checked_mul(dim.parse().ok()?)?;
+                    }
+                    (decl, count)
+                }
                 None => (field, 1),
             };
             let (s, a) = self.layout(decl).ok()?;
@@ -852,11 +877,6 @@ impl CTypes {
             .get(&ty)
             .copied()
             .ok_or_else(|| format!("unknown type `{ty}` in `{decl}`"))
-    }
-
-    /// The size of a parameter declared `decl`.
-    fn param(&self, decl: &str) -> std::result::Result<usize, String> {
-        self.layout(decl).map(|(size, _)| size)
     }
 }
 
@@ -910,7 +930,7 @@ mod tests {
     fn every_kernel_has_a_parsed_parameter_list() {
         let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
         let templates = SOURCE.matches("__global__ void").count();
-        assert_eq!(templates, 31, "kernel templates in the kernel source");
+        assert_eq!(templates, 33, "kernel templates in the kernel source");
         let missing: Vec<String> = expected()
             .into_iter()
             .map(|(_, name)| name)
@@ -934,6 +954,12 @@ mod tests {
         let mut adam = vec![8; 14];
         adam.push(4);
         assert_eq!(sizes("adam_update_f64"), adam);
+        // The tensor list by value: 4·64 pointers, 64 sizes, 64 block ends, the count.
+        assert_eq!(sizes("sgd_multi_f32"), [2824, 4, 4, 4, 4]);
+        let mut adam = vec![2824];
+        adam.extend([8; 9]);
+        adam.push(4);
+        assert_eq!(sizes("adam_multi_f64"), adam);
     }
 
     #[test]
@@ -945,6 +971,19 @@ mod tests {
         assert_eq!(signatures.len(), 2, "{signatures:?}");
         assert_eq!(signatures["one_u8"], [8, 1, 32]);
         assert_eq!(signatures["two_float"], [8, 4, 32]);
+    }
+
+    /// Struct parameters: arrays of several dimensions are laid out whole, and a kernel whose
+    /// parameters take more than the 4 KiB a launch may pass is refused.
+    #[test]
+    fn struct_parameters_and_the_parameter_block() {
+        let source = "typedef unsigned int u32;\n#define N 4\nstruct L { void* p[2][N]; u32 e[N]; \
+                      int c; };\nextern \"C\" __global__ void k(L l, float x) {}\n";
+        let signatures = parse_signatures(source).unwrap_or_else(|why| panic!("{why}"));
+        assert_eq!(signatures["k"], [88, 4]);
+        let big = "struct B { double x[512]; };\nextern \"C\" __global__ void k(B b, int i) {}\n";
+        let why = parse_signatures(big).expect_err("over 4 KiB");
+        assert!(why.contains("4100 bytes") && why.contains("4096"), "{why}");
     }
 
     /// A launch whose arguments do not match the kernel's parameters is refused, naming the

@@ -7,9 +7,9 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::backend::contract::{
-    backend_contract, AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk,
-    NnOps, Operand, OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, SumOf,
-    TransferOps,
+    backend_contract, first_tensor, AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes,
+    MatmulOps, Mnk, NnOps, Operand, OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps,
+    StepTensors, SumOf, TransferOps,
 };
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::{Batched, Binary, Block, Compare, Storage, Unary};

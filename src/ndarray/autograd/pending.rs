@@ -124,6 +124,21 @@ fn settle_slow(ctx: &Ctx, grad: &Arc<ArrayShared>) -> Result<()> {
     Ok(())
 }
 
+/// Checks the operands of `grad`'s pending product, if it has one (open, unchanged since
+/// backward left it), without computing it: an optimizer step checks every gradient before it
+/// writes anything.
+pub(crate) fn check_pending(ctx: &Ctx, grad: &NDArray) -> Result<()> {
+    if !grad.0.grad.has_pending.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let slot = grad.0.grad.pending.lock();
+    let Some(p) = slot.as_ref() else {
+        return Ok(());
+    };
+    check_operand(ctx, &grad.0, &NDArray(Arc::clone(&p.a)), p.versions.0)?;
+    check_operand(ctx, &grad.0, &NDArray(Arc::clone(&p.b)), p.versions.1)
+}
+
 /// A pending product's operand must be open and unchanged since backward left the product.
 fn check_operand(ctx: &Ctx, grad: &ArrayShared, operand: &NDArray, version: u64) -> Result<()> {
     if !operand.is_open() {
