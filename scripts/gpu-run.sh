@@ -8,7 +8,9 @@
 #      the GPU run's allocations per epoch;
 #   3. the CUDA benchmark (criterion; medians to target/ndscope-bench/cuda.json);
 #   4. benches/peers/cuda_peer.py, which times PyTorch on the same GPU and prints the ratios
-#      against the targets (needs torch; skipped with a note without it).
+#      against the targets, then benches/peers/mlp_infer.py --device cuda (inference, host in
+#      and out, against PyTorch eager and a hand-captured CUDA graph) with the prebuilt example
+#      (NDSCOPE_BIN_DIR) (needs torch; skipped with a note without it).
 # The table is also written to .device-bin/report.md, the logs to .device-bin/logs/.
 # Exit status: non-zero if any test failed or the example failed.
 set -uo pipefail
@@ -96,6 +98,10 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     python3 benches/peers/cuda_peer.py --json target/ndscope-bench/cuda.json \
         --mlp-step "$bin/mlp_step" > "$logs/cuda_peer.log" 2>&1
     cat "$logs/cuda_peer.log" >> "$report"
+    # Inference on the GPU, host in and out, against PyTorch eager and a hand-captured graph.
+    NDSCOPE_BIN_DIR="$bin" python3 benches/peers/mlp_infer.py --device cuda \
+        > "$logs/mlp_infer_cuda.log" 2>&1 || echo "- mlp_infer.py --device cuda failed" >> "$report"
+    cat "$logs/mlp_infer_cuda.log" >> "$report"
 else
     echo "- PyTorch with CUDA is not available: no comparison with PyTorch" >> "$report"
 fi

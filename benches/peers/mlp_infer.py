@@ -23,7 +23,8 @@ cuda` (built with `--features cuda`): the model on the GPU, host arrays in and o
 GPU (`torch.cuda.is_available()` false) it says so and stops.
 
 Run from anywhere: `python3 benches/peers/mlp_infer.py [--device cpu|cuda]` (it builds the
-example with cargo first). Needs `torch`; not part of CI.
+example with cargo first, or takes it from `NDSCOPE_BIN_DIR` where that names a folder of
+prebuilt binaries). Needs `torch`; not part of CI.
 """
 
 import argparse
@@ -175,6 +176,11 @@ def spread(ratios):
 
 
 def build(features):
+    """The example's binary: built with cargo, or, where `NDSCOPE_BIN_DIR` names a folder of
+    prebuilt binaries (a GPU machine without Rust: `scripts/gpu-build.sh`), taken from there."""
+    prebuilt = os.environ.get("NDSCOPE_BIN_DIR")
+    if prebuilt:
+        return os.path.join(prebuilt, "mlp_infer")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cargo = ["cargo", "build", "--release", "--quiet", "--example", "mlp_infer"]
     subprocess.run(cargo + features, cwd=root, check=True)

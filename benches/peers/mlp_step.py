@@ -7,7 +7,8 @@ The two are timed in turns (PyTorch, then ndscope's `examples/mlp_step.rs`, then
 again, ...) and the ratio is taken round by round, so a comparison holds when a shared machine's
 speed drifts; the median round is printed with the range.
 
-Run from anywhere: `python3 benches/peers/mlp_step.py` (it builds the example with cargo first).
+Run from anywhere: `python3 benches/peers/mlp_step.py` (it builds the example with cargo first,
+or takes it from `NDSCOPE_BIN_DIR` where that names a folder of prebuilt binaries).
 Needs `torch`; not part of CI.
 """
 
@@ -120,10 +121,15 @@ def ndscope_ms(binary, batch, steps, manual=False):
 
 
 def main():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "mlp_step"], cwd=root, check=True)
-    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
-    binary = os.path.join(target, "release", "examples", "mlp_step")
+    # Prebuilt binaries (a machine without Rust: `scripts/gpu-build.sh`), else cargo builds it.
+    prebuilt = os.environ.get("NDSCOPE_BIN_DIR")
+    if prebuilt:
+        binary = os.path.join(prebuilt, "mlp_step")
+    else:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run(["cargo", "build", "--release", "--quiet", "--example", "mlp_step"], cwd=root, check=True)
+        target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
+        binary = os.path.join(target, "release", "examples", "mlp_step")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
