@@ -930,7 +930,7 @@ mod tests {
     fn every_kernel_has_a_parsed_parameter_list() {
         let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
         let templates = SOURCE.matches("__global__ void").count();
-        assert_eq!(templates, 33, "kernel templates in the kernel source");
+        assert_eq!(templates, 36, "kernel templates in the kernel source");
         let missing: Vec<String> = expected()
             .into_iter()
             .map(|(_, name)| name)
