@@ -328,8 +328,7 @@ fn joinable(a: &HostArray, b: &HostArray) -> bool {
 ///   [`ParallelInferenceBuilder::device`]): each request is copied onto it and each answer back
 ///   through the device's page-locked staging buffers, one copy each way; once a worker's
 ///   workspace is sized, a request allocates nothing on the device. The workers share the
-///   device's one stream; a worker waiting for its answer holds up neither the others' copies
-///   in nor their launches, so a few workers keep the device busy.
+///   device's one stream: several keep it busy while one waits for its answer.
 ///
 /// [`predict`]: ParallelInference::predict
 /// [`submit`]: ParallelInference::submit
