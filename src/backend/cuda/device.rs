@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaStream, DriverError};
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard};
 
 use super::cache;
 use super::driver::{describe, pretend};
@@ -228,8 +228,6 @@ pub(crate) struct Gpu {
     pub kernels: Kernels,
     blas: Mutex<Blas>,
     staging: Mutex<Staging>,
-    /// Signalled when a copy out gives back the staging buffer it held ([`Staging::held`]).
-    staging_freed: Condvar,
     scratch: Mutex<Scratch>,
     /// The first fatal fault of the device (an illegal address, a failed device assertion, …):
     /// the context cannot be used again, and every later call reports this, naming the op that
@@ -362,7 +360,6 @@ impl Gpu {
             kernels,
             blas: Mutex::new(blas),
             staging: Mutex::new(staging),
-            staging_freed: Condvar::new(),
             scratch: Mutex::new(Scratch {
                 memory: 0,
                 bytes: 0,
@@ -444,61 +441,6 @@ impl Gpu {
         let mut staging = self.staging.lock();
         staging.ensure(ctx, self)?;
         Ok(staging)
-    }
-
-    /// Makes staging buffer `b` free for a new copy: waits (releasing the lock meanwhile) until
-    /// no copy out holds it, then for the device's last copy through it
-    /// ([`Staging::wait`]). The buffers are allocated again if they were released meanwhile.
-    pub fn free_staging(
-        &self,
-        ctx: &Ctx,
-        staging: &mut MutexGuard<'_, Staging>,
-        b: usize,
-    ) -> Result<()> {
-        while staging.held[b] {
-            self.staging_freed.wait(staging);
-        }
-        staging.ensure(ctx, self)?;
-        staging.wait(ctx, self, b)
-    }
-
-    /// Gives back staging buffer `b`, held by a copy out that has read it.
-    pub fn unhold_staging(&self, staging: &mut MutexGuard<'_, Staging>, b: usize) {
-        staging.held[b] = false;
-        self.staging_freed.notify_all();
-    }
-
-    /// Ends a copy out through staging buffer `b`, which it holds and whose event it recorded:
-    /// waits for that event without the staging lock (other threads' copies go on through the
-    /// other buffer meanwhile), then, under the lock again, hands the buffer's first `len` bytes
-    /// to `read` and gives the buffer back, on an error too.
-    pub fn finish_held(
-        &self,
-        ctx: &Ctx,
-        mut staging: MutexGuard<'_, Staging>,
-        b: usize,
-        len: usize,
-        read: impl FnOnce(&[u8]),
-    ) -> Result<()> {
-        let event = staging.events[b].cu_event();
-        let waited = MutexGuard::unlocked(&mut staging, || {
-            // SAFETY: the event belongs to this device's staging, which lives as long as the
-            // device and never replaces its events; nobody records it while the buffer is held.
-            unsafe { sys::cuEventSynchronize(event) }.result()
-        });
-        let result = match waited {
-            Ok(()) => {
-                staging.completed(b);
-                // SAFETY: the copy into the buffer has finished (the event); it holds at least
-                // `len` bytes (a copy out through one buffer is at most STAGING), and no other
-                // copy uses it while it is held; `release` keeps held buffers.
-                read(unsafe { std::slice::from_raw_parts(staging.bufs[b].cast_const(), len) });
-                Ok(())
-            }
-            Err(e) => Err(sticky(ctx, self, e)),
-        };
-        self.unhold_staging(&mut staging, b);
-        result
     }
 
     pub fn scratch(&self) -> MutexGuard<'_, Scratch> {
@@ -921,10 +863,6 @@ pub(crate) struct Staging {
     /// The buffer the next copy starts with: the one after the last used, so that a copy out
     /// right after a copy in (an inference call) does not wait for the copy in.
     next: usize,
-    /// Buffers that a copy out has filled (or is filling) and not yet read: no other copy may
-    /// use them, even once their event has completed. A copy out of one buffer waits for the
-    /// device without the lock, so other threads' copies in go on meanwhile.
-    pub held: [bool; 2],
 }
 
 // SAFETY: the buffers are page-locked host memory owned by this struct, used under its mutex.
@@ -978,7 +916,6 @@ impl Staging {
             recorded: [0; 2],
             records: 0,
             next: 0,
-            held: [false; 2],
         })
     }
 
@@ -1001,11 +938,7 @@ impl Staging {
     /// Frees the two buffers after the copies that use them; the next pageable copy allocates
     /// them again. Returns the bytes given back.
     fn release(&mut self, gpu: &Gpu) -> usize {
-        if self.bufs.0[0].is_null()
-            || self.held.iter().any(|&h| h)
-            || gpu.ctx.bind_to_thread().is_err()
-        {
-            // Nothing to give back, or a copy out still reads a buffer.
+        if self.bufs.0[0].is_null() || gpu.ctx.bind_to_thread().is_err() {
             return 0;
         }
         for b in 0..2 {
@@ -1037,19 +970,15 @@ impl Staging {
             self.events[b]
                 .synchronize()
                 .map_err(|e| sticky(ctx, gpu, e))?;
-            self.completed(b);
-        }
-        Ok(())
-    }
-
-    /// Buffer `b`'s event has completed: so have those recorded before it.
-    fn completed(&mut self, b: usize) {
-        let done = self.recorded[b];
-        for (pending, &at) in self.pending.iter_mut().zip(&self.recorded) {
-            if at <= done {
-                *pending = false;
+            self.pending[b] = false;
+            let done = self.recorded[b];
+            for (pending, &at) in self.pending.iter_mut().zip(&self.recorded) {
+                if at < done {
+                    *pending = false;
+                }
             }
         }
+        Ok(())
     }
 
     /// Marks buffer `b` in use by the work queued so far.

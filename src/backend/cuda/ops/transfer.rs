@@ -10,7 +10,7 @@ use super::Cuda;
 use crate::backend::contract::TransferOps;
 use crate::backend::cpu::buffer::HostBuffer;
 use crate::backend::cuda::buffer::DeviceBuffer;
-use crate::backend::cuda::device::{Gpu, Staging, STAGING};
+use crate::backend::cuda::device::{Gpu, STAGING};
 use crate::error::Ctx;
 use crate::{DType, Element, Result};
 
@@ -44,9 +44,9 @@ fn host_to_device(
     let start = staging.take(bytes.len().div_ceil(STAGING));
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
         let b = (start + i) % 2;
-        gpu.free_staging(ctx, &mut staging, b)?;
-        // SAFETY: the staging buffer holds STAGING bytes, no copy out holds it and its last copy
-        // has finished (`free_staging`); the chunk is at most STAGING bytes.
+        staging.wait(ctx, gpu, b)?;
+        // SAFETY: the staging buffer holds STAGING bytes and its last copy has finished
+        // (`wait`); the chunk is at most STAGING bytes.
         let staged = unsafe {
             std::ptr::copy_nonoverlapping(chunk.as_ptr(), staging.bufs[b], chunk.len());
             std::slice::from_raw_parts(staging.bufs[b].cast_const(), chunk.len())
@@ -85,64 +85,30 @@ fn device_to_host(
     let chunks = len.div_ceil(STAGING);
     let mut staging = gpu.staging(ctx)?;
     let start = staging.take(chunks);
-    if chunks == 1 {
-        // The common case (an inference answer): the wait for the device happens without the
-        // staging lock, so other threads' copies in are not held up behind it.
-        let b = start;
-        gpu.free_staging(ctx, &mut staging, b)?;
-        // SAFETY: the staging buffer is free (`free_staging`) and holds at least `len` bytes,
-        // which the device writes before the event recorded next completes; `src` holds `len`
-        // bytes.
-        unsafe {
-            let slot = std::slice::from_raw_parts_mut(staging.bufs[b], len);
-            result::memcpy_dtoh_async(slot, src, stream)
+    for i in 0..=chunks {
+        if i < chunks {
+            let b = (start + i) % 2;
+            staging.wait(ctx, gpu, b)?;
+            let n = STAGING.min(len - i * STAGING);
+            // SAFETY: the staging buffer is free (`wait`) and holds at least `n` bytes, which the
+            // device writes before the event recorded next completes.
+            let slot = unsafe { std::slice::from_raw_parts_mut(staging.bufs[b], n) };
+            // SAFETY: `src + offset` lies inside the source.
+            unsafe { result::memcpy_dtoh_async(slot, src + (i * STAGING) as u64, stream) }
+                .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
+            staging.record(ctx, gpu, b)?;
         }
-        .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
-        staging.record(ctx, gpu, b)?;
-        staging.held[b] = true;
-        return gpu.finish_held(ctx, staging, b, len, |staged| out.copy_from_slice(staged));
-    }
-    // Larger: chunk i+1 is copied out of the device while chunk i is read, under the lock; each
-    // buffer is held from its copy until it is read.
-    let mut mine = [false; 2];
-    let mut copy = |staging: &mut parking_lot::MutexGuard<'_, Staging>,
-                    mine: &mut [bool; 2]|
-     -> Result<()> {
-        for i in 0..=chunks {
-            if i < chunks {
-                let b = (start + i) % 2;
-                gpu.free_staging(ctx, staging, b)?;
-                let n = STAGING.min(len - i * STAGING);
-                // SAFETY: the staging buffer is free (`free_staging`) and holds at least `n`
-                // bytes, which the device writes before the event recorded next completes.
-                let slot = unsafe { std::slice::from_raw_parts_mut(staging.bufs[b], n) };
-                // SAFETY: `src + offset` lies inside the source.
-                unsafe { result::memcpy_dtoh_async(slot, src + (i * STAGING) as u64, stream) }
-                    .map_err(|e| gpu.failed(ctx, "cuMemcpyDtoHAsync", e))?;
-                staging.record(ctx, gpu, b)?;
-                staging.held[b] = true;
-                mine[b] = true;
-            }
-            if i > 0 {
-                let j = i - 1;
-                let b = (start + j) % 2;
-                staging.wait(ctx, gpu, b)?;
-                let n = STAGING.min(len - j * STAGING);
-                // SAFETY: the copy into the buffer has finished (`wait`); it holds `n` bytes.
-                let staged = unsafe { std::slice::from_raw_parts(staging.bufs[b].cast_const(), n) };
-                out[j * STAGING..j * STAGING + n].copy_from_slice(staged);
-                gpu.unhold_staging(staging, b);
-                mine[b] = false;
-            }
+        if i > 0 {
+            let j = i - 1;
+            let b = (start + j) % 2;
+            staging.wait(ctx, gpu, b)?;
+            let n = STAGING.min(len - j * STAGING);
+            // SAFETY: the copy into the buffer has finished (`wait`); it holds `n` bytes.
+            let staged = unsafe { std::slice::from_raw_parts(staging.bufs[b].cast_const(), n) };
+            out[j * STAGING..j * STAGING + n].copy_from_slice(staged);
         }
-        Ok(())
-    };
-    let copied = copy(&mut staging, &mut mine);
-    // On an error, the buffers this copy still holds are given back all the same.
-    for (b, _) in mine.iter().enumerate().filter(|(_, &m)| m) {
-        gpu.unhold_staging(&mut staging, b);
     }
-    copied
+    Ok(())
 }
 
 /// The bytes of a slice of elements.
