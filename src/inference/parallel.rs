@@ -191,6 +191,8 @@ struct Shared {
     work: Condvar,
     /// Idle workers polling `pushed` now (at most one: see `next_batch`).
     polling: AtomicUsize,
+    /// Workers serving a batch now.
+    serving: AtomicUsize,
     /// Requests ever queued: a worker polls it before sleeping on `work`.
     pushed: AtomicU64,
     submitted: AtomicU64,
@@ -508,6 +510,7 @@ impl ParallelInferenceBuilder {
             changed: Condvar::new(),
             work: Condvar::new(),
             polling: AtomicUsize::new(0),
+            serving: AtomicUsize::new(0),
             pushed: AtomicU64::new(0),
             submitted: AtomicU64::new(0),
             completed: AtomicU64::new(0),
@@ -535,8 +538,8 @@ impl ParallelInferenceBuilder {
             let _ = partial.shutdown(ShutdownMode::Refuse);
             error
         };
-        // With a worker per core or more, each worker computes alone: pool helpers joining
-        // its kernels would only compete with the other workers for the cores.
+        // With a worker per core or more, a worker computes alone while others serve too: pool
+        // helpers joining its kernels would only compete with the other workers for the cores.
         let inline = self.workers >= crate::backend::cpu::pool::threads();
         let mut handles = Vec::with_capacity(self.workers);
         for index in 0..self.workers {
@@ -612,11 +615,17 @@ fn worker(
     // Counts the worker out however it ends, a panic outside a step included (the step's own
     // are caught by the predictor), so no request waits for a worker that is gone.
     let _leaving = Leaving(&shared);
-    if inline {
-        crate::backend::cpu::pool::run_inline();
-    }
     while let Some(batch) = shared.next_batch() {
-        if !serve(&shared, &mut predictor, batch, &factory, index) {
+        // With a worker per core, a worker serving alone lets its kernels use the pool (as a
+        // predictor called directly would: a lone batch-1 request costs what its model costs);
+        // one serving beside others computes alone.
+        let others = shared.serving.fetch_add(1, Ordering::SeqCst);
+        if inline {
+            crate::backend::cpu::pool::set_inline(others > 0);
+        }
+        let served = serve(&shared, &mut predictor, batch, &factory, index);
+        shared.serving.fetch_sub(1, Ordering::SeqCst);
+        if !served {
             break;
         }
     }

@@ -39,20 +39,28 @@ pub(crate) fn chunk_len(len: usize) -> usize {
 }
 
 /// A kernel's work, as the thread policy measures it: floating-point operations for products
-/// (two per multiply-add, whatever the element type), bytes read and written for the passes
-/// over memory (elementwise loops, reductions, copies, optimizer updates).
+/// (two per multiply-add, whatever the element type) with the bytes of their operands, bytes
+/// read and written for the passes over memory (elementwise loops, reductions, copies,
+/// optimizer updates).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Work {
-    /// Floating-point operations.
-    Flops(usize),
+    /// A product: its floating-point operations and the bytes of its operands and result (a
+    /// short product, e.g. at batch 1, is bound by reading the weights, not by arithmetic).
+    Flops(usize, usize),
     /// Bytes read and written.
     Bytes(usize),
 }
 
 impl Work {
-    /// The work of a product `[m, k] · [k, n]`: `2·m·k·n` operations.
+    /// The work of a product `[m, k] · [k, n]` of f32: `2·m·k·n` operations over
+    /// `4·(m·k + k·n + m·n)` bytes.
     pub(crate) fn product(m: usize, k: usize, n: usize) -> Work {
-        Work::Flops(m.saturating_mul(k).saturating_mul(n).saturating_mul(2))
+        let flops = m.saturating_mul(k).saturating_mul(n).saturating_mul(2);
+        let elements = m
+            .saturating_mul(k)
+            .saturating_add(k.saturating_mul(n))
+            .saturating_add(m.saturating_mul(n));
+        Work::Flops(flops, elements.saturating_mul(4))
     }
 
     /// The work of a pass over `streams` arrays of `len` elements of `T` (e.g. 3 for
@@ -66,11 +74,16 @@ impl Work {
 }
 
 /// The least floating-point operations a product gives each thread it runs on: 2 Mi (1 Mi
-/// multiply-adds), about 20 µs of one core's time in the products of an MLP layer. Waking a
-/// sleeping helper costs tens of microseconds and a spinning one a few; a thread given less
-/// would cost about as much to start as it saves. A batch-1 layer 784→1024 (1.6 Mi) and 1024→1024
-/// (2 Mi) stay on the calling thread; a 1024² product (2 Gi) takes up to 1024 threads.
+/// multiply-adds), about 20 µs of one core's time in the products of an MLP layer (about
+/// 100 GFLOP/s). Waking a sleeping helper costs tens of microseconds and a spinning one a few;
+/// a thread given less would cost about as much to start as it saves.
 pub(crate) const FLOPS_PER_THREAD: usize = 2 << 20;
+
+/// The least operand bytes a product gives each thread it runs on: 1.25 MiB, about 20 µs of one
+/// core reading packed weights (a batch-1 `[1,784]·[784,1024]` product, 3.2 MB, takes 50 µs on
+/// one core). A batch-1 layer is bound by this, not by its FLOPs: 784→1024 takes 2 threads,
+/// 1024→1024 3, the 10-wide output layer 1.
+pub(crate) const PRODUCT_BYTES_PER_THREAD: usize = 5 << 18;
 
 /// The least bytes a pass over memory gives each thread it runs on: 512 KiB (read and written),
 /// about 20 µs of one core's bandwidth. A bias add or ReLU over `[16, 1024]` f32 (128 KiB) stays
@@ -78,13 +91,14 @@ pub(crate) const FLOPS_PER_THREAD: usize = 2 << 20;
 pub(crate) const BYTES_PER_THREAD: usize = 512 << 10;
 
 /// The thread policy: the threads a kernel of `tasks` tasks and `work` runs on, on a pool of
-/// `pool` threads — one per [`FLOPS_PER_THREAD`] or [`BYTES_PER_THREAD`] of work, at least one,
-/// at most one per task and at most the pool. Every parallel kernel asks this, through
+/// `pool` threads — one per [`FLOPS_PER_THREAD`] or [`PRODUCT_BYTES_PER_THREAD`] of a product
+/// (whichever gives more), one per [`BYTES_PER_THREAD`] of a pass; at least one, at most one per
+/// task and at most the pool. Every parallel kernel asks this, through
 /// `pool::run`. It decides only *how many threads share the tasks*: the tasks themselves are
 /// cut by the problem's size alone (so results stay bit-identical whatever this says).
 pub(crate) fn threads_for(work: Work, tasks: usize, pool: usize) -> usize {
     let wanted = match work {
-        Work::Flops(f) => f / FLOPS_PER_THREAD,
+        Work::Flops(f, b) => (f / FLOPS_PER_THREAD).max(b / PRODUCT_BYTES_PER_THREAD),
         Work::Bytes(b) => b / BYTES_PER_THREAD,
     };
     wanted.clamp(1, tasks.clamp(1, pool.max(1)))
@@ -197,7 +211,9 @@ mod tests {
         for (name, tasks, work) in mlp_kernels() {
             let threads: Vec<usize> = pools.iter().map(|&p| threads_for(work, tasks, p)).collect();
             let work_text = match work {
-                Work::Flops(f) => format!("{:.2} MFLOP", f as f64 / 1e6),
+                Work::Flops(f, b) => {
+                    format!("{:.2} MFLOP, {:.2} MB", f as f64 / 1e6, b as f64 / 1e6)
+                }
                 Work::Bytes(b) => format!("{} KiB", b / 1024),
             };
             println!(
@@ -213,12 +229,16 @@ mod tests {
                 .map(|&(_, t16, t64)| (t16, t64))
                 .unwrap_or_else(|| panic!("no row {name}"))
         };
-        // Batch 1: every kernel on the calling thread, whatever the pool.
+        // Batch 1: the passes and the small products on the calling thread, a layer's
+        // product on the 2 or 3 threads its weights are worth, whatever the pool.
         for (name, t16, t64) in &table {
             if name.starts_with("b1 ") {
-                assert_eq!((*t16, *t64), (1, 1), "{name}");
+                assert!(*t16 <= 3 && t16 == t64, "{name}: {t16}, {t64}");
             }
         }
+        assert_eq!(find("b1 fwd Dense packed 784→1024"), (2, 2));
+        assert_eq!(find("b1 fwd Dense packed 1024→1024"), (3, 3));
+        assert_eq!(find("b1 relu [1,1024]"), (1, 1));
         // Batch 16 training: the passes and the 10-wide products stay on the calling thread;
         // only products of at least 16 × `FLOPS_PER_THREAD` take 16 threads.
         for (name, t16, _) in &table {

@@ -305,16 +305,17 @@ thread_local! {
 }
 
 thread_local! {
-    /// Set on threads that run every kernel themselves ([`run_inline`]).
+    /// Set on threads that run every kernel themselves ([`set_inline`]).
     static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// From now on, kernels called on this thread run on it alone, without the pool. For threads
-/// that are themselves one of as many parallel workers as there are cores (the workers of a
-/// `ParallelInference`): a kernel that also asked the pool's helpers for help would put more
-/// busy threads than cores on the machine.
-pub(crate) fn run_inline() {
-    INLINE.with(|i| i.set(true));
+/// From now on, kernels called on this thread run on it alone, without the pool (`true`), or
+/// on the pool again (`false`). For threads that are themselves one of as many parallel workers
+/// as there are cores (the workers of a `ParallelInference`, while others are busy too): a
+/// kernel that also asked the pool's helpers for help would put more busy threads than cores on
+/// the machine.
+pub(crate) fn set_inline(inline: bool) {
+    INLINE.with(|i| i.set(inline));
 }
 
 /// Runs `f(0)`, …, `f(tasks − 1)`, each once, on the pool (the calling thread included), and
@@ -521,7 +522,7 @@ mod tests {
     use super::*;
 
     /// Work enough for every thread of the pool.
-    const ALL: Work = Work::Flops(usize::MAX);
+    const ALL: Work = Work::Flops(usize::MAX, usize::MAX);
 
     #[test]
     fn every_task_runs_once_and_nested_calls_run_inline() {
