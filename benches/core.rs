@@ -2,6 +2,12 @@
 //! the per-op overhead of a 1-element `add`, and `debug_dump` of 100k arrays. Each group has a
 //! baseline measured in the same run: the system allocator doing the least an eager array
 //! library must do (allocate and free the result's bytes), or formatting the same lines by hand.
+//!
+//! `tiny_ops_on_a_big_pool` runs first, on a 64-thread pool (`NDSCOPE_NUM_THREADS=64` unless
+//! the variable is set): a 1-element `add` and a batch-1 `[1,784]·[784,1024]` `matmul`, which
+//! the thread policy keeps on the calling thread, capped at 64 threads and at 1
+//! (`ndscope::set_num_threads`); the two should cost the same. Later groups run capped at the
+//! cores available.
 
 // criterion's macros generate undocumented public functions.
 #![allow(missing_docs)]
@@ -23,6 +29,36 @@ fn alloc_free(bytes: usize) {
         let p = alloc_zeroed(layout);
         dealloc(black_box(p), layout);
     }
+}
+
+fn tiny_ops_on_a_big_pool(c: &mut Criterion) {
+    if std::env::var_os("NDSCOPE_NUM_THREADS").is_none() {
+        // Before the pool exists (this group runs first): it reads the variable once.
+        std::env::set_var("NDSCOPE_NUM_THREADS", "64");
+    }
+    let full = ndscope::set_num_threads(usize::MAX);
+    let m = Manager::new_base();
+    let one = m.ones([1], DType::F32).unwrap();
+    let x = m.ones([1, 784], DType::F32).unwrap();
+    let w = m.ones([784, 1024], DType::F32).unwrap();
+    let mut g = c.benchmark_group("tiny_ops_on_a_big_pool");
+    for cap in [full, 1] {
+        g.bench_function(format!("1-element add, {cap}-thread pool"), |b| {
+            ndscope::set_num_threads(cap);
+            b.iter(|| one.add(&one).unwrap().close().unwrap())
+        });
+        g.bench_function(
+            format!("matmul [1,784]·[784,1024], {cap}-thread pool"),
+            |b| {
+                ndscope::set_num_threads(cap);
+                b.iter(|| x.matmul(&w).unwrap().close().unwrap())
+            },
+        );
+    }
+    g.finish();
+    // The other groups run on as many threads as there are cores, as without this group.
+    ndscope::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
+    m.close().unwrap();
 }
 
 fn create_close(c: &mut Criterion) {
@@ -139,6 +175,7 @@ fn dump_100k(c: &mut Criterion) {
 
 criterion_group!(
     benches,
+    tiny_ops_on_a_big_pool,
     create_close,
     manager_open_close,
     per_op_overhead,

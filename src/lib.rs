@@ -95,3 +95,19 @@ pub fn allow_tf32() -> bool {
 pub fn num_threads() -> usize {
     backend::cpu::pool::threads()
 }
+
+/// Caps the threads the CPU kernels run on at `n` (at least 1; a cap above the pool's size
+/// means the whole pool) and returns [`num_threads`] as it now is. The pool keeps its threads
+/// (those above the cap sleep), so the cap can be raised again later, up to the pool's size
+/// (`NDSCOPE_NUM_THREADS`). Kernels cut their work by the problem's size alone, so results stay
+/// bit-identical under any cap. Process-wide; meant for benchmarks and for sharing the machine
+/// with other work.
+///
+/// ```
+/// let pool = ndscope::num_threads();
+/// assert_eq!(ndscope::set_num_threads(1), 1);
+/// assert_eq!(ndscope::set_num_threads(usize::MAX), pool);
+/// ```
+pub fn set_num_threads(n: usize) -> usize {
+    backend::cpu::pool::set_limit(n)
+}

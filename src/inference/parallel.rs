@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -183,8 +183,17 @@ struct Shared {
     mode: InferenceMode,
     queue_limit: usize,
     queue: Mutex<Queue>,
+    /// Room in the queue, or the service's state, changed (submitters wait on it).
     changed: Condvar,
-    /// Requests ever queued: a worker polls it before sleeping on `changed`.
+    /// A request was queued, or the service's state changed (workers wait on it). Apart from
+    /// `changed`, so that a new request wakes one worker, not every sleeping worker and
+    /// submitter.
+    work: Condvar,
+    /// Idle workers polling `pushed` now (at most one: see `next_batch`).
+    polling: AtomicUsize,
+    /// Workers serving a batch now.
+    serving: AtomicUsize,
+    /// Requests ever queued: a worker polls it before sleeping on `work`.
     pushed: AtomicU64,
     submitted: AtomicU64,
     completed: AtomicU64,
@@ -225,16 +234,27 @@ impl Shared {
                     return None;
                 }
             }
-            if !polled && !q.gathering {
-                // Poll briefly for the next request before sleeping (see `SPIN`).
+            // Poll briefly for the next request before sleeping (see `SPIN`), one idle worker
+            // at a time: more would only take cores from the callers and the busy workers,
+            // and a submitter wakes a sleeping worker when none polls.
+            if !polled
+                && !q.gathering
+                && self
+                    .polling
+                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
                 polled = true;
-                let seen = self.pushed.load(Ordering::Acquire);
+                let seen = self.pushed.load(Ordering::SeqCst);
                 drop(q);
                 spin_until(|| self.pushed.load(Ordering::Acquire) != seen);
+                // Counted out before looking at the queue: a request queued after this is
+                // seen by the look below, or its submitter sees no poller and wakes a worker.
+                self.polling.store(0, Ordering::SeqCst);
                 q = self.queue.lock();
                 continue;
             }
-            self.changed.wait(&mut q);
+            self.work.wait(&mut q);
         }
         let first = q.requests.pop_front()?;
         let mut batch = vec![first];
@@ -259,12 +279,15 @@ impl Shared {
                 if expired || q.phase != Phase::Running {
                     break;
                 }
-                expired = self.changed.wait_until(&mut q, deadline).timed_out();
+                expired = self.work.wait_until(&mut q, deadline).timed_out();
             }
             q.gathering = false;
         }
-        // Room in the queue for submitters; the queue to the other workers.
+        // Room in the queue for submitters; the rest of the queue to another worker.
         self.changed.notify_all();
+        if !q.requests.is_empty() {
+            self.work.notify_one();
+        }
         Some(batch)
     }
 
@@ -281,10 +304,16 @@ impl Shared {
         }
     }
 
+    /// Wakes every waiting worker and submitter (the service's state changed).
+    fn notify_everyone(&self) {
+        self.changed.notify_all();
+        self.work.notify_all();
+    }
+
     /// Answers every queued request `ShutDown`; returns how many.
     fn refuse_queued(&self, ctx: &Ctx, reason: &str) -> u64 {
         let refused: Vec<Request> = self.queue.lock().requests.drain(..).collect();
-        self.changed.notify_all();
+        self.notify_everyone();
         for request in &refused {
             let _ = request.answer.send(Err(self.refusal(ctx, reason)));
         }
@@ -478,6 +507,9 @@ impl ParallelInferenceBuilder {
                 finished_in_shutdown: 0,
             }),
             changed: Condvar::new(),
+            work: Condvar::new(),
+            polling: AtomicUsize::new(0),
+            serving: AtomicUsize::new(0),
             pushed: AtomicU64::new(0),
             submitted: AtomicU64::new(0),
             completed: AtomicU64::new(0),
@@ -505,8 +537,8 @@ impl ParallelInferenceBuilder {
             let _ = partial.shutdown(ShutdownMode::Refuse);
             error
         };
-        // With a worker per core or more, each worker computes alone: pool helpers joining
-        // its kernels would only compete with the other workers for the cores.
+        // With a worker per core or more, a worker computes alone while others serve too: pool
+        // helpers joining its kernels would only compete with the other workers for the cores.
         let inline = self.workers >= crate::backend::cpu::pool::threads();
         let mut handles = Vec::with_capacity(self.workers);
         for index in 0..self.workers {
@@ -582,11 +614,17 @@ fn worker(
     // Counts the worker out however it ends, a panic outside a step included (the step's own
     // are caught by the predictor), so no request waits for a worker that is gone.
     let _leaving = Leaving(&shared);
-    if inline {
-        crate::backend::cpu::pool::run_inline();
-    }
     while let Some(batch) = shared.next_batch() {
-        if !serve(&shared, &mut predictor, batch, &factory, index) {
+        // With a worker per core, a worker serving alone lets its kernels use the pool (as a
+        // predictor called directly would: a lone batch-1 request costs what its model costs);
+        // one serving beside others computes alone.
+        let others = shared.serving.fetch_add(1, Ordering::SeqCst);
+        if inline {
+            crate::backend::cpu::pool::set_inline(others > 0);
+        }
+        let served = serve(&shared, &mut predictor, batch, &factory, index);
+        shared.serving.fetch_sub(1, Ordering::SeqCst);
+        if !served {
             break;
         }
     }
@@ -610,7 +648,7 @@ impl Drop for Leaving<'_> {
             let ctx = Ctx::new("ParallelInference worker");
             shared.refuse_queued(&ctx, "no worker is left to answer it");
         }
-        shared.changed.notify_all();
+        shared.notify_everyone();
     }
 }
 
@@ -717,10 +755,17 @@ impl ParallelInference {
             self.shared.changed.wait(&mut q);
         }
         q.requests.push_back(Request { input, answer: tx });
-        self.shared.pushed.fetch_add(1, Ordering::Release);
+        self.shared.pushed.fetch_add(1, Ordering::SeqCst);
+        let gathering = q.gathering;
         drop(q);
         self.shared.submitted.fetch_add(1, Ordering::Relaxed);
-        self.shared.changed.notify_all();
+        // An idle worker polling `pushed` takes it; else wake one sleeping worker (all of them
+        // while one gathers a batch: it must hear of the request, and may not be the first).
+        if gathering {
+            self.shared.work.notify_all();
+        } else if self.shared.polling.load(Ordering::SeqCst) == 0 {
+            self.shared.work.notify_one();
+        }
         Ok(Pending {
             answer: rx,
             service: Arc::clone(&self.shared.description),
@@ -748,7 +793,7 @@ impl ParallelInference {
                 _ => Phase::Draining,
             };
         }
-        self.shared.changed.notify_all();
+        self.shared.notify_everyone();
         let refused = match mode {
             ShutdownMode::Refuse => self.shared.refuse_queued(&ctx, "the service was shut down"),
             ShutdownMode::Drain => 0,
@@ -813,7 +858,7 @@ impl Drop for ParallelInference {
             // Dropped by its own worker (a step holding the last handle): tell the others to
             // stop, refuse what is queued; the threads end on their own.
             self.shared.queue.lock().phase = Phase::Refusing;
-            self.shared.changed.notify_all();
+            self.shared.notify_everyone();
             let ctx = Ctx::new("ParallelInference::drop");
             self.shared.refuse_queued(&ctx, "the service was dropped");
             return;

@@ -3,7 +3,7 @@
 //! The closures are generic parameters, so each loop is compiled per op and dtype and the
 //! compiler vectorises the contiguous cases.
 
-use super::{chunk_len, pool, PAR_MIN};
+use super::{chunk_len, pool, Work, PAR_MIN};
 use crate::backend::layout::{broadcast_strides, merge_dims};
 
 /// `out[i] = f(a[i])`.
@@ -20,7 +20,8 @@ where
         return;
     }
     let chunk = chunk_len(out.len());
-    pool::for_each_chunk_zip(out, chunk, a, chunk, |o, a| {
+    let work = Work::Bytes(out.len() * (size_of::<T>() + size_of::<U>()));
+    pool::for_each_chunk_zip(out, chunk, a, chunk, work, |o, a| {
         for (o, &x) in o.iter_mut().zip(a) {
             *o = f(x);
         }
@@ -41,7 +42,8 @@ where
         return;
     }
     let chunk = chunk_len(out.len());
-    pool::for_each_chunk_mut(out, chunk, |t, o| {
+    let work = Work::Bytes(out.len() * (2 * size_of::<T>() + size_of::<U>()));
+    pool::for_each_chunk_mut(out, chunk, work, |t, o| {
         let (a, b) = (pool::chunk_at(a, chunk, t), pool::chunk_at(b, chunk, t));
         for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
             *o = f(x, y);
@@ -61,7 +63,7 @@ where
         return;
     }
     let chunk = chunk_len(x.len());
-    pool::for_each_chunk_mut(x, chunk, |_, x| {
+    pool::for_each_chunk_mut(x, chunk, Work::pass::<T>(x.len(), 2), |_, x| {
         for v in x.iter_mut() {
             *v = f(*v);
         }
@@ -81,7 +83,7 @@ where
         return;
     }
     let chunk = chunk_len(x.len());
-    pool::for_each_chunk_zip(x, chunk, b, chunk, |x, b| {
+    pool::for_each_chunk_zip(x, chunk, b, chunk, Work::pass::<T>(x.len(), 3), |x, b| {
         for (v, &y) in x.iter_mut().zip(b) {
             *v = f(*v, y);
         }
@@ -238,7 +240,8 @@ pub(crate) fn broadcast_zip<T, U>(
         return run(0, out);
     }
     let rows_per_task = chunk_len(out.len()).div_ceil(inner).max(1);
-    pool::for_each_chunk_mut(out, rows_per_task * inner, |task, chunk| {
+    let work = Work::Bytes(out.len() * (2 * size_of::<T>() + size_of::<U>()));
+    pool::for_each_chunk_mut(out, rows_per_task * inner, work, |task, chunk| {
         run(task * rows_per_task, chunk)
     });
 }
@@ -288,7 +291,8 @@ pub(crate) fn broadcast_zip_inplace<T>(
         return run(0, x);
     }
     let rows_per_task = chunk_len(x.len()).div_ceil(inner).max(1);
-    pool::for_each_chunk_mut(x, rows_per_task * inner, |task, chunk| {
+    let work = Work::pass::<T>(x.len(), 3);
+    pool::for_each_chunk_mut(x, rows_per_task * inner, work, |task, chunk| {
         run(task * rows_per_task, chunk)
     });
 }

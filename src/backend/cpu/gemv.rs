@@ -86,7 +86,7 @@ pub(crate) fn small_m(m: usize, k: usize, n: usize, a: &[f32], b: &[f32], out: &
     if self::tasks(m, k, n) < 2 || pool::threads() < 2 {
         (0..tasks).for_each(task);
     } else {
-        pool::run(tasks, &task);
+        pool::run(tasks, super::Work::product(m, k, n), &task);
     }
 }
 

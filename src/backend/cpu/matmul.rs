@@ -110,7 +110,8 @@ pub(crate) fn matmul_batched<T: Num>(
     };
     let small = m * n * k < PAR_PRODUCT;
     if small && batch > 1 && batch * m * n * k >= 1 << 18 {
-        pool::for_each_chunk_mut(out, m * n, one);
+        let work = super::Work::product(batch * m, k, n);
+        pool::for_each_chunk_mut(out, m * n, work, one);
     } else {
         for (i, o) in out.chunks_exact_mut(m * n).enumerate() {
             one(i, o);
@@ -226,10 +227,11 @@ pub(crate) fn gemm_general<T: Num>(
         return block(0..m, 0..n, out);
     }
     let part = |t: usize| t * size..((t + 1) * size).min(if by_cols { n } else { m });
+    let work = super::Work::product(m, k, n);
     if by_cols {
-        pool::run(tasks, &|t| block(0..m, part(t), out));
+        pool::run(tasks, work, &|t| block(0..m, part(t), out));
     } else {
-        pool::run(tasks, &|t| block(part(t), 0..n, out));
+        pool::run(tasks, work, &|t| block(part(t), 0..n, out));
     }
 }
 

@@ -3,7 +3,7 @@
 //! fused softmax cross-entropy.
 
 use super::num::{Float, Num};
-use super::{chunk_len, pool, PAR_MIN};
+use super::{chunk_len, pool, Work, PAR_MIN};
 use crate::Element;
 
 /// Softmax (or log-softmax with `log`) along the middle axis of `x` seen as `[outer, n, inner]`.
@@ -35,7 +35,8 @@ pub(crate) fn softmax<T: Float>(
     }
     let per_task = chunk_len(x.len()).div_ceil(block).max(1);
     let len = per_task * block;
-    pool::for_each_chunk_zip(out, len, x, len, |o, x| run(x, o));
+    let work = Work::pass::<T>(x.len(), 2);
+    pool::for_each_chunk_zip(out, len, x, len, work, |o, x| run(x, o));
 }
 
 fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {

@@ -5,16 +5,18 @@
 
 use super::num::{Float, Num};
 use super::pool::{self, SendPtr};
-use super::{chunk_len, PAR_MIN};
+use super::{chunk_len, Work, PAR_MIN};
 use crate::backend::contract::{AdamCoeffs, SgdCoeffs};
 
 /// Runs `f(start, end)` over the index ranges of `len` elements: on the calling thread below
-/// `PAR_MIN`, else in chunks of `chunk_len(len)` on the pool (each range to one call only).
-fn split(len: usize, f: impl Fn(usize, usize) + Sync) {
+/// `PAR_MIN`, else in chunks of `chunk_len(len)` on the pool (each range to one call only), on
+/// the threads a pass of `bytes_per_element` bytes per element is worth.
+fn split(len: usize, bytes_per_element: usize, f: impl Fn(usize, usize) + Sync) {
     if len < PAR_MIN {
         f(0, len);
     } else {
-        pool::for_each_range(len, chunk_len(len), |range| f(range.start, range.end));
+        let work = Work::Bytes(len.saturating_mul(bytes_per_element));
+        pool::for_each_range(len, chunk_len(len), work, |range| f(range.start, range.end));
     }
 }
 
@@ -52,7 +54,7 @@ pub(crate) fn sgd_update<T: Num>(
     let pp = SendPtr(p.as_mut_ptr());
     let gp = SendPtr(grad.as_mut_ptr());
     let vp = velocity.map(|v| SendPtr(v.as_mut_ptr()));
-    split(len, |start, end| {
+    split(len, 5 * size_of::<T>(), |start, end| {
         let n = end - start;
         // SAFETY: `split` hands each range [start, end) of `0..len` to one call only, so the
         // parts are disjoint; `p`, `grad` and the velocity are distinct slices of `len`
@@ -159,7 +161,7 @@ pub(crate) fn adam_update<T: Float>(
         SendPtr(m.as_mut_ptr()),
         SendPtr(v.as_mut_ptr()),
     );
-    split(len, |start, end| {
+    split(len, 7 * size_of::<T>(), |start, end| {
         let n = end - start;
         // SAFETY: `split` hands each range [start, end) of `0..len` to one call only, so the
         // parts are disjoint; `p`, `grad`, `m` and `v` are distinct slices of `len` elements,

@@ -145,7 +145,7 @@ fn product(
     if self::tasks(m, k, n) < 2 || pool::threads() < 2 {
         (0..tasks).for_each(task);
     } else {
-        pool::run(tasks, &task);
+        pool::run(tasks, super::Work::product(m, k, n), &task);
     }
 }
 

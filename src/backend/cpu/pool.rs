@@ -14,10 +14,12 @@
 //!   kernel called from inside a task) runs its tasks itself, in order: never a deadlock, and
 //!   never more threads than cores.
 //!
-//! - a job of `tasks` tasks lets at most `tasks − 1` helpers in (and wakes at most that many
-//!   sleeping ones): a kernel with little work never wakes the whole pool. How many tasks a
-//!   kernel has is its own choice, made from the problem's size alone (see `super::chunk_len`),
-//!   so that its results are bit-identical for any thread count.
+//! - a job runs on the threads the policy gives its work (`super::threads_for`: one per so many
+//!   FLOPs or bytes, at most one per task), and lets at most that many helpers in, less the
+//!   caller (and wakes at most that many sleeping ones): a kernel with little work never wakes
+//!   the whole pool. How many tasks a kernel has is its own choice, made from the problem's
+//!   size alone (see `super::chunk_len`), so that its results are bit-identical for any thread
+//!   count, and for any cap set by [`set_limit`].
 //!
 //! The thread count is `NDSCOPE_NUM_THREADS` when set, else the number of cores the process may
 //! use. The pool is created at the first parallel kernel, which cannot fail, so a bad value is
@@ -31,6 +33,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use super::Work;
 
 /// How long a helper spins for the next job before it sleeps.
 const SPIN: Duration = Duration::from_micros(300);
@@ -90,6 +94,9 @@ struct Pool {
 unsafe impl Sync for Pool {}
 
 static POOL: OnceLock<&'static Pool> = OnceLock::new();
+
+/// The most threads a job may run on, set by [`set_limit`] (`usize::MAX`: the whole pool).
+static LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// The pool size `NDSCOPE_NUM_THREADS` asks for, given its value (`None` when unset) and the
 /// available parallelism, with the warning to give when the value is not used as it stands:
@@ -192,9 +199,21 @@ fn pool() -> &'static Pool {
     })
 }
 
-/// Threads a parallel kernel runs on (the caller included).
+/// Threads a parallel kernel may run on (the caller included): the pool's, or fewer if
+/// [`set_limit`] said so.
 pub(crate) fn threads() -> usize {
-    pool().threads.load(Ordering::Relaxed)
+    pool()
+        .threads
+        .load(Ordering::Relaxed)
+        .min(LIMIT.load(Ordering::Relaxed))
+}
+
+/// Caps the threads any job runs on at `n` (at least 1; more than the pool has means the whole
+/// pool) and returns the threads kernels may now run on. The pool's threads stay (the ones
+/// above the cap sleep); a kernel's tasks do not change, so neither do its results.
+pub(crate) fn set_limit(n: usize) -> usize {
+    LIMIT.store(n.max(1), Ordering::Relaxed);
+    threads()
 }
 
 fn run_tasks(pool: &Pool, job: &Job<'_>) -> bool {
@@ -286,34 +305,37 @@ thread_local! {
 }
 
 thread_local! {
-    /// Set on threads that run every kernel themselves ([`run_inline`]).
+    /// Set on threads that run every kernel themselves ([`set_inline`]).
     static INLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// From now on, kernels called on this thread run on it alone, without the pool. For threads
-/// that are themselves one of as many parallel workers as there are cores (the workers of a
-/// `ParallelInference`): a kernel that also asked the pool's helpers for help would put more
-/// busy threads than cores on the machine.
-pub(crate) fn run_inline() {
-    INLINE.with(|i| i.set(true));
+/// From now on, kernels called on this thread run on it alone, without the pool (`true`), or
+/// on the pool again (`false`). For threads that are themselves one of as many parallel workers
+/// as there are cores (the workers of a `ParallelInference`, while others are busy too): a
+/// kernel that also asked the pool's helpers for help would put more busy threads than cores on
+/// the machine.
+pub(crate) fn set_inline(inline: bool) {
+    INLINE.with(|i| i.set(inline));
 }
 
 /// Runs `f(0)`, …, `f(tasks − 1)`, each once, on the pool (the calling thread included), and
-/// returns when all have finished. At most `min(tasks, threads())` threads take part: no helper
-/// joins (or is woken) that would find no task. Runs them in order on the calling thread when
-/// there is one task, one thread, or the pool is busy. A panic in a task is re-raised here
+/// returns when all have finished. At most `threads_for(work, tasks, threads())` threads take
+/// part (the thread policy, `super::threads_for`): no helper joins (or is woken) that would find
+/// no task, or too little work. Runs them in order on the calling thread when that is one
+/// thread, or the pool is busy. A panic in a task is re-raised here
 /// after every task has finished.
 ///
 /// Which thread runs which task is left to timing, so a kernel's result must not depend on it:
 /// each task writes its own part of the output, and partial results are combined in task order
 /// (as [`fold_tasks`] does).
-pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+pub(crate) fn run(tasks: usize, work: Work, f: &(dyn Fn(usize) + Sync)) {
     if tasks <= 1 || INLINE.with(std::cell::Cell::get) {
         (0..tasks).for_each(f);
         return;
     }
     let pool = pool();
-    if pool.threads.load(Ordering::Relaxed) < 2
+    let threads = super::threads_for(work, tasks, threads());
+    if threads < 2
         || pool
             .busy
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -328,7 +350,7 @@ pub(crate) fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
     // opened below, and we close it and wait for them to leave before `job` goes out of scope.
     unsafe { *pool.job.get() = (&job as *const Job<'_>).cast::<Job<'static>>() };
     pool.next.store(0, Ordering::Relaxed);
-    let helpers = (tasks - 1).min(pool.threads.load(Ordering::Relaxed) - 1);
+    let helpers = threads - 1;
     pool.helpers.store(helpers, Ordering::Relaxed);
     pool.panicked.store(false, Ordering::Relaxed);
     let epoch = (pool.ctl.load(Ordering::Relaxed) >> EPOCH_SHIFT).wrapping_add(1);
@@ -410,25 +432,32 @@ unsafe impl<T: Send> Send for SendPtr<T> {}
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 /// Calls `f(start..end)` for the consecutive ranges of `0..len` of `chunk` elements (the last
-/// may be shorter), in parallel: each range goes to one call only.
-pub(crate) fn for_each_range(len: usize, chunk: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+/// may be shorter), in parallel (on the threads `work` is worth): each range goes to one call
+/// only.
+pub(crate) fn for_each_range(
+    len: usize,
+    chunk: usize,
+    work: Work,
+    f: impl Fn(std::ops::Range<usize>) + Sync,
+) {
     let chunk = chunk.max(1);
-    run(len.div_ceil(chunk), &|i| {
+    run(len.div_ceil(chunk), work, &|i| {
         let start = i * chunk;
         f(start..(start + chunk).min(len));
     });
 }
 
 /// Calls `f(i, chunk_i)` for the consecutive chunks of `out` of `chunk` elements (the last may
-/// be shorter), in parallel.
+/// be shorter), in parallel (on the threads `work` is worth).
 pub(crate) fn for_each_chunk_mut<T: Send>(
     out: &mut [T],
     chunk: usize,
+    work: Work,
     f: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let chunk = chunk.max(1);
     let base = SendPtr(out.as_mut_ptr());
-    for_each_range(out.len(), chunk, |range| {
+    for_each_range(out.len(), chunk, work, |range| {
         // SAFETY: `for_each_range` gives each range to one call only, so the ranges handed out
         // are disjoint and inside `out`, which stays mutably borrowed until it returns.
         let part =
@@ -443,35 +472,39 @@ pub(crate) fn chunk_at<T>(x: &[T], chunk: usize, t: usize) -> &[T] {
 }
 
 /// Calls `f(out_i, src_i)` for the i-th chunks of `out` (cut into chunks of `out_chunk`
-/// elements) and of `src` (chunks of `src_chunk`), in parallel. Both must cut into the same
-/// number of chunks.
+/// elements) and of `src` (chunks of `src_chunk`), in parallel (on the threads `work` is
+/// worth). Both must cut into the same number of chunks.
 pub(crate) fn for_each_chunk_zip<T: Send, S: Sync>(
     out: &mut [T],
     out_chunk: usize,
     src: &[S],
     src_chunk: usize,
+    work: Work,
     f: impl Fn(&mut [T], &[S]) + Sync,
 ) {
     debug_assert_eq!(
         out.len().div_ceil(out_chunk.max(1)),
         src.len().div_ceil(src_chunk.max(1))
     );
-    for_each_chunk_mut(out, out_chunk, |t, o| f(o, chunk_at(src, src_chunk, t)));
+    for_each_chunk_mut(out, out_chunk, work, |t, o| {
+        f(o, chunk_at(src, src_chunk, t))
+    });
 }
 
 /// Results of this many tasks are kept on the stack: a parallel reduction then allocates
 /// nothing (a training step's reductions stay off the heap, and off new pages).
 const STACK_TASKS: usize = 64;
 
-/// `f(0)`, …, `f(tasks − 1)` computed in parallel, then combined in index order:
-/// `combine(combine(f(0), f(1)), f(2))`, …; `None` for no tasks.
+/// `f(0)`, …, `f(tasks − 1)` computed in parallel (on the threads `work` is worth), then
+/// combined in index order: `combine(combine(f(0), f(1)), f(2))`, …; `None` for no tasks.
 pub(crate) fn fold_tasks<R: Send>(
     tasks: usize,
+    work: Work,
     f: impl Fn(usize) -> R + Sync,
     combine: impl FnMut(R, R) -> R,
 ) -> Option<R> {
     let fill = |slots: &mut [Option<R>]| {
-        for_each_chunk_mut(slots, 1, |i, slot| slot[0] = Some(f(i)));
+        for_each_chunk_mut(slots, 1, work, |i, slot| slot[0] = Some(f(i)));
     };
     if tasks <= STACK_TASKS {
         let mut slots: [Option<R>; STACK_TASKS] = std::array::from_fn(|_| None);
@@ -488,14 +521,17 @@ pub(crate) fn fold_tasks<R: Send>(
 mod tests {
     use super::*;
 
+    /// Work enough for every thread of the pool.
+    const ALL: Work = Work::Flops(usize::MAX, usize::MAX);
+
     #[test]
     fn every_task_runs_once_and_nested_calls_run_inline() {
         for tasks in [0, 1, 2, 3, 17, 1000] {
             let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
-            run(tasks, &|i| {
+            run(tasks, ALL, &|i| {
                 // A kernel called from inside a task finds the pool busy and runs inline.
                 let inner = AtomicUsize::new(0);
-                run(3, &|_| {
+                run(3, ALL, &|_| {
                     inner.fetch_add(1, Ordering::Relaxed);
                 });
                 assert_eq!(inner.load(Ordering::Relaxed), 3);
@@ -517,7 +553,7 @@ mod tests {
         for tasks in 2..=threads() + 3 {
             for _ in 0..20 {
                 LAST_JOINED.with(|j| j.set(usize::MAX));
-                run(tasks, &work);
+                run(tasks, ALL, &work);
                 let joined = LAST_JOINED.with(std::cell::Cell::get);
                 if joined == usize::MAX {
                     continue; // the pool was busy (another test's job): ran inline
@@ -573,7 +609,7 @@ mod tests {
     #[test]
     fn chunks_are_disjoint_and_cover_the_slice() {
         let mut v = vec![0usize; 1001];
-        for_each_chunk_mut(&mut v, 64, |i, part| {
+        for_each_chunk_mut(&mut v, 64, ALL, |i, part| {
             for (j, x) in part.iter_mut().enumerate() {
                 *x += i * 64 + j;
             }
@@ -582,6 +618,7 @@ mod tests {
         let order = |n| {
             fold_tasks(
                 n,
+                ALL,
                 |i| vec![i],
                 |mut a, b| {
                     a.extend(b);
@@ -601,7 +638,7 @@ mod tests {
                 thread::spawn(move || {
                     for round in 0..200 {
                         let sum = AtomicUsize::new(0);
-                        run(8, &|i| {
+                        run(8, ALL, &|i| {
                             sum.fetch_add(i + t + round, Ordering::Relaxed);
                         });
                         assert_eq!(sum.load(Ordering::Relaxed), 28 + 8 * (t + round));
@@ -612,11 +649,11 @@ mod tests {
         for h in handles {
             h.join().expect("no caller panics");
         }
-        let caught = panic::catch_unwind(|| run(64, &|i| assert!(i != 40, "task 40 fails")));
+        let caught = panic::catch_unwind(|| run(64, ALL, &|i| assert!(i != 40, "task 40 fails")));
         assert!(caught.is_err());
         // The pool still works afterwards.
         let count = AtomicUsize::new(0);
-        run(10, &|_| {
+        run(10, ALL, &|_| {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 10);
@@ -634,7 +671,7 @@ mod tests {
     fn a_payload_whose_drop_panics_ends_no_pool_thread() {
         for _ in 0..20 {
             let caught = panic::catch_unwind(|| {
-                run(64, &|_| std::panic::panic_any(PanicsOnDrop));
+                run(64, ALL, &|_| std::panic::panic_any(PanicsOnDrop));
             });
             // The caller's own payload is re-raised: leak it rather than run its `Drop`.
             match caught {
@@ -644,7 +681,7 @@ mod tests {
         }
         // Every helper is still there to take part (a dead one would leave this job waiting).
         let count = AtomicUsize::new(0);
-        run(64, &|_| {
+        run(64, ALL, &|_| {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 64);

@@ -8,7 +8,7 @@
 //! enough of them, else by columns or by slices of the reduced axis.
 
 use super::num::Num;
-use super::{chunk_len, pool, PAR_MIN};
+use super::{chunk_len, pool, Work, PAR_MIN};
 use crate::backend::layout::reduction_passes;
 use crate::Element;
 
@@ -50,7 +50,8 @@ pub(crate) fn sum_float<T: Element>(x: &[T]) -> f64 {
         let c = pool::chunk_at(x, chunk, t);
         c.chunks(BLOCK).map(block_sum_f64).sum::<f64>()
     };
-    pool::fold_tasks(x.len().div_ceil(chunk), part, |a, b| a + b).unwrap_or(0.0)
+    let work = Work::pass::<T>(x.len(), 1);
+    pool::fold_tasks(x.len().div_ceil(chunk), work, part, |a, b| a + b).unwrap_or(0.0)
 }
 
 /// The wrapping sum of an integer slice, in i64 (exact: elements convert with
@@ -65,7 +66,8 @@ pub(crate) fn sum_int<T: Num>(x: &[T]) -> i64 {
         let c = pool::chunk_at(x, chunk, t);
         c.iter().fold(0i64, |acc, &v| acc.wrapping_add(int(v)))
     };
-    pool::fold_tasks(x.len().div_ceil(chunk), part, i64::wrapping_add).unwrap_or(0)
+    let work = Work::pass::<T>(x.len(), 1);
+    pool::fold_tasks(x.len().div_ceil(chunk), work, part, i64::wrapping_add).unwrap_or(0)
 }
 
 /// Outer blocks from which a reduction over an axis is split by whole blocks (each folded as on
@@ -199,20 +201,22 @@ pub(crate) fn fold_axis<T, A, C, F>(
         return fold_blocks(x, n, inner, out, conv, comb);
     }
     let block = n * inner;
+    let work = Work::pass::<T>(x.len(), 1);
     if outer >= SPLIT_OUTER {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
+        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, work, |o, x| {
             fold_blocks(x, n, inner, o, conv, comb)
         });
         return;
     }
     // Few outer blocks, each large: split each one.
     let task_len = chunk_len(block);
+    let work = Work::pass::<T>(block, 1);
     for (x, out) in x.chunks_exact(block).zip(out.chunks_exact_mut(inner)) {
         if inner >= n && inner > COLUMN_TILE {
             // Wide: split the columns.
             let cols = task_len.div_ceil(n).max(COLUMN_TILE);
-            pool::for_each_chunk_mut(out, cols, |t, o| {
+            pool::for_each_chunk_mut(out, cols, work, |t, o| {
                 fold_column_range(x, n, inner, t * cols, o, conv, comb)
             });
         } else {
@@ -234,7 +238,7 @@ pub(crate) fn fold_axis<T, A, C, F>(
                 }
                 acc
             };
-            if let Some(total) = pool::fold_tasks(x.len().div_ceil(len), part, combine) {
+            if let Some(total) = pool::fold_tasks(x.len().div_ceil(len), work, part, combine) {
                 out.copy_from_slice(&total);
             }
         }
@@ -350,7 +354,8 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
     let block = n * inner;
     if outer >= SPLIT_OUTER {
         let per_task = chunk_len(x.len()).div_ceil(block).max(1);
-        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, |o, x| {
+        let work = Work::pass::<T>(x.len(), 1);
+        pool::for_each_chunk_zip(out, per_task * inner, x, per_task * block, work, |o, x| {
             argmax_blocks(x, n, inner, o)
         });
         return;
@@ -370,9 +375,12 @@ pub(crate) fn argmax_axis<T: Num>(x: &[T], outer: usize, n: usize, inner: usize,
                     best
                 }
             };
-            if let Some((_, i)) =
-                pool::fold_tasks(x.len().div_ceil(len), best_of, earlier_unless_beaten)
-            {
+            if let Some((_, i)) = pool::fold_tasks(
+                x.len().div_ceil(len),
+                Work::pass::<T>(block, 1),
+                best_of,
+                earlier_unless_beaten,
+            ) {
                 out[0] = i as i64;
             }
         } else {

@@ -141,7 +141,8 @@ fn fused(
         let (xpack, gpack): (&[f32], &[f32]) = (xpack, gpack);
         let (vp, wp) = (SendPtr(v.as_mut_ptr()), SendPtr(w.as_mut_ptr()));
         let per_task = tiles_per_task(m, k, n);
-        pool::run(tiles.div_ceil(per_task), &|task| {
+        let work = super::Work::product(m, k, n);
+        pool::run(tiles.div_ceil(per_task), work, &|task| {
             let first = task * per_task;
             let last = (first + per_task).min(tiles);
             #[cfg(target_arch = "x86_64")]

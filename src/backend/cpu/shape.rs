@@ -4,7 +4,7 @@
 //! Copies that only move whole runs of bytes work on bytes, so they are compiled once; the
 //! ones that move single elements are generic over the element type.
 
-use super::{chunk_len, pool, PAR_MIN};
+use super::{chunk_len, pool, Work, PAR_MIN};
 use crate::backend::layout::contiguous_strides;
 
 /// Side of a transpose tile: a 32 × 32 tile of up to 8-byte elements is 8 KiB, in L1.
@@ -168,7 +168,8 @@ pub(crate) fn transpose<T: Copy + Default + Send + Sync>(
     }
     // Whole tiles of destination rows per task.
     let per_task = chunk_len(dst.len()).div_ceil(rows).next_multiple_of(TILE);
-    pool::for_each_chunk_mut(dst, per_task * rows, |t, d| {
+    let work = Work::pass::<T>(dst.len(), 2);
+    pool::for_each_chunk_mut(dst, per_task * rows, work, |t, d| {
         let count = d.len() / rows;
         transpose_tiles((src, t * per_task, cols), (count, rows), (d, 0, rows));
     });
@@ -250,7 +251,10 @@ fn gather_rows<T: Copy + Send + Sync>(src: &[T], axes: &[(usize, usize)], dst: &
         return run(0, dst);
     }
     let rows_per_task = chunk_len(dst.len()).div_ceil(inner).max(1);
-    pool::for_each_chunk_mut(dst, rows_per_task * inner, |t, d| run(t * rows_per_task, d));
+    let work = Work::pass::<T>(dst.len(), 2);
+    pool::for_each_chunk_mut(dst, rows_per_task * inner, work, |t, d| {
+        run(t * rows_per_task, d)
+    });
 }
 
 /// The offset in `src` of row-major index `flat` over `axes` (size, source stride).
@@ -301,7 +305,8 @@ fn gather_tiled<T: Copy + Default + Send + Sync>(
         return run(0, dst);
     }
     let per_task = chunk_len(dst.len()).div_ceil(region).max(1);
-    pool::for_each_chunk_mut(dst, per_task * region, |t, d| run(t * per_task, d));
+    let work = Work::pass::<T>(dst.len(), 2);
+    pool::for_each_chunk_mut(dst, per_task * region, work, |t, d| run(t * per_task, d));
 }
 
 /// `dst` in row-major order of `axes`, one element at a time.
@@ -353,7 +358,10 @@ pub(crate) fn interleave(srcs: &[&[u8]], row_bytes: &[usize], outer: usize, dst:
         return run(0, dst);
     }
     let rows_per_task = (chunk_len(dst.len() / 4) * 4).div_ceil(total).max(1);
-    pool::for_each_chunk_mut(dst, rows_per_task * total, |t, d| run(t * rows_per_task, d));
+    let work = Work::Bytes(dst.len() * 2);
+    pool::for_each_chunk_mut(dst, rows_per_task * total, work, |t, d| {
+        run(t * rows_per_task, d)
+    });
 }
 
 #[cfg(test)]
