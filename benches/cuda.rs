@@ -3,7 +3,9 @@
 //!
 //! - `alloc`: create + close of a 1 MiB array in a learned workspace cycle, against the same
 //!   cycle on the CPU, `cuMemAlloc` + `cuMemFree` of the same bytes (the driver, synchronous)
-//!   and `cuMemAllocAsync` + `cuMemFreeAsync` (its stream-ordered pool).
+//!   and `cuMemAllocAsync` + `cuMemFreeAsync` (its stream-ordered pool). The first two rows
+//!   create every array in one open cycle (all but the first spill); the `carved` rows run
+//!   cycles whose every array is carved from the block.
 //! - `cycle`: driver allocations per learned cycle of an MLP step (printed; must be 0).
 //! - `matmul_4096_f32`: `matmul` of two 4096² f32 matrices (strict FP32), against cuBLAS's
 //!   sgemm called directly.
@@ -105,6 +107,53 @@ fn alloc(c: &mut Criterion) {
         drop(scope);
     });
     cpu_owner.close().unwrap();
+    // The rows above create every array in one open cycle, so all but the first spill (the
+    // block is learned for one array; closing an array does not give its bytes back to the
+    // bump allocator). Here every array is carved from the block: the workspace learned cycles
+    // of `CARVED` arrays, and the loop runs such cycles (their open and close included).
+    const CARVED: u64 = 256;
+    for (device, key, what) in [
+        (GPU, "alloc/ndscope_carved", "ndscope"),
+        (Device::Cpu, "alloc/cpu_carved", "cpu"),
+    ] {
+        let owner = Manager::new_base_on(device)
+            .unwrap()
+            .with_name("bench-carved");
+        let ws = owner
+            .workspace("carved", WorkspaceConfig::default())
+            .unwrap();
+        for _ in 0..2 {
+            ws.cycle(|s| {
+                for _ in 0..CARVED {
+                    s.empty([bytes / 4], DType::F32)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+        let name = format!("{what}: empty + close carved from the block ({CARVED} per cycle)");
+        g.bench_function(name.as_str(), |b| {
+            b.iter_custom(|iters| {
+                let start = Instant::now();
+                let mut left = iters;
+                while left > 0 {
+                    let n = left.min(CARVED);
+                    let scope = ws.open().unwrap();
+                    for _ in 0..n {
+                        let a = scope.empty([bytes / 4], DType::F32).unwrap();
+                        a.close().unwrap();
+                    }
+                    drop(scope);
+                    left -= n;
+                }
+                GPU.synchronize().expect("the device reported an error");
+                let elapsed = start.elapsed();
+                common::record(key, elapsed, iters);
+                elapsed
+            })
+        });
+        owner.close().unwrap();
+    }
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     g.bench_function("baseline: cuMemAlloc + cuMemFree", |b| {

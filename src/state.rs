@@ -34,10 +34,10 @@
 //! bytes (it spills instead: see `WorkspaceEntry::plan`), so no new array is ever written where
 //! a kernel still reads an old one.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, LazyLock, OnceLock};
 
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::{Mutex, MutexGuard};
 use slotmap::SlotMap;
 
 use crate::arena::{
@@ -436,19 +436,15 @@ impl State {
         let Allocation { buffer, place } = allocation;
         let id = arena::next_array_id();
         let key = self.arrays.insert_with_key(|key| ArrayEntry {
-            shared: Arc::new(ArrayShared {
+            shared: Arc::new(ArrayShared::new(
                 key,
                 id,
                 shape,
                 dtype,
                 device,
                 created_at,
-                name: Mutex::new(None),
-                closed: OnceLock::new(),
-                moves: AtomicU64::new(0),
-                data: RwLock::new(Some(buffer)),
-                grad: Default::default(),
-            }),
+                Some(buffer),
+            )),
             owner,
             returns: Vec::new(),
             prev: None,
@@ -1203,11 +1199,15 @@ impl State {
             // closed now ("overwritten"). One that a kernel is using right now cannot be, so the
             // allocation spills instead. (If this allocation belongs to a move that is then
             // refused, they stay closed: they were only kept until the buffer came round.)
+            // (Only a circular workspace tracks where its arrays lie: any other finds none, and
+            // skips the eviction.)
             let evict = ws.overlapping(offset, aligned);
-            let name = Arc::clone(&ws.shared.name);
-            // A ring that keeps its open arrays (the prefetcher's) spills rather than evict.
-            if (ws.keeps_open_arrays() && !evict.is_empty()) || !self.evict(&evict, &name, ctx.at) {
-                plan = Plan::Spill;
+            if !evict.is_empty() {
+                let name = Arc::clone(&ws.shared.name);
+                // A ring that keeps its open arrays (the prefetcher's) spills rather than evict.
+                if ws.keeps_open_arrays() || !self.evict(&evict, &name, ctx.at) {
+                    plan = Plan::Spill;
+                }
             }
         }
         let ws = &mut self.workspaces[cycle.ws];
@@ -1216,7 +1216,6 @@ impl State {
                 let block = ws
                     .block
                     .as_ref()
-                    .map(Arc::clone)
                     .ok_or_else(|| ctx.invalid("workspace block vanished"))?;
                 // SAFETY: `plan` placed `[offset, offset + aligned)` clear of the open cycle's
                 // arrays; the older arrays there were closed just now, with their bytes freed
@@ -1224,6 +1223,7 @@ impl State {
                 // (`plan` checks), so the range belongs to this array alone.
                 let buffer = unsafe { block.carve(offset, bytes) }
                     .ok_or_else(|| ctx.invalid("workspace slice outside its block"))?;
+                let block = block.id();
                 ws.commit(Plan::Block { offset, wrap }, aligned);
                 Ok(Allocation {
                     buffer,
@@ -1231,7 +1231,7 @@ impl State {
                         cycle,
                         offset,
                         len: aligned,
-                        block: block.id(),
+                        block,
                     },
                 })
             }
@@ -1435,19 +1435,15 @@ mod tests {
             },
             Owner::Manager(owner),
         );
-        let stale = ArrayShared {
-            key: live.key,
-            id: u64::MAX,
-            shape: Shape::new(&[4]),
-            dtype: DType::F32,
-            device: Device::Cpu,
-            created_at: ctx.at,
-            name: Mutex::new(None),
-            closed: OnceLock::new(),
-            moves: AtomicU64::new(0),
-            data: RwLock::new(None),
-            grad: Default::default(),
-        };
+        let stale = ArrayShared::new(
+            live.key,
+            u64::MAX,
+            Shape::new(&[4]),
+            DType::F32,
+            Device::Cpu,
+            ctx.at,
+            None,
+        );
         assert!(state.array(&live, &ctx).is_ok());
         assert!(matches!(
             state.array(&stale, &ctx),

@@ -27,9 +27,13 @@ slotmap::new_key_type! {
 static NEXT_ARRAY_ID: AtomicU64 = AtomicU64::new(0);
 static NEXT_MANAGER_ID: AtomicU64 = AtomicU64::new(0);
 
-/// A new array's process-unique id.
+/// A new array's process-unique id. Called under the arena lock only (by
+/// `State::insert_array`), which orders every call: a plain load and store suffice, no
+/// read-modify-write.
 pub(crate) fn next_array_id() -> u64 {
-    NEXT_ARRAY_ID.fetch_add(1, Ordering::Relaxed)
+    let id = NEXT_ARRAY_ID.load(Ordering::Relaxed);
+    NEXT_ARRAY_ID.store(id.wrapping_add(1), Ordering::Relaxed);
+    id
 }
 
 /// A new manager's process-unique id.
@@ -46,6 +50,8 @@ pub(crate) struct ArrayShared {
     pub id: u64,
     pub shape: Shape,
     pub dtype: DType,
+    /// The bytes of its elements, computed once (every create and close counts them).
+    nbytes: usize,
     pub device: Device,
     pub created_at: Site,
     pub name: Mutex<Option<Arc<str>>>,
@@ -112,9 +118,36 @@ impl ArrayShared {
         }
     }
 
+    /// The metadata of a new array `key` (its data lock holding `data`, nothing else set).
+    pub fn new(
+        key: ArrayKey,
+        id: u64,
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+        created_at: Site,
+        data: Option<Storage>,
+    ) -> ArrayShared {
+        ArrayShared {
+            key,
+            id,
+            nbytes: shape.size() * dtype.size_in_bytes(),
+            shape,
+            dtype,
+            device,
+            created_at,
+            name: Mutex::new(None),
+            closed: OnceLock::new(),
+            moves: AtomicU64::new(0),
+            data: RwLock::new(data),
+            grad: Default::default(),
+        }
+    }
+
     /// The bytes of its elements.
+    #[inline]
     pub fn nbytes(&self) -> usize {
-        self.shape.size() * self.dtype.size_in_bytes()
+        self.nbytes
     }
 
     /// The `ArrayClosed` error for this array.

@@ -278,8 +278,11 @@ impl WorkspaceEntry {
 
     /// The open arrays whose bytes overlap `[offset, offset + len)` (circular workspaces).
     pub fn overlapping(&self, offset: usize, len: usize) -> Vec<ArrayKey> {
-        let end = offset + len;
         let mut hits = Vec::new();
+        if self.block_arrays.is_empty() {
+            return hits;
+        }
+        let end = offset + len;
         // The array starting before `offset` may reach into the range.
         if let Some((&start, &(key, alen))) = self.block_arrays.range(..offset).next_back() {
             if start + alen > offset {
