@@ -845,59 +845,34 @@ fn matmul_t_all_transposes(dev: Device) {
 
 device_tests!(dense_forward_with_and_without_bias_and_relu);
 fn dense_forward_with_and_without_bias_and_relu(dev: Device) {
-    let _serial = serial();
     // f32 weights on the CPU are packed, f64 ones are not: the CPU's F32-vs-F64 comparison is
     // the packed layer's gradient against the unpacked one's.
-    proptest!(config(dev, 64), |(
-        lead in dims_or_empty(0..3),
-        (k, n) in (dim_or_empty(), dim_or_empty()),
-        lay in layouts(3),
-        seed in any::<u64>(),
-    )| {
-        let mut xsh = lead.clone();
-        xsh.push(k);
-        for bias in [false, true] {
-            for activation in [Activation::Identity, Activation::Relu] {
-                let mut specs = vec![
-                    (xsh.clone(), lay[0], Domain::Any),
-                    (vec![k, n], lay[1], Domain::Any),
-                ];
-                if bias {
-                    specs.push((vec![n], lay[2], Domain::Any));
-                }
-                let layer = move |x: &[NDArray], activation| -> ndscope::Result<NDArray> {
-                    let dense = Dense::new(&x[1], x.get(2), activation)?;
-                    let y = dense.forward(&x[0])?;
-                    dense.close()?;
-                    Ok(y)
-                };
-                for mask in masks(specs.len()) {
-                    let case = Case::new(
-                        format!("Dense(bias {bias}, {activation:?}) of x {xsh:?}"),
-                        &specs,
-                        seed,
-                        move |_, x| layer(x, activation),
-                    )
-                    .requiring(mask);
-                    let case = if activation == Activation::Relu {
-                        case.with_kink(move |_, x| layer(x, Activation::Identity))
-                    } else {
-                        case
-                    };
-                    if case.clear_of_kinks() {
-                        check(dev, &case)?;
-                    }
-                }
-            }
-        }
+    layer_cases(dev, "Dense", |x, activation| {
+        let dense = Dense::new(&x[1], x.get(2), activation)?;
+        let y = dense.forward(&x[0])?;
+        dense.close()?;
+        Ok(y)
     });
 }
 
 device_tests!(linear_with_and_without_bias_and_relu);
 fn linear_with_and_without_bias_and_relu(dev: Device) {
-    let _serial = serial();
     // The fused op (on CUDA a cuBLASLt epilogue forward; the ReLU mask and the bias gradient
     // in one kernel backward, the bias gradient written into the leaf's own gradient).
+    layer_cases(dev, "linear", |x, activation| {
+        x[0].linear(&x[1], x.get(2), activation)
+    });
+}
+
+/// `layer(&[x, w, b?], activation)`, a dense layer, against finite differences: inputs of any
+/// leading shape, empty dimensions, with and without a bias, identity and ReLU (clear of its
+/// kink), every subset of inputs requiring gradients.
+fn layer_cases(
+    dev: Device,
+    name: &'static str,
+    layer: fn(&[NDArray], Activation) -> ndscope::Result<NDArray>,
+) {
+    let _serial = serial();
     proptest!(config(dev, 64), |(
         lead in dims_or_empty(0..3),
         (k, n) in (dim_or_empty(), dim_or_empty()),
@@ -915,12 +890,9 @@ fn linear_with_and_without_bias_and_relu(dev: Device) {
                 if bias {
                     specs.push((vec![n], lay[2], Domain::Any));
                 }
-                let layer = move |x: &[NDArray], activation| -> ndscope::Result<NDArray> {
-                    x[0].linear(&x[1], x.get(2), activation)
-                };
                 for mask in masks(specs.len()) {
                     let case = Case::new(
-                        format!("linear(bias {bias}, {activation:?}) of x {xsh:?}"),
+                        format!("{name}(bias {bias}, {activation:?}) of x {xsh:?}"),
                         &specs,
                         seed,
                         move |_, x| layer(x, activation),

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 use ndscope::{cuda, memory_usage, DType, Device, Error, Manager};
 
+mod common;
+
 /// Whether this process is the child of `test`.
 fn is_child(test: &str) -> bool {
     std::env::var("NDSCOPE_SETUP_CHILD").is_ok_and(|v| v == test)
@@ -57,40 +59,6 @@ fn fresh_dir(tag: &str) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// The simulator's counters, read in-process from the loaded driver, or `None` on a real driver.
-fn sim_stats() -> Option<HashMap<String, u64>> {
-    type Stats = unsafe extern "C" fn(*mut u64, usize) -> usize;
-    type Name = unsafe extern "C" fn(usize) -> *const std::ffi::c_char;
-    // SAFETY: RTLD_NOLOAD only looks up a library the process already loaded; the symbols, when
-    // present, have the simulator's documented signatures.
-    unsafe {
-        let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_NOW);
-        if lib.is_null() {
-            return None;
-        }
-        let stats = libc::dlsym(lib, c"cudasim_stats".as_ptr());
-        let name = libc::dlsym(lib, c"cudasim_stat_name".as_ptr());
-        if stats.is_null() || name.is_null() {
-            libc::dlclose(lib);
-            return None;
-        }
-        let stats: Stats = std::mem::transmute(stats);
-        let name: Name = std::mem::transmute(name);
-        let mut out = [0u64; 64];
-        let n = stats(out.as_mut_ptr(), out.len()).min(out.len());
-        let map = (0..n)
-            .map(|i| {
-                let s = std::ffi::CStr::from_ptr(name(i))
-                    .to_string_lossy()
-                    .into_owned();
-                (s, out[i])
-            })
-            .collect();
-        libc::dlclose(lib);
-        Some(map)
-    }
 }
 
 /// Allocations of the driver (device, asynchronous and page-locked) not freed yet.
@@ -146,7 +114,7 @@ fn caches_are_counted_apart_from_memory_in_use_and_released() {
     let after = memory_usage(dev);
     assert_eq!(after.cached, 0, "{after:?}");
     assert_eq!(after.in_use, 0, "{after:?}");
-    if let Some(stats) = sim_stats() {
+    if let Some(stats) = common::sim::stats() {
         assert_eq!(
             live_allocations(&stats),
             0,
@@ -221,7 +189,7 @@ fn exit_stats(file: &std::path::Path) -> Option<HashMap<String, u64>> {
 fn out_of_memory_releases_the_caches_and_retries() {
     const NAME: &str = "out_of_memory_releases_the_caches_and_retries";
     if !is_child(NAME) {
-        if sim_stats().is_none() && Device::cuda_count() > 0 {
+        if common::sim::stats().is_none() && Device::cuda_count() > 0 {
             println!("skipped: needs the simulator's 1 GiB device");
             return;
         }
@@ -272,7 +240,7 @@ fn failed_setup_is_reported_released_and_retried() {
         other => panic!("expected DeviceUnavailable, got {other}"),
     }
     assert!(err.to_string().contains("NDSCOPE_CUDA_FAIL_SETUP"), "{err}");
-    if let Some(stats) = sim_stats() {
+    if let Some(stats) = common::sim::stats() {
         // Whatever the failed setup allocated, it freed.
         assert_eq!(live_allocations(&stats), 0, "{stats:?}");
     }
@@ -464,7 +432,7 @@ fn a_gpu_newer_than_nvrtc_runs_on_ptx() {
     let files = cache_files(&cache);
     assert_eq!(files.len(), 1, "{files:?}");
     let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
-    if sim_stats().is_some() {
+    if common::sim::stats().is_some() {
         // On the simulator the device is an sm_90: NVRTC stopping at sm_89 means PTX.
         assert!(name.starts_with("kernels-compute_89-"), "{name}");
     }

@@ -70,14 +70,20 @@ def torch_mm():
     return per_call(lambda: torch.mm(a, b), 20)
 
 
-def mlp_step_fn(batch):
-    """What a PyTorch user writes: autograd and torch.optim.SGD, eager."""
+def mlp_model():
+    """The MLP's parameters (He-initialised, seeded) and its SGD-with-momentum optimizer."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     layers = []
     for fan_in, fan_out in zip(SIZES, SIZES[1:]):
         w = torch.randn(fan_in, fan_out, device="cuda", generator=gen) * (2.0 / fan_in) ** 0.5
         layers.append((w.requires_grad_(), torch.zeros(fan_out, device="cuda").requires_grad_()))
     opt = torch.optim.SGD([t for wb in layers for t in wb], lr=LR, momentum=MOMENTUM)
+    return gen, layers, opt
+
+
+def mlp_step_fn(batch):
+    """What a PyTorch user writes: autograd and torch.optim.SGD, eager."""
+    gen, layers, opt = mlp_model()
     x = torch.randn(batch, SIZES[0], device="cuda", generator=gen)
     y = torch.arange(batch, device="cuda") % SIZES[-1]
 
@@ -100,12 +106,7 @@ def mlp_graph_fn(batch):
     (whole-network capture): warm-up iterations on a side stream, then the forward pass, the
     loss, backward and optimizer.step() captured once; each call replays the graph (one launch).
     Inputs stay in the static tensors the graph reads."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    layers = []
-    for fan_in, fan_out in zip(SIZES, SIZES[1:]):
-        w = torch.randn(fan_in, fan_out, device="cuda", generator=gen) * (2.0 / fan_in) ** 0.5
-        layers.append((w.requires_grad_(), torch.zeros(fan_out, device="cuda").requires_grad_()))
-    opt = torch.optim.SGD([t for wb in layers for t in wb], lr=LR, momentum=MOMENTUM)
+    gen, layers, opt = mlp_model()
     static_x = torch.randn(batch, SIZES[0], device="cuda", generator=gen)
     static_y = torch.arange(batch, device="cuda") % SIZES[-1]
 

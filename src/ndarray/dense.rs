@@ -76,30 +76,7 @@ impl Dense {
     #[track_caller]
     pub fn new(w: &NDArray, bias: Option<&NDArray>, activation: Activation) -> Result<Dense> {
         let ctx = Ctx::new("Dense::new");
-        let &[k, n] = w.dims() else {
-            return Err(ctx.shape(format!(
-                "the weights must be 2-D [in, out], got {} {}",
-                w.0.describe(),
-                w.shape()
-            )));
-        };
-        if !w.dtype().is_float() {
-            return Err(ctx.dtype(
-                w.dtype(),
-                format!("the weights must be floats, got {}", w.0.describe()),
-            ));
-        }
-        if let Some(b) = bias {
-            check_same(&ctx, w, b)?;
-            if b.dims() != [n] {
-                return Err(ctx.shape(format!(
-                    "the bias must be [{n}] for weights {}, got {} {}",
-                    w.shape(),
-                    b.0.describe(),
-                    b.shape()
-                )));
-            }
-        }
+        let (k, n) = check_layer(&ctx, w, bias)?;
         let mut layer = Dense {
             w: w.clone(),
             bias: bias.cloned(),
@@ -267,6 +244,36 @@ impl Drop for Dense {
     }
 }
 
+/// The checks of a layer's weights `[in, out]` (floats) and bias `[out]` (their dtype and
+/// device): `(in, out)`, or the error naming what is wrong.
+fn check_layer(ctx: &Ctx, w: &NDArray, bias: Option<&NDArray>) -> Result<(usize, usize)> {
+    let &[k, n] = w.dims() else {
+        return Err(ctx.shape(format!(
+            "the weights must be 2-D [in, out], got {} {}",
+            w.0.describe(),
+            w.shape()
+        )));
+    };
+    if !w.dtype().is_float() {
+        return Err(ctx.dtype(
+            w.dtype(),
+            format!("the weights must be floats, got {}", w.0.describe()),
+        ));
+    }
+    if let Some(b) = bias {
+        check_same(ctx, w, b)?;
+        if b.dims() != [n] {
+            return Err(ctx.shape(format!(
+                "the bias must be [{n}] for weights {}, got {} {}",
+                w.shape(),
+                b.0.describe(),
+                b.shape()
+            )));
+        }
+    }
+    Ok((k, n))
+}
+
 /// `act(x · w + b)` as one op: `x` `[m, k]` flat, the result of `shape` (`[…, n]`).
 fn linear_unrecorded(
     ctx: &Ctx,
@@ -335,31 +342,8 @@ impl NDArray {
         activation: Activation,
     ) -> Result<NDArray> {
         let ctx = Ctx::new("linear");
-        let &[k, n] = w.dims() else {
-            return Err(ctx.shape(format!(
-                "the weights must be 2-D [in, out], got {} {}",
-                w.0.describe(),
-                w.shape()
-            )));
-        };
-        if !w.dtype().is_float() {
-            return Err(ctx.dtype(
-                w.dtype(),
-                format!("the weights must be floats, got {}", w.0.describe()),
-            ));
-        }
+        let (k, n) = check_layer(&ctx, w, bias)?;
         check_same(&ctx, self, w)?;
-        if let Some(b) = bias {
-            check_same(&ctx, w, b)?;
-            if b.dims() != [n] {
-                return Err(ctx.shape(format!(
-                    "the bias must be [{n}] for weights {}, got {} {}",
-                    w.shape(),
-                    b.0.describe(),
-                    b.shape()
-                )));
-            }
-        }
         let Some((_, lead)) = self.dims().split_last().filter(|(&last, _)| last == k) else {
             return Err(ctx.shape(format!(
                 "the input must be [..., {k}] for weights {}, got {} {}",
