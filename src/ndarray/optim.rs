@@ -236,19 +236,7 @@ impl NDArray {
         velocity: Option<&NDArray>,
         step: SgdUpdate,
     ) -> Result<()> {
-        self.sgd_step(Ctx::new("sgd_update_"), grad, velocity, step, false)
-    }
-
-    /// [`sgd_update_`](Self::sgd_update_), then, with `zero_grad`, `grad` set to zero in the
-    /// same pass (an optimizer's step).
-    pub(crate) fn sgd_step(
-        &self,
-        ctx: Ctx,
-        grad: &NDArray,
-        velocity: Option<&NDArray>,
-        step: SgdUpdate,
-        zero_grad: bool,
-    ) -> Result<()> {
+        let ctx = Ctx::new("sgd_update_");
         let state = velocity.as_slice();
         self.check_optim_operands(&ctx, grad, state)?;
         step.check(&ctx)?;
@@ -259,11 +247,9 @@ impl NDArray {
             )));
         }
         let dtype = self.dtype();
-        let coeffs = step.coeffs(zero_grad);
-        if !zero_grad {
-            // Only read: refused while a collector tracks it, as any in-place op's source.
-            crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
-        }
+        let coeffs = step.coeffs(false);
+        // Only read: refused while a collector tracks it, as any in-place op's source.
+        crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
         exec::inplace_state_grad(&ctx, self, state, grad, |p, [v, _], g| {
             AnyDevice::sgd_update(&ctx, dtype, g, p, v, coeffs)
         })
@@ -311,32 +297,19 @@ impl NDArray {
         v: &NDArray,
         step: AdamUpdate,
     ) -> Result<()> {
-        self.adam_step(Ctx::new("adam_update_"), grad, (m, v), step, false)
-    }
-
-    /// [`adam_update_`](Self::adam_update_), then, with `zero_grad`, `grad` set to zero in the
-    /// same pass (an optimizer's step).
-    pub(crate) fn adam_step(
-        &self,
-        ctx: Ctx,
-        grad: &NDArray,
-        (m, v): (&NDArray, &NDArray),
-        step: AdamUpdate,
-        zero_grad: bool,
-    ) -> Result<()> {
+        let ctx = Ctx::new("adam_update_");
         self.check_optim_operands(&ctx, grad, &[m, v])?;
         step.check(&ctx)?;
         let dtype = self.dtype();
-        let coeffs = step.coeffs(zero_grad);
-        if !zero_grad {
-            // Only read: refused while a collector tracks it, as any in-place op's source.
-            crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
-        }
+        let coeffs = step.coeffs(false);
+        // Only read: refused while a collector tracks it, as any in-place op's source.
+        crate::ndarray::autograd::check_inplace_sources(&ctx, &[grad])?;
         exec::inplace_state_grad(&ctx, self, &[m, v], grad, |p, [m, v], g| match (m, v) {
             (Some(m), Some(v)) => AnyDevice::adam_update(&ctx, dtype, g, p, (m, v), coeffs),
             _ => Err(ctx.invalid("adam_update_ needs both moments")),
         })
     }
+
     /// One SGD step of many parameters of one dtype and device at once ([`Optimizer::step`]):
     /// `count` tensors of `depth` arrays each, `array(t, role)` giving tensor `t`'s gradient
     /// (role 0), parameter (1) and velocity (2, with momentum), every gradient set to zero in
