@@ -447,12 +447,7 @@ impl NDArray {
         // Checked before allocating; on the host checked again under the lock the kernel holds,
         // in case another thread changed the indices in between.
         let bad = |found| index_error(&ctx, self, found, depth, "depth");
-        exec::read_all(&ctx, &[self], |b| {
-            match AnyDevice::first_bad_index(&ctx, from, b[0], depth)? {
-                Some(found) => Err(bad(found)),
-                None => Ok(()),
-            }
-        })?;
+        check_indices(&ctx, self, depth, bad)?;
         exec::op1(
             &ctx,
             self,
@@ -506,12 +501,7 @@ impl NDArray {
         }
         let (_, n, inner) = split_at_axis(self.dims(), index);
         let bad = |found| index_error(&ctx, indices, found, n, "the size of the axis");
-        exec::read_all(&ctx, &[indices], |b| {
-            match AnyDevice::first_bad_index(&ctx, from, b[0], n)? {
-                Some(found) => Err(bad(found)),
-                None => Ok(()),
-            }
-        })?;
+        check_indices(&ctx, indices, n, bad)?;
         let dtype = self.dtype();
         let out = exec::op2(
             &ctx,
@@ -590,12 +580,7 @@ impl NDArray {
             )));
         }
         let bad = |found| index_error(&ctx, labels, found, classes, "the number of classes");
-        exec::read_all(&ctx, &[labels], |b| {
-            match AnyDevice::first_bad_index(&ctx, from, b[0], classes)? {
-                Some(found) => Err(bad(found)),
-                None => Ok(()),
-            }
-        })?;
+        check_indices(&ctx, labels, classes, bad)?;
         let saved = tracked(&[self]).then(|| (self.shape().clone(), dtype));
         let (loss, grad) = exec::op_pair(
             &ctx,
@@ -624,6 +609,24 @@ impl NDArray {
         }
         Ok(loss)
     }
+}
+
+/// Checks on the host that every index of `indices` (of the integer dtype it has) lies in
+/// `0..bound`, the first one outside given to `bad`; a device answers at once and checks in
+/// its kernels instead (see `NnOps::first_bad_index`).
+fn check_indices(
+    ctx: &Ctx,
+    indices: &NDArray,
+    bound: usize,
+    bad: impl Fn((usize, i64)) -> crate::Error,
+) -> Result<()> {
+    let from = indices.dtype();
+    exec::read_all(ctx, &[indices], |b| {
+        match AnyDevice::first_bad_index(ctx, from, b[0], bound)? {
+            Some(found) => Err(bad(found)),
+            None => Ok(()),
+        }
+    })
 }
 
 /// `InvalidArgument` naming the first index of `array` found outside `0..bound`: the one at flat
