@@ -244,8 +244,7 @@ fn accumulate(ctx: &Ctx, leaves: &[(NDArray, Grad)]) -> Result<()> {
         // A gradient that holds zeros takes the first contribution without being read: an
         // array is copied in, a weight gradient's product is left pending (computed when the
         // gradient is used, or fused into the optimizer's step).
-        pending::settle(ctx, &target.0)?;
-        let zero = pending::known_zero(&target.0);
+        let zero = holds_zeros(ctx, &target)?;
         match grad {
             Grad::Array(g) if zero => target.assign_(g)?,
             Grad::Array(g) => target.add_(g)?,
@@ -254,6 +253,13 @@ fn accumulate(ctx: &Ctx, leaves: &[(NDArray, Grad)]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether a leaf's gradient `target` is known to hold zeros, its pending product (if any)
+/// computed first: a contribution then overwrites it instead of being added.
+fn holds_zeros(ctx: &Ctx, target: &NDArray) -> Result<bool> {
+    pending::settle(ctx, &target.0)?;
+    Ok(pending::known_zero(&target.0))
 }
 
 /// A new array of `shape` like `like` (dtype, device), filled with `value`, placed as an op
@@ -296,10 +302,7 @@ fn dense_bias_grad(
         _ => None,
     };
     let (db, accumulate) = match (&into_leaf, bias) {
-        (Some(target), _) => {
-            pending::settle(&ctx, &target.0)?;
-            (target.clone(), !pending::known_zero(&target.0))
-        }
+        (Some(target), _) => (target.clone(), !holds_zeros(&ctx, target)?),
         (None, Some(_)) => (fresh(Shape::new(&[n]))?, false),
         (None, None) if relu => (fresh(Shape::new(&[n]))?, false),
         (None, None) => return Ok((g.clone(), None)),
