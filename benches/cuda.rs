@@ -10,7 +10,12 @@
 //! - `matmul_4096_f32`: `matmul` of two 4096² f32 matrices (strict FP32), against cuBLAS's
 //!   sgemm called directly.
 //! - `mlp_step_b256`, `mlp_step_b16`: the MLP training step of `benches/training.rs`
-//!   (784→1024→1024→10, SGD with momentum) in a workspace cycle.
+//!   (784→1024→1024→10, SGD with momentum) in a workspace cycle, eager and replayed as a CUDA
+//!   graph (`WorkspaceConfig::graph_replay`).
+//! - `replay_check`: the host's cost per op of a replayed cycle of 64 in-place ops (each op
+//!   checked against the recording, not launched; the graph launch and the wait are outside the
+//!   timing), beside the same 64 ops launched eagerly (host side only) and the same ops on a
+//!   1-element CPU array (the front-end's own cost: validation, locks, a kernel of nothing).
 //! - `h2d_256MiB`: `to_device` of 256 MiB from pageable memory (double-buffered through the
 //!   page-locked staging buffers) and from page-locked memory (a `MirroringPolicy::HostOnly`
 //!   workspace's array, copied directly), against a pageable `cuMemcpyHtoD` of the same bytes.
@@ -197,14 +202,16 @@ struct Step {
 
 impl Step {
     fn new(batch: usize) -> Step {
+        Step::with(batch, WorkspaceConfig::default())
+    }
+
+    fn with(batch: usize, config: WorkspaceConfig) -> Step {
         manual_seed(2);
         let model = Manager::new_base_on(GPU).unwrap().with_name("model");
         let net = mlp::Mlp::new(&model, &[784, 1024, 1024, 10]).unwrap();
         model.cap();
         let trainer = Manager::new_base_on(GPU).unwrap().with_name("trainer");
-        let ws = trainer
-            .workspace("batch", WorkspaceConfig::default())
-            .unwrap();
+        let ws = trainer.workspace("batch", config).unwrap();
         let layers = ndscope::LayerWorkspaceMgr::training(&trainer).unwrap();
         let x = trainer.randn([batch, 784], DType::F32).unwrap();
         let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
@@ -338,18 +345,94 @@ fn mlp_steps(c: &mut Criterion) {
     if !available() {
         return;
     }
+    let replay = WorkspaceConfig::builder()
+        .graph_replay(true)
+        .build()
+        .unwrap();
     for batch in [256usize, 16] {
-        let step = Step::new(batch);
         let name = format!("mlp_step_b{batch}");
         let mut g = c.benchmark_group(&name);
         g.sample_size(20);
+        let step = Step::new(batch);
         let key = format!("{name}/ndscope");
         g.bench_function("ndscope step in a workspace cycle", |b| {
             b.iter_custom(|iters| timed(&key, iters, || step.run()))
         });
+        step.close();
+        let step = Step::with(batch, replay.clone());
+        let key = format!("{name}/ndscope_replayed");
+        g.bench_function("ndscope step replayed as a CUDA graph", |b| {
+            b.iter_custom(|iters| timed(&key, iters, || step.run()))
+        });
+        let graph = step.ws.stats().graph;
+        println!(
+            "{name}: graph replay {}: replayed {} cycles, {} fallbacks ({:?}), {} calls in {} graph(s)",
+            graph.state, graph.replays, graph.fallbacks, graph.last_fallback, graph.calls, graph.graphs
+        );
         g.finish();
         step.close();
     }
+}
+
+/// Ops per cycle of `replay_check`.
+const CHECKED_OPS: usize = 64;
+
+fn replay_check(c: &mut Criterion) {
+    if !available() {
+        return;
+    }
+    let mut g = c.benchmark_group("replay_check");
+    g.sample_size(30);
+    let replay = WorkspaceConfig::builder()
+        .graph_replay(true)
+        .build()
+        .unwrap();
+    for (name, device, config) in [
+        ("cuda_replayed", GPU, replay),
+        ("cuda_eager", GPU, WorkspaceConfig::default()),
+        ("cpu_1_element", Device::Cpu, WorkspaceConfig::default()),
+    ] {
+        let m = Manager::new_base_on(device).unwrap();
+        let ws = m.workspace("ops", config).unwrap();
+        let x = m.zeros([1], DType::F32).unwrap();
+        let cycle = || {
+            let scope = ws.open().unwrap();
+            for _ in 0..CHECKED_OPS {
+                x.mul_scalar_(1.0).unwrap();
+            }
+            scope.close().unwrap();
+        };
+        for _ in 0..4 {
+            cycle();
+        }
+        let key = format!("replay_check/{name}");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                // Host side only: the cycle's ops, each timed without its end (the graph launch
+                // or nothing) and the wait, both outside.
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    let scope = ws.open().unwrap();
+                    let start = Instant::now();
+                    for _ in 0..CHECKED_OPS {
+                        x.mul_scalar_(1.0).unwrap();
+                    }
+                    spent += start.elapsed();
+                    scope.close().unwrap();
+                }
+                device.synchronize().unwrap();
+                common::record(&key, spent / CHECKED_OPS as u32, iters);
+                spent / CHECKED_OPS as u32
+            })
+        });
+        if name == "cuda_replayed" {
+            let graph = ws.stats().graph;
+            assert_eq!(graph.fallbacks, 0, "{graph:?}");
+            println!("replay_check: {graph:?}");
+        }
+        m.close().unwrap();
+    }
+    g.finish();
 }
 
 fn h2d(c: &mut Criterion) {
@@ -481,6 +564,23 @@ fn summary(_c: &mut Criterion) {
         "matmul_4096_f32/cublas",
         "matmul_4096_f32/ndscope",
     );
+    for batch in [256, 16] {
+        common::ratio(
+            &format!("eager / replayed MLP step (batch {batch})"),
+            &format!("mlp_step_b{batch}/ndscope"),
+            &format!("mlp_step_b{batch}/ndscope_replayed"),
+        );
+    }
+    common::ratio(
+        "cuda replayed / cpu 1-element: host cost per op of a replayed cycle vs the front-end's own",
+        "replay_check/cuda_replayed",
+        "replay_check/cpu_1_element",
+    );
+    common::ratio(
+        "cuda eager / cuda replayed: host cost per op",
+        "replay_check/cuda_eager",
+        "replay_check/cuda_replayed",
+    );
     common::ratio(
         "pageable memcpy / ndscope to_device (256 MiB)",
         "h2d_256MiB/pageable",
@@ -499,5 +599,14 @@ fn summary(_c: &mut Criterion) {
     common::save("cuda", &[]);
 }
 
-criterion_group!(benches, alloc, cycle, matmul, mlp_steps, h2d, summary);
+criterion_group!(
+    benches,
+    alloc,
+    cycle,
+    matmul,
+    mlp_steps,
+    replay_check,
+    h2d,
+    summary
+);
 criterion_main!(benches);

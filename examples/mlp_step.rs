@@ -6,12 +6,15 @@
 //! timed under the same machine conditions.
 //!
 //! On a GPU (`--features cuda`, `--device cuda`) the steps are timed in groups of ten, each
-//! ending with a synchronisation of the device, so the time counts the GPU's work.
+//! ending with a synchronisation of the device, so the time counts the GPU's work, and the
+//! learned step is replayed as a CUDA graph (`WorkspaceConfig::graph_replay`; `--no-graph`
+//! launches every op instead). It prints how the replay went.
 //!
 //! ```text
 //! cargo run --release --example mlp_step -- --batch 16 --steps 300
 //! cargo run --release --example mlp_step -- --batch 16 --steps 300 --manual-backward
 //! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda
+//! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda --no-graph
 //! ```
 
 #[path = "mlp/mod.rs"]
@@ -21,7 +24,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use ndscope::{
-    manual_seed, DType, Device, LayerWorkspaceMgr, Manager, Optimizer, Result, Sgd, WorkspaceConfig,
+    manual_seed, DType, Device, GraphReplayStats, LayerWorkspaceMgr, Manager, Optimizer, Result,
+    Sgd, WorkspaceConfig,
 };
 
 fn main() -> ExitCode {
@@ -29,10 +33,15 @@ fn main() -> ExitCode {
     let mut steps = 300usize;
     let mut device = Device::Cpu;
     let mut manual = false;
+    let mut graph = true;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--manual-backward" {
             manual = true;
+            continue;
+        }
+        if flag == "--no-graph" {
+            graph = false;
             continue;
         }
         let value = args.next();
@@ -45,20 +54,41 @@ fn main() -> ExitCode {
             _ => {
                 eprintln!(
                     "usage: mlp_step [--batch N] [--steps N] [--device cpu|cuda] [--manual-backward] \
-                     (positive numbers)"
+                     [--no-graph] (positive numbers)"
                 );
                 return ExitCode::from(2);
             }
         }
     }
-    match run(batch, steps, device, manual) {
-        Ok(ms) => {
+    let graph = graph && !device.is_cpu();
+    match run(batch, steps, device, manual, graph) {
+        Ok((ms, replay)) => {
             let how = if manual {
                 "hand-written backward"
             } else {
                 "autograd"
             };
-            println!("batch {batch}: {ms:.4} ms/step (median of {steps} steps, {how}) on {device}");
+            let replayed = if graph {
+                ", replayed as a CUDA graph"
+            } else {
+                ""
+            };
+            println!(
+                "batch {batch}: {ms:.4} ms/step (median of {steps} steps, {how}{replayed}) on {device}"
+            );
+            if graph {
+                println!(
+                    "graph replay: {}, {} replays, {} fallbacks{}, {} calls in {} graph(s) per step",
+                    replay.state,
+                    replay.replays,
+                    replay.fallbacks,
+                    replay
+                        .last_fallback
+                        .map_or_else(String::new, |why| format!(" (last: {why})")),
+                    replay.calls,
+                    replay.graphs
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -69,10 +99,18 @@ fn main() -> ExitCode {
 }
 
 /// The median milliseconds of `steps` training steps at `batch` on `device`, after 10 warm-up
-/// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation).
-fn run(batch: usize, steps: usize, device: Device, manual: bool) -> Result<f64> {
+/// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation), and the
+/// workspace's graph replay figures.
+fn run(
+    batch: usize,
+    steps: usize,
+    device: Device,
+    manual: bool,
+    graph: bool,
+) -> Result<(f64, GraphReplayStats)> {
     let trainer = Manager::new_base_on(device)?.with_name("trainer");
-    let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+    let config = WorkspaceConfig::builder().graph_replay(graph).build()?;
+    let ws = trainer.workspace("batch", config)?;
     let layers = LayerWorkspaceMgr::training(&trainer)?;
     manual_seed(2);
     let model = Manager::new_base_on(device)?.with_name("model");
@@ -111,7 +149,8 @@ fn run(batch: usize, steps: usize, device: Device, manual: bool) -> Result<f64> 
         }
     }
     times.sort_by(f64::total_cmp);
+    let replay = ws.stats().graph;
     model.close()?;
     trainer.close()?;
-    Ok(times[times.len() / 2])
+    Ok((times[times.len() / 2], replay))
 }

@@ -35,6 +35,10 @@
 //! --no-prefetch     cut each batch in the step instead of on the prefetch thread (to compare)
 //! --save PATH       write the trained parameters (w1, b1, …) to PATH as safetensors
 //! --device cpu|cuda where to train (default cpu)
+//! --no-graph        on CUDA, launch every op of the step instead of replaying the learned
+//!                   step as a CUDA graph (WorkspaceConfig::graph_replay); replay cuts the
+//!                   batches in the step, since a prefetch thread using the GPU in the middle
+//!                   of a replayed cycle makes it fall back
 //! --trace PATH      record memory over the run and write it as a Chrome trace (Perfetto UI,
 //!                   chrome://tracing)
 //! --snapshot PATH   record memory over the run and write it as a PyTorch memory snapshot
@@ -84,6 +88,7 @@ struct Args {
     seed: u64,
     workspace: bool,
     prefetch: bool,
+    graph: bool,
     save: Option<std::path::PathBuf>,
     device: Device,
     trace: Option<String>,
@@ -103,6 +108,7 @@ fn parse_args() -> Result<Args, String> {
         seed: 7,
         workspace: true,
         prefetch: true,
+        graph: true,
         save: None,
         device: Device::Cpu,
         trace: None,
@@ -136,6 +142,7 @@ fn parse_args() -> Result<Args, String> {
             "--trace" => args.trace = Some(value("--trace")?),
             "--snapshot" => args.snapshot = Some(value("--snapshot")?),
             "--no-prefetch" => args.prefetch = false,
+            "--no-graph" => args.graph = false,
             "--save" => args.save = Some(value("--save")?.into()),
             "--device" => {
                 args.device = match value("--device")?.as_str() {
@@ -147,7 +154,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
                             [--optimizer sgd|adam] [--manual-backward] [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
-                            [--device cpu|cuda] [--trace PATH] [--snapshot PATH]"
+                            [--device cpu|cuda] [--no-graph] [--trace PATH] [--snapshot PATH]"
                     .into())
             }
             other => return Err(format!("unknown flag {other:?} (try --help)")),
@@ -158,6 +165,12 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.hidden.contains(&0) {
         return Err("hidden widths must be positive".into());
+    }
+    // Replay on CUDA with workspace cycles; a prefetch thread would use the GPU in the middle
+    // of every replayed cycle, so the batches are cut in the step then.
+    args.graph = args.graph && args.workspace && !args.device.is_cpu();
+    if args.graph {
+        args.prefetch = false;
     }
     if args.manual && args.adam {
         return Err(
@@ -247,7 +260,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     model.cap(); // from here on, a temporary landing in the model fails at its line
     let trainer = model.new_sub_manager()?.with_name("trainer");
-    let ws = trainer.workspace("batch", WorkspaceConfig::default())?;
+    let config = WorkspaceConfig::builder()
+        .graph_replay(args.graph)
+        .build()?;
+    let ws = trainer.workspace("batch", config)?;
     // How a step learns: the optimizer of the autograd step, or, for the hand-written one,
     // where each kind of its arrays lives (DL4J's layer workspaces, or plain scopes).
     let learner = match optimizer {
@@ -274,7 +290,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         args.batch,
         args.epochs,
         if args.workspace { "workspace cycles" } else { "plain scopes" },
-        if args.prefetch { "batches prefetched" } else { "batches cut in the step" },
+        match (args.prefetch, args.graph) {
+            (true, _) => "batches prefetched",
+            (false, false) => "batches cut in the step",
+            (false, true) => "batches cut in the step, the step replayed as a CUDA graph",
+        },
         args.device,
         t0.elapsed().as_secs_f64()
     );
@@ -407,6 +427,19 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             s.spilled_count,
             s.reallocations
         );
+        if args.graph {
+            let g = ws.stats().graph;
+            println!(
+                "graph replay of 'batch': {}, {} replays, {} fallbacks{}, {} calls in {} graph(s) per step",
+                g.state,
+                g.replays,
+                g.fallbacks,
+                g.last_fallback
+                    .map_or_else(String::new, |why| format!(" (last: {why})")),
+                g.calls,
+                g.graphs
+            );
+        }
         let s = eval_ws.stats();
         println!(
             "workspace 'eval': {} cycles, block {}, {} spilled in {} allocations",

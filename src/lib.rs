@@ -57,9 +57,9 @@ pub use timeline::{
     RecordOptions, Recording,
 };
 pub use workspace::{
-    destroy_all_workspaces_for_current_thread, AllocationPolicy, LearningPolicy, LocationPolicy,
-    MirroringPolicy, ResetPolicy, SpillPolicy, Workspace, WorkspaceConfig, WorkspaceConfigBuilder,
-    WorkspaceStats,
+    destroy_all_workspaces_for_current_thread, AllocationPolicy, GraphReplayStats, GraphState,
+    LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy, Workspace,
+    WorkspaceConfig, WorkspaceConfigBuilder, WorkspaceStats,
 };
 
 /// Lets float matrix products on CUDA devices use TF32 tensor cores (10 bits of mantissa for

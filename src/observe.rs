@@ -109,10 +109,12 @@ pub(crate) enum Event<'a> {
         scope: u64,
         device: Device,
     },
-    /// A cycle of `workspace` ended.
+    /// A cycle of `workspace` ended; `replayed`: it was replayed as CUDA graphs, standing for
+    /// these calls.
     CycleClosed {
         workspace: &'a Arc<str>,
         end: CycleEnd,
+        replayed: Option<&'a str>,
     },
     /// `workspace` (owned by manager `owner`) allocated a block.
     BlockAllocated {

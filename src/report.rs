@@ -328,6 +328,18 @@ impl ManagerReport {
                 s.spilled_count,
                 s.reallocations
             );
+            let g = &s.graph;
+            if g.state != crate::workspace::GraphState::Off {
+                let _ = write!(
+                    out,
+                    " graph replay [{}, {} calls in {} graph(s), {} captures, {} replays, {} fallbacks, {} arguments updated",
+                    g.state, g.calls, g.graphs, g.captures, g.replays, g.fallbacks, g.updated_arguments
+                );
+                if let Some(why) = &g.last_fallback {
+                    let _ = write!(out, ", last fallback: {why}");
+                }
+                out.push(']');
+            }
         }
         out.push('\n');
         if level >= 1 {

@@ -19,6 +19,7 @@ pub(crate) mod block;
 pub(crate) mod contract;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+pub(crate) mod graph;
 pub(crate) mod layout;
 pub(crate) mod op_table;
 mod ops;
@@ -26,6 +27,7 @@ pub(crate) mod settings;
 mod storage;
 
 pub(crate) use block::Block;
+pub(crate) use cuda::CycleGraph;
 pub(crate) use op_table::{Binary, Compare, Unary};
 pub(crate) use ops::*;
 pub(crate) use settings::ALLOW_TF32;

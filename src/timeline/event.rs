@@ -75,6 +75,8 @@ pub(crate) enum Data {
         spilled_bytes: usize,
         spilled_count: u64,
         capacity: usize,
+        /// Replayed as CUDA graphs: what the launches stood for.
+        replayed: Option<Arc<str>>,
     },
     BlockAlloc {
         workspace: Arc<str>,
@@ -232,6 +234,16 @@ impl MemoryEvent {
     pub fn cycle(&self) -> Option<u64> {
         match &self.data {
             Data::CycleOpen { cycle, .. } | Data::CycleClose { cycle, .. } => Some(*cycle),
+            _ => None,
+        }
+    }
+
+    /// For a `CycleClose` of a cycle replayed as CUDA graphs
+    /// ([`WorkspaceConfig::graph_replay`](crate::WorkspaceConfig)): the graph launches and
+    /// the calls they stood for, by op (`"1 graph launch for 16 calls: linear ×3, …"`).
+    pub fn replayed(&self) -> Option<&str> {
+        match &self.data {
+            Data::CycleClose { replayed, .. } => replayed.as_deref(),
             _ => None,
         }
     }

@@ -318,13 +318,18 @@ impl observe::Observer for observe::Recorder {
                 };
                 (device, scope, 0, data)
             }
-            Event::CycleClosed { workspace, end } => {
+            Event::CycleClosed {
+                workspace,
+                end,
+                replayed,
+            } => {
                 let data = Data::CycleClose {
                     workspace: Arc::clone(workspace),
                     cycle: end.cycle,
                     spilled_bytes: end.spilled_bytes,
                     spilled_count: end.spilled_count,
                     capacity: end.capacity,
+                    replayed: replayed.map(Arc::from),
                 };
                 (end.device, end.scope, end.bytes, data)
             }

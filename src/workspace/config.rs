@@ -103,6 +103,7 @@ pub struct WorkspaceConfig {
     location: LocationPolicy,
     mmap_path: Option<PathBuf>,
     mirroring: MirroringPolicy,
+    graph_replay: bool,
 }
 
 impl Default for WorkspaceConfig {
@@ -120,6 +121,7 @@ impl Default for WorkspaceConfig {
             location: LocationPolicy::Ram,
             mmap_path: None,
             mirroring: MirroringPolicy::Full,
+            graph_replay: false,
         }
     }
 }
@@ -179,6 +181,10 @@ impl WorkspaceConfig {
     /// The mirroring policy.
     pub fn mirroring(&self) -> MirroringPolicy {
         self.mirroring
+    }
+    /// Whether learned cycles on a CUDA device are replayed as CUDA graphs (off by default).
+    pub fn graph_replay(&self) -> bool {
+        self.graph_replay
     }
 
     /// The block size for `bytes` of demand: the allocation policy applied, then clamped to
@@ -261,6 +267,26 @@ impl WorkspaceConfigBuilder {
     setter!(
         /// `Full` or `HostOnly`.
         mirroring: MirroringPolicy
+    );
+    setter!(
+        /// Replays learned cycles on a CUDA device as CUDA graphs (default off; nothing changes
+        /// on the CPU). The first cycle with a learned block runs eagerly and is recorded; at
+        /// its end it is captured (one graph per stretch between host reads and transfers).
+        /// From then on each kernel, product, copy and fill the cycle's thread asks for is
+        /// checked against the recorded one instead of being launched, and the graphs are
+        /// launched at the cycle's end (or at the read that ends a stretch): one launch for the
+        /// whole step where nothing is read in it. Kernel arguments that change (a learning
+        /// rate, Adam's step count, an address) are written into the executable graph; any
+        /// other difference (another op, shape or product, a read in a new place, another
+        /// thread using the device while calls are held back) makes that cycle finish eagerly,
+        /// with the results of an eager run, and the next one record again.
+        /// [`WorkspaceStats::graph`](crate::WorkspaceStats) says how it went.
+        ///
+        /// Off by default because it moves when work reaches the device: a replayed cycle's
+        /// kernels run when its graph is launched, not when each op returns, so another thread
+        /// that uses the device in the middle of a cycle makes it fall back, and a cycle whose
+        /// ops differ every time pays for recording without replaying.
+        graph_replay: bool
     );
 
     /// The file that backs an `Mmap` block. It is created (or truncated to the block size) when

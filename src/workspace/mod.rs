@@ -41,7 +41,8 @@ pub use config::{
 pub use handle::destroy_all_workspaces_for_current_thread;
 
 use crate::arena::{ArrayKey, CycleTag, ManagerKey, ManagerShared, Place, WorkspaceKey};
-use crate::backend::Block;
+pub use crate::backend::graph::{GraphReplayStats, GraphState};
+use crate::backend::{Block, CycleGraph};
 use crate::error::{Bytes, Ctx, Site};
 use crate::observe::{self, CycleEnd, Event, NO_MANAGER};
 use crate::{Device, Error, Result};
@@ -132,6 +133,9 @@ pub struct WorkspaceStats {
     pub generation: u64,
     /// Whether the block exists.
     pub initialized: bool,
+    /// Graph replay's figures ([`WorkspaceConfig::graph_replay`]; state `Off` where it is not
+    /// asked for or the workspace is not on a CUDA device).
+    pub graph: GraphReplayStats,
 }
 
 /// What a [`Workspace`] handle points to (and its arena entry, [`WorkspaceEntry::shared`]).
@@ -173,6 +177,8 @@ pub(crate) struct WorkspaceEntry {
     block_arrays: BTreeMap<usize, (ArrayKey, usize)>,
     /// Circular workspaces only (the prefetcher's ring): see [`Policy::keep_open`].
     keep_open: bool,
+    /// Graph replay of learned cycles (a CUDA workspace that asked for it).
+    graph: Option<CycleGraph>,
 }
 
 impl WorkspaceEntry {
@@ -197,6 +203,10 @@ impl WorkspaceEntry {
             reallocations: self.alloc.reallocations(),
             generation: self.generation,
             initialized: self.block.is_some(),
+            graph: self
+                .graph
+                .as_ref()
+                .map_or_else(GraphReplayStats::default, CycleGraph::stats),
         }
     }
 
@@ -340,6 +350,9 @@ impl WorkspaceEntry {
             (LocationPolicy::Ram, Device::Cuda(ordinal)) => Block::device(ctx, ordinal, size)?,
         };
         let old_capacity = self.capacity();
+        if let Some(graph) = &self.graph {
+            graph.forget();
+        }
         let replaced = self.block.replace(Arc::new(block)).is_some();
         block_allocated(self, old_capacity);
         // Arrays still in the old block keep it alive through their buffers and stay valid; the
@@ -355,6 +368,13 @@ impl WorkspaceEntry {
         self.generation = tag.generation;
         self.open = Some(tag);
         self.alloc.open_cycle();
+        if let Some(graph) = &self.graph {
+            // Learned: the block is sized, or cycles have run that allocated nothing from it
+            // (all their arrays live elsewhere, so their addresses do not depend on it).
+            let learned = self.block.is_some()
+                || (self.alloc.cycles() > 0 && self.alloc.max_cycle_bytes() == 0);
+            graph.begin(learned);
+        }
         cycle_opened(self, scope);
     }
 
@@ -384,11 +404,12 @@ impl WorkspaceEntry {
     pub fn end_cycle(&mut self, ctx: &Ctx, scope: u64) {
         let generation = self.open.map_or(self.generation, |tag| tag.generation);
         self.open = None;
+        let replayed = self.graph.as_ref().and_then(|g| g.end(ctx));
         let policy = self.policy();
         let figures =
             self.alloc
                 .end_cycle(&policy, self.block.is_some(), spill_warning_threshold());
-        cycle_ended(self, generation, scope, figures);
+        cycle_ended(self, generation, scope, figures, replayed.as_deref());
         match self.alloc.growth(
             &policy,
             self.block.as_ref().map(|b| b.capacity()),
@@ -438,6 +459,10 @@ impl WorkspaceEntry {
             (Device::Cuda(_), MirroringPolicy::HostOnly, _) => Device::Cpu,
             (cuda, MirroringPolicy::Full, _) => cuda,
         };
+        let graph = match (device, config.graph_replay()) {
+            (Device::Cuda(ordinal), true) => CycleGraph::new(ordinal),
+            _ => None,
+        };
         let mut entry = WorkspaceEntry {
             shared: Arc::new(WorkspaceShared {
                 key: WorkspaceKey::default(),
@@ -456,6 +481,7 @@ impl WorkspaceEntry {
             alloc: Allocator::default(),
             block_arrays: BTreeMap::new(),
             keep_open: false,
+            graph,
         };
         let initial = entry.config().initial_size();
         if initial > 0 {
@@ -574,7 +600,13 @@ fn cycle_opened(ws: &WorkspaceEntry, scope: u64) {
 
 /// Cycle `cycle` (scope `scope`) ended with `figures` (the block is not yet learned or grown for
 /// the next one); the allocator decided whether its spills deserve a warning.
-fn cycle_ended(ws: &WorkspaceEntry, cycle: u64, scope: u64, figures: CycleFigures) {
+fn cycle_ended(
+    ws: &WorkspaceEntry,
+    cycle: u64,
+    scope: u64,
+    figures: CycleFigures,
+    replayed: Option<&str>,
+) {
     let CycleFigures {
         bytes,
         spilled_bytes,
@@ -625,6 +657,7 @@ fn cycle_ended(ws: &WorkspaceEntry, cycle: u64, scope: u64, figures: CycleFigure
         observe::emit(Event::CycleClosed {
             workspace: name,
             end,
+            replayed,
         });
     }
 }

@@ -265,6 +265,7 @@ impl BlockModel {
             reallocations: self.reallocations,
             generation: self.generation,
             initialized: self.current().is_some(),
+            graph: Default::default(),
         }
     }
 

@@ -202,6 +202,16 @@ pub(crate) fn lock_or_try<T>(m: &Mutex<T>, wait: bool) -> Option<MutexGuard<'_, 
     }
 }
 
+/// What a higher part of the backend (graph replay) must do before a free on a device's
+/// stream: issue the calls it holds back, which may use the memory. Registered by it, so this
+/// file needs no import of it.
+static STREAM_BOUNDARY: OnceLock<fn(&Gpu)> = OnceLock::new();
+
+/// Registers [`STREAM_BOUNDARY`] (once; later calls change nothing).
+pub(crate) fn on_stream_boundary(boundary: fn(&Gpu)) {
+    let _ = STREAM_BOUNDARY.set(boundary);
+}
+
 /// Registers [`HOST_RELEASE`] (once; later calls change nothing).
 pub(crate) fn on_release(release: fn(&Gpu, bool)) {
     let _ = HOST_RELEASE.set(release);
@@ -546,6 +556,9 @@ impl Gpu {
     pub fn free(&self, ptr: CUdeviceptr) {
         // A failure here means the context is gone (process exit) or broken; the memory goes
         // with it, and a later call reports the error.
+        if let Some(boundary) = STREAM_BOUNDARY.get() {
+            boundary(self);
+        }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: `ptr` came from `malloc` on this stream and is freed once.
             let _ = unsafe { result::free_async(ptr, self.cu_stream()) };

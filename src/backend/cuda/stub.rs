@@ -25,6 +25,32 @@ pub(crate) enum DeviceMemory {}
 /// Page-locked host memory: none exists in this build.
 pub(crate) enum PinnedMemory {}
 
+/// A workspace's CUDA graph replay: none exists in this build (no workspace is on a CUDA
+/// device).
+pub(crate) enum CycleGraph {}
+
+impl CycleGraph {
+    pub(crate) fn new(_ordinal: usize) -> Option<CycleGraph> {
+        None
+    }
+
+    pub(crate) fn begin(&self, _learned: bool) {
+        match *self {}
+    }
+
+    pub(crate) fn end(&self, _ctx: &Ctx) -> Option<Arc<str>> {
+        match *self {}
+    }
+
+    pub(crate) fn forget(&self) {
+        match *self {}
+    }
+
+    pub(crate) fn stats(&self) -> crate::backend::graph::GraphReplayStats {
+        match *self {}
+    }
+}
+
 const WHY: &str = "ndscope was built without the `cuda` feature";
 
 pub(crate) fn device_count() -> usize {

@@ -10,6 +10,7 @@ use parking_lot::Mutex;
 use cudarc::driver::sys::{self, CUdeviceptr};
 use cudarc::driver::{result, CudaEvent};
 
+use super::capture;
 use super::launch::memset;
 use crate::backend::cuda::device::{self, lock_or_try, pinned_alloc, sticky, Gpu};
 use crate::error::{Ctx, Site};
@@ -188,6 +189,7 @@ pub(super) fn checked_launch(
 /// another at its next wait. Costs one 8-byte copy when checked launches are pending, nothing
 /// otherwise.
 pub(super) fn reporting<R>(ctx: &Ctx, gpu: &Gpu, wait: impl FnOnce() -> Result<R>) -> Result<R> {
+    capture::boundary(ctx, gpu)?;
     let mut guard = checks_of(gpu).lock();
     let Some(checks) = guard
         .as_mut()
@@ -255,6 +257,7 @@ static WAITERS: [Mutex<Option<Waiter>>; MAX_CUDA_DEVICES] =
 /// Waits, without spinning, until everything queued on `gpu` so far has run; reports an error
 /// of an earlier asynchronous kernel.
 pub(super) fn wait_all(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+    capture::boundary(ctx, gpu)?;
     let mut waiter = WAITERS[gpu.ordinal.min(MAX_CUDA_DEVICES - 1)].lock();
     if waiter.is_none() {
         let event = gpu

@@ -7,6 +7,7 @@ use std::ffi::c_void;
 use cudarc::driver::result;
 use cudarc::driver::sys::CUdeviceptr;
 
+use super::capture::{self, Call, KernelCall};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{self, Gpu};
 use crate::backend::cuda::kernels::{self, Function};
@@ -63,6 +64,17 @@ pub(super) unsafe fn launch_raw(
 ) -> Result<()> {
     if kernels::checking_launches() {
         kernels::check_launch(ctx, f.1, sizes)?;
+    }
+    if capture::watching(gpu.ordinal) {
+        let call = KernelCall {
+            f: f.0,
+            name: f.1,
+            blocks: cfg.blocks,
+            threads: cfg.threads,
+            params,
+            sizes,
+        };
+        return capture::call(ctx, gpu, Call::Kernel(call));
     }
     gpu.bind(ctx)?;
     // SAFETY: per the contract.
@@ -143,6 +155,9 @@ pub(super) fn scalar(dtype: DType, value: f64) -> Scalar {
 #[derive(Clone, Copy)]
 pub(super) struct Strided {
     rank: i32,
+    /// The padding C puts before `dims`, spelled out so that its bytes are set (0): a recorded
+    /// launch is compared byte for byte (`capture.rs`).
+    pad: i32,
     dims: [u64; MAX_RANK],
     sa: [u64; MAX_RANK],
     sb: [u64; MAX_RANK],
@@ -159,6 +174,7 @@ impl Strided {
     pub(super) fn none() -> Strided {
         Strided {
             rank: 0,
+            pad: 0,
             dims: [0; MAX_RANK],
             sa: [0; MAX_RANK],
             sb: [0; MAX_RANK],
@@ -269,6 +285,9 @@ pub(super) fn memset(
 ) -> Result<()> {
     if bytes == 0 {
         return Ok(());
+    }
+    if capture::watching(gpu.ordinal) {
+        return capture::call(ctx, gpu, Call::Fill { ptr, value, bytes });
     }
     gpu.bind(ctx)?;
     // SAFETY: `ptr` holds `bytes` bytes of device memory of this context.

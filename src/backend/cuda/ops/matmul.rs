@@ -3,8 +3,9 @@
 //! an `axpy` into the weights).
 
 use cudarc::cublas::sys as blas;
-use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
+use super::capture::{self, Call, LibCall, LIB_WORDS};
 use super::elementwise::axpy_raw;
 use super::launch::{elements, linear, memset, same_gpu, scalar, Strided, MODE_SAME};
 use super::Cuda;
@@ -75,6 +76,101 @@ fn blas_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
 /// with `trans_a`; `b` `[k, n]`, or `[n, k]` with `trans_b`). A row-major product is the
 /// column-major product of the transposes, so cuBLAS computes `cᵀ = op(b)ᵀ · op(a)ᵀ`.
 fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
+    if capture::watching(gpu.ordinal) {
+        let call = LibCall {
+            kind: GEMM,
+            words: p.encode(dtype),
+            issue: gemm_on,
+        };
+        return capture::call(ctx, gpu, Call::Lib(call));
+    }
+    blas_batch_on(ctx, gpu, dtype, p, None)
+}
+
+/// Kind of a recorded cuBLAS product ([`LibCall::kind`]).
+const GEMM: u8 = 1;
+/// Kind of a recorded cuBLASLt product with an epilogue.
+const LT: u8 = 2;
+
+impl Products {
+    /// The product as the words of a recorded call.
+    fn encode(&self, dtype: DType) -> [u64; LIB_WORDS] {
+        let Mnk { m, k, n } = self.spec.dims;
+        let acc = self.spec.accumulate;
+        let flags = u64::from(self.spec.trans_a)
+            | u64::from(self.spec.trans_b) << 1
+            | u64::from(acc.is_some()) << 2
+            | u64::from(dtype == DType::F64) << 3;
+        let (alpha, beta) = acc.map_or((0, 0), |a| (a.alpha.to_bits(), a.beta.to_bits()));
+        let mut w = [0u64; LIB_WORDS];
+        w[..15].copy_from_slice(&[
+            flags,
+            m as u64,
+            k as u64,
+            n as u64,
+            alpha,
+            beta,
+            self.a,
+            self.b,
+            self.c,
+            self.c_len as u64,
+            self.batch as u64,
+            self.steps.0 as u64,
+            self.steps.1 as u64,
+            self.steps.2 as u64,
+            0,
+        ]);
+        w
+    }
+
+    /// The product and dtype of [`encode`](Self::encode)'s words.
+    fn decode(w: &[u64; LIB_WORDS]) -> (DType, Products) {
+        let flags = w[0];
+        let dtype = if flags & 8 != 0 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let accumulate = (flags & 4 != 0).then(|| Accumulate {
+            alpha: f64::from_bits(w[4]),
+            beta: f64::from_bits(w[5]),
+        });
+        let p = Products {
+            spec: Gemm {
+                dims: Mnk {
+                    m: w[1] as usize,
+                    k: w[2] as usize,
+                    n: w[3] as usize,
+                },
+                trans_a: flags & 1 != 0,
+                trans_b: flags & 2 != 0,
+                accumulate,
+            },
+            a: w[6],
+            b: w[7],
+            c: w[8],
+            c_len: w[9] as usize,
+            batch: w[10] as usize,
+            steps: (w[11] as usize, w[12] as usize, w[13] as usize),
+        };
+        (dtype, p)
+    }
+}
+
+/// A recorded cuBLAS product issued again on `stream` ([`LibCall::issue`]).
+fn gemm_on(ctx: &Ctx, gpu: &Gpu, words: &[u64; LIB_WORDS], stream: CUstream) -> Result<()> {
+    let (dtype, p) = Products::decode(words);
+    blas_batch_on(ctx, gpu, dtype, p, Some(stream))
+}
+
+/// [`blas_batch`] on `stream` (the device's own when `None`).
+fn blas_batch_on(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    p: Products,
+    stream: Option<CUstream>,
+) -> Result<()> {
     let Mnk { m, k, n } = p.spec.dims;
     let (ta, tb) = (p.spec.trans_a, p.spec.trans_b);
     let (a, b, c, batch, steps) = (p.a, p.b, p.c, p.batch, p.steps);
@@ -99,6 +195,12 @@ fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
     let mut handle = gpu.blas();
     handle.prepare(ctx, gpu)?;
     let h = handle.handle;
+    let _on = OnStream::set(
+        ctx,
+        h,
+        stream.filter(|&s| s != gpu.cu_stream()),
+        gpu.cu_stream(),
+    )?;
     // SAFETY: the handle is used under its lock on the device's stream; `a`, `b` and `c` are
     // locked storage of `gpu` holding the products' operands as described (cuBLAS reads within
     // the leading dimensions and strides given); alpha and beta are host values that outlive
@@ -195,6 +297,43 @@ fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
         .map_err(|e| blas_error(ctx, "cuBLAS gemm", e))
 }
 
+/// A cuBLAS handle's stream set to another for one call (a capture), and set back after.
+struct OnStream {
+    handle: blas::cublasHandle_t,
+    back: Option<CUstream>,
+}
+
+impl OnStream {
+    fn set(
+        ctx: &Ctx,
+        handle: blas::cublasHandle_t,
+        to: Option<CUstream>,
+        back: CUstream,
+    ) -> Result<OnStream> {
+        if let Some(to) = to {
+            // SAFETY: a live handle used under its mutex (held by the caller); `to` is a stream
+            // of the handle's context.
+            unsafe { blas::cublasSetStream_v2(handle, to as _) }
+                .result()
+                .map_err(|e| blas_error(ctx, "cublasSetStream", e))?;
+        }
+        Ok(OnStream {
+            handle,
+            back: to.map(|_| back),
+        })
+    }
+}
+
+impl Drop for OnStream {
+    fn drop(&mut self) {
+        if let Some(back) = self.back {
+            // SAFETY: as in `set`; the caller still holds the handle's mutex (this guard is
+            // dropped before it).
+            let _ = unsafe { blas::cublasSetStream_v2(self.handle, back as _) };
+        }
+    }
+}
+
 /// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
 /// where cuBLASLt cannot be loaded.
 fn lt_linear(
@@ -205,6 +344,88 @@ fn lt_linear(
     (x, w, bias): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
     relu: bool,
     out: CUdeviceptr,
+) -> Result<bool> {
+    gpu.bind(ctx)?;
+    if capture::watching(gpu.ordinal) {
+        let available = {
+            let mut handle = gpu.blas();
+            handle.prepare(ctx, gpu)?;
+            handle.lt().is_some()
+        };
+        if !available {
+            return Ok(false);
+        }
+        let mut words = [0u64; LIB_WORDS];
+        words[..8].copy_from_slice(&[
+            u64::from(dtype == DType::F64) | u64::from(relu) << 1,
+            m as u64,
+            k as u64,
+            n as u64,
+            x,
+            w,
+            bias,
+            out,
+        ]);
+        let call = LibCall {
+            kind: LT,
+            words,
+            issue: lt_on,
+        };
+        capture::call(ctx, gpu, Call::Lib(call))?;
+        return Ok(true);
+    }
+    lt_linear_on(
+        ctx,
+        gpu,
+        dtype,
+        Mnk { m, k, n },
+        (x, w, bias),
+        relu,
+        out,
+        None,
+    )
+}
+
+/// A recorded cuBLASLt product issued again on `stream` ([`LibCall::issue`]).
+fn lt_on(ctx: &Ctx, gpu: &Gpu, w: &[u64; LIB_WORDS], stream: CUstream) -> Result<()> {
+    let dtype = if w[0] & 1 != 0 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let dims = Mnk {
+        m: w[1] as usize,
+        k: w[2] as usize,
+        n: w[3] as usize,
+    };
+    let done = lt_linear_on(
+        ctx,
+        gpu,
+        dtype,
+        dims,
+        (w[4], w[5], w[6]),
+        w[0] & 2 != 0,
+        w[7],
+        Some(stream),
+    )?;
+    if done {
+        Ok(())
+    } else {
+        Err(ctx.unsupported("cuBLASLt, used when the call was recorded, cannot be loaded now"))
+    }
+}
+
+/// [`lt_linear`] on `stream` (the device's own when `None`).
+#[allow(clippy::too_many_arguments)]
+fn lt_linear_on(
+    ctx: &Ctx,
+    gpu: &Gpu,
+    dtype: DType,
+    Mnk { m, k, n }: Mnk,
+    (x, w, bias): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+    relu: bool,
+    out: CUdeviceptr,
+    stream: Option<CUstream>,
 ) -> Result<bool> {
     gpu.bind(ctx)?;
     let mut handle = gpu.blas();
@@ -228,7 +449,7 @@ fn lt_linear(
         bias,
         out,
         workspace,
-        stream: gpu.cu_stream(),
+        stream: stream.unwrap_or_else(|| gpu.cu_stream()),
     };
     // SAFETY: `x`, `w`, the bias and `out` are locked storage of `gpu` of the sizes `shape`
     // gives (the front-end checked them); the workspace is cuBLAS's, used on the same stream

@@ -5,6 +5,8 @@
 //!
 //! - `launch.rs`: launch configurations, kernel arguments, operand addressing, `same_gpu`.
 //! - `error.rs`: the checks reported at the next wait, and waiting (`synchronize`).
+//! - `capture.rs`: learned workspace cycles recorded, captured as CUDA graphs and replayed
+//!   (every stream call passes through it while a cycle records or replays).
 //! - `transfer.rs`: host↔device and device copies, `zero`, `convert`.
 //! - `elementwise.rs`: fill and random, binary/compare/unary ops, in-place ops, `assign`.
 //! - `reduce.rs`: sums, maxima, argmax.
@@ -22,6 +24,7 @@
 
 #[macro_use]
 mod launch;
+mod capture;
 mod elementwise;
 mod error;
 mod matmul;
@@ -31,6 +34,7 @@ mod reduce;
 mod shape;
 mod transfer;
 
+pub(crate) use capture::CycleGraph;
 pub(crate) use error::synchronize;
 
 /// The CUDA backend: the backend contract (`backend/contract.rs`) on device memory, one op

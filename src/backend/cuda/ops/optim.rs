@@ -37,6 +37,9 @@ pub(super) struct TensorList {
     block_end: [u32; MT_TENSORS],
     /// How many tensors are in the list.
     count: i32,
+    /// The padding C puts at the end, spelled out so that its bytes are set (0): a recorded
+    /// launch is compared byte for byte (`capture.rs`).
+    pad: i32,
 }
 
 // The largest multi-tensor parameter block (Adam's: the list, nine 8-byte scalars, the mode)
@@ -58,6 +61,7 @@ impl TensorList {
             n: [0; MT_TENSORS],
             block_end: [0; MT_TENSORS],
             count: 0,
+            pad: 0,
         }
     }
 }

@@ -4,6 +4,7 @@
 use cudarc::driver::result;
 use cudarc::driver::sys::{self, CUdeviceptr};
 
+use super::capture;
 use super::error::{reporting, wait_all};
 use super::launch::{elements, linear, memset, same_gpu};
 use super::Cuda;
@@ -32,6 +33,7 @@ fn host_to_device(
         return Ok(());
     }
     gpu.bind(ctx)?;
+    capture::boundary(ctx, gpu)?;
     let stream = gpu.cu_stream();
     if pinned {
         // SAFETY: `bytes` is page-locked host memory borrowed for this call, which waits for the
@@ -73,6 +75,7 @@ fn device_to_host(
         return wait_all(ctx, gpu);
     }
     gpu.bind(ctx)?;
+    capture::boundary(ctx, gpu)?;
     let stream = gpu.cu_stream();
     if pinned {
         // SAFETY: `out` is page-locked host memory borrowed for this call, which waits for the
@@ -125,6 +128,27 @@ pub(super) fn copy_bytes(
     dst: CUdeviceptr,
     bytes: usize,
 ) -> Result<()> {
+    if capture::watching(gpu.ordinal) {
+        // In a recorded or replayed cycle a device copy is a kernel (`cast` to the same type,
+        // by the widest word both ends align to): a source or destination that changes from
+        // one cycle to the next (a prefetched batch copied in) is then an argument written into
+        // the graph, not a divergence.
+        let word = [8u64, 4, 1]
+            .into_iter()
+            .find(|&w| (src | dst | bytes as u64).is_multiple_of(w))
+            .unwrap_or(1);
+        let dtype = match word {
+            8 => DType::I64,
+            4 => DType::I32,
+            _ => DType::U8,
+        };
+        let n = bytes as u64 / word;
+        let f = gpu.kernels.two(ctx, "cast", dtype, dtype)?;
+        // SAFETY: cast_<T>_<T>(const T* a, T* out, u64 n): `n` words of `word` bytes at both
+        // addresses, which hold `bytes` bytes of device memory of this context (locked storage
+        // of the callers) and are aligned to `word`.
+        return unsafe { launch!(ctx, gpu, f, linear(gpu, n); a = src, out = dst, count = n) };
+    }
     gpu.bind(ctx)?;
     // SAFETY: both ranges are `bytes` of device memory of this context, held by locked storage
     // (callers pass their arrays' addresses and sizes).
