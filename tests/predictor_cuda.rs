@@ -308,3 +308,69 @@ fn a_predictor_on_an_absent_device_is_refused_and_caps_nothing() {
     assert!(model.children().is_empty());
     model.close().unwrap();
 }
+
+/// A predictor whose context workspace replays its learned cycle as a CUDA graph
+/// (`WorkspaceConfig::graph_replay`): the same answers as the eager GPU predictor, bit for bit,
+/// and a learned call is one copy in, one graph launch, one copy out and one wait, with no
+/// kernel launch or product from the host. A request of another size falls back (its answer
+/// still right) and the next ones relearn.
+#[test]
+fn a_replayed_cuda_predictor_answers_as_the_eager_one_with_one_graph_launch_per_call() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let _turn = turn();
+    let (model, params) = model_on(dev);
+    let eager = predictor(&model, params.clone());
+    let p = params.clone();
+    let replay = ndscope::WorkspaceConfig::builder()
+        .graph_replay(true)
+        .build()
+        .unwrap();
+    let replayed = Predictor::builder(&model)
+        .workspace(replay)
+        .build(move |ctx: &Manager, x: &HostArray| forward(&p, &ctx.from_host(x)?)?.to_host())
+        .unwrap();
+    let same = |x: &HostArray, what: &str| {
+        let (a, b) = (eager.predict(x).unwrap(), replayed.predict(x).unwrap());
+        assert_eq!(
+            a.as_slice::<f32>().unwrap(),
+            b.as_slice::<f32>().unwrap(),
+            "{what}"
+        );
+    };
+    // Learn (1), record (2), replay.
+    for seed in 0..4 {
+        same(&request(30 + seed, 2), "a call of 2 rows");
+    }
+    let x = request(40, 2);
+    let want = eager.predict(&x).unwrap();
+    let before = sim::stats();
+    for _ in 0..10 {
+        let got = replayed.predict(&x).unwrap();
+        assert_eq!(
+            got.as_slice::<f32>().unwrap(),
+            want.as_slice::<f32>().unwrap()
+        );
+    }
+    if let (Some(before), Some(after)) = (before, sim::stats()) {
+        let d = sim::diff(&before, &after);
+        assert_one_copy_each_way(&d, 10);
+        assert_eq!(d["graph_launches"], 10, "{:?}", sim::calls(&d));
+        assert_eq!(d["launches"] + d["cublas"], 0, "{:?}", sim::calls(&d));
+    }
+    // Another size: that call falls back, the later ones of that size relearn and replay.
+    for seed in 0..4 {
+        same(&request(50 + seed, 5), "a call of 5 rows");
+    }
+    let stats = &replayed.manager().report().workspaces[0].stats.graph;
+    assert_eq!(stats.fallbacks, 1, "{stats:?}");
+    assert_eq!(stats.replays, 12 + 2, "{stats:?}");
+    assert!(
+        replayed.debug_dump(0).contains("graph replay [captured"),
+        "{}",
+        replayed.debug_dump(0)
+    );
+    drop((eager, replayed));
+    model.close().unwrap();
+}
