@@ -26,6 +26,11 @@
 //! GPU the service has 2 workers unless `--workers` says otherwise (they share the device's one
 //! stream: more workers than that add no compute, only overlap of the host's share of a call).
 //!
+//! `--graph` (with `--device cuda`) replays the predictor's and the workers' learned context
+//! cycles as CUDA graphs (`WorkspaceConfig::graph_replay`): a call is then one copy in, one
+//! graph launch and one copy out. The service has 1 worker by default then: two workers using
+//! the device at once would make each other's replayed cycles fall back.
+//!
 //! It prints one line per figure, e.g. `latency batch 1: service p50 412.3 us; predictor p50
 //! 398.0 us` and `throughput batch 64: 9120 samples/s (service, 2 workers, 4 clients)`; on the
 //! GPU the lines end with `on cuda:0`.
@@ -36,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use ndscope::{
     manual_seed, DType, Device, HostArray, Manager, NDArray, ParallelInference, Predictor, Result,
-    ShutdownMode,
+    ShutdownMode, WorkspaceConfig,
 };
 
 #[path = "mlp/mod.rs"]
@@ -55,6 +60,8 @@ struct Args {
     /// `Dense` layers (true) or `matmul` + `add` + `relu`.
     dense: bool,
     device: Device,
+    /// Replay learned context cycles as CUDA graphs.
+    graph: bool,
 }
 
 fn main() -> ExitCode {
@@ -66,9 +73,14 @@ fn main() -> ExitCode {
         workers: None,
         dense: true,
         device: Device::Cpu,
+        graph: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--graph" {
+            args.graph = true;
+            continue;
+        }
         let value = it.next();
         let number = value
             .as_deref()
@@ -86,7 +98,8 @@ fn main() -> ExitCode {
             _ => {
                 eprintln!(
                     "usage: mlp_infer [--what latency|throughput] [--batch N] [--requests N] \
-                     [--clients N] [--workers N] [--layers dense|matmul] [--device cpu|cuda]"
+                     [--clients N] [--workers N] [--layers dense|matmul] [--device cpu|cuda] \
+                     [--graph]"
                 );
                 return ExitCode::from(2);
             }
@@ -109,10 +122,13 @@ fn median(mut times: Vec<Duration>) -> Duration {
 fn run(args: &Args) -> Result<()> {
     manual_seed(9);
     let model = Manager::new_base_on(args.device)?.with_name("model");
+    let graph = args.graph && !args.device.is_cpu();
     let workers = args.workers.unwrap_or(match args.device {
         Device::Cpu => ndscope::num_threads(),
+        Device::Cuda(_) if graph => 1,
         Device::Cuda(_) => 2,
     });
+    let config = WorkspaceConfig::builder().graph_replay(graph).build()?;
     // The CPU's lines are as they always were; the GPU's name the device.
     let on = match args.device {
         Device::Cpu => String::new(),
@@ -153,15 +169,16 @@ fn run(args: &Args) -> Result<()> {
         let forward = Arc::clone(&forward);
         ParallelInference::builder(&model)
             .workers(workers)
+            .workspace(config.clone())
             .build(move |_ctx, x| forward(x))?
     };
     match args.what.as_str() {
         "latency" => {
             let predictor = {
                 let forward = Arc::clone(&forward);
-                Predictor::new(&model, move |ctx: &Manager, x: &HostArray| {
-                    forward(&ctx.from_host(x)?)?.to_host()
-                })?
+                Predictor::builder(&model).workspace(config.clone()).build(
+                    move |ctx: &Manager, x: &HostArray| forward(&ctx.from_host(x)?)?.to_host(),
+                )?
             };
             let (mut service_times, mut direct_times) = (Vec::new(), Vec::new());
             for i in 0..args.requests + 20 {
@@ -176,11 +193,30 @@ fn run(args: &Args) -> Result<()> {
                 }
             }
             println!(
-                "latency batch {}: service p50 {:.1} us; predictor p50 {:.1} us{on}",
+                "latency batch {}: service p50 {:.1} us; predictor p50 {:.1} us{on}{}",
                 args.batch,
                 median(service_times).as_secs_f64() * 1e6,
-                median(direct_times).as_secs_f64() * 1e6
+                median(direct_times).as_secs_f64() * 1e6,
+                if graph {
+                    ", replayed as CUDA graphs"
+                } else {
+                    ""
+                }
             );
+            if graph {
+                for ws in predictor.manager().report().workspaces {
+                    let g = ws.stats.graph;
+                    println!(
+                        "predictor '{}': graph replay {}, {} replays, {} fallbacks{}",
+                        ws.name,
+                        g.state,
+                        g.replays,
+                        g.fallbacks,
+                        g.last_fallback
+                            .map_or_else(String::new, |why| format!(" (last: {why})"))
+                    );
+                }
+            }
         }
         _ => {
             // Warm every worker's workspace, then time `requests` batches from the clients.

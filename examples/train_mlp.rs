@@ -37,8 +37,9 @@
 //! --device cpu|cuda where to train (default cpu)
 //! --no-graph        on CUDA, launch every op of the step instead of replaying the learned
 //!                   step as a CUDA graph (WorkspaceConfig::graph_replay); replay cuts the
-//!                   batches in the step, since a prefetch thread using the GPU in the middle
-//!                   of a replayed cycle makes it fall back
+//!                   batches in the step: a prefetched batch lies at another address of the
+//!                   ring every step, and a product reading it cannot be rewritten in a graph,
+//!                   where the step's own cut lands at the same place of its block each time
 //! --trace PATH      record memory over the run and write it as a Chrome trace (Perfetto UI,
 //!                   chrome://tracing)
 //! --snapshot PATH   record memory over the run and write it as a PyTorch memory snapshot
@@ -166,8 +167,9 @@ fn parse_args() -> Result<Args, String> {
     if args.hidden.contains(&0) {
         return Err("hidden widths must be positive".into());
     }
-    // Replay on CUDA with workspace cycles; a prefetch thread would use the GPU in the middle
-    // of every replayed cycle, so the batches are cut in the step then.
+    // Replay on CUDA with workspace cycles. A prefetched batch lies at another address of the
+    // ring every step (the first product reading it would diverge every time): the batches are
+    // cut in the step then, at the same place of the block each time.
     args.graph = args.graph && args.workspace && !args.device.is_cpu();
     if args.graph {
         args.prefetch = false;

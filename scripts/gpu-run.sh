@@ -102,6 +102,12 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     NDSCOPE_BIN_DIR="$bin" python3 benches/peers/mlp_infer.py --device cuda \
         > "$logs/mlp_infer_cuda.log" 2>&1 || echo "- mlp_infer.py --device cuda failed" >> "$report"
     cat "$logs/mlp_infer_cuda.log" >> "$report"
+    # The same calls with the contexts' learned cycles replayed as CUDA graphs.
+    for batch in 1 64; do
+        "$bin/mlp_infer" --device cuda --graph --batch "$batch" --requests 2000 \
+            >> "$logs/mlp_infer_cuda_graph.log" 2>&1 || echo "- mlp_infer --graph failed" >> "$report"
+    done
+    cat "$logs/mlp_infer_cuda_graph.log" >> "$report"
 else
     echo "- PyTorch with CUDA is not available: no comparison with PyTorch" >> "$report"
 fi

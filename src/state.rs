@@ -183,7 +183,10 @@ impl Deferred {
                         return;
                     }
                     let copied = match data.as_ref() {
-                        Some(old) => AnyDevice::copy(&ctx, old, &mut to),
+                        Some(old) => {
+                            let _noted = (old.note_locked(false), to.note_locked(true));
+                            AnyDevice::copy(&ctx, old, &mut to)
+                        }
                         None => return,
                     };
                     match copied {
@@ -988,7 +991,10 @@ impl State {
             return;
         };
         let copied = match data.as_ref() {
-            Some(old) => AnyDevice::copy(ctx, old, &mut to),
+            Some(old) => {
+                let _noted = (old.note_locked(false), to.note_locked(true));
+                AnyDevice::copy(ctx, old, &mut to)
+            }
             None => Ok(()),
         };
         let old = if copied.is_ok() {

@@ -197,8 +197,11 @@ enum Divergence {
     Read,
     /// An op that fails ends the cycle's work early.
     Error,
-    /// Another thread uses the device in the middle of the cycle.
+    /// Another thread writes, in the middle of the cycle, an array the held calls read.
     Thread,
+    /// Another thread uses the device in the middle of the cycle on arrays the held calls do
+    /// not touch: no fallback.
+    OtherArrays,
     /// The cycle's last op is left out.
     Shorter,
     /// One op more at the end.
@@ -268,6 +271,14 @@ impl Run {
                 let _ = a.to_vec::<f32>()?;
             }
             if now(Divergence::Thread) {
+                // The held product read `w`: multiplying it by 1 in place changes no bit, but
+                // must run after the product.
+                let w = self.w.clone();
+                std::thread::spawn(move || w.mul_scalar_(1.0))
+                    .join()
+                    .unwrap()?;
+            }
+            if now(Divergence::OtherArrays) {
                 let alt = self.alt.clone();
                 std::thread::spawn(move || alt.mul_scalar(2.0)?.sum_all()?.to_scalar::<f32>())
                     .join()
@@ -332,6 +343,7 @@ fn every_divergence_falls_back_with_the_bits_of_an_eager_run() {
         Read,
         Error,
         Thread,
+        OtherArrays,
         Shorter,
         Longer,
     ] {
@@ -349,6 +361,10 @@ fn every_divergence_falls_back_with_the_bits_of_an_eager_run() {
         let g = replayed.ws.stats().graph;
         println!("{kind:?}: {g:?}");
         match kind {
+            OtherArrays => {
+                assert_eq!(g.fallbacks, 0, "{kind:?}: {g:?}");
+                assert_eq!(g.replays, (CYCLES - 2) as u64, "{kind:?}: {g:?}");
+            }
             Scalar | KernelAddress => {
                 assert_eq!(g.fallbacks, 0, "{kind:?}: {g:?}");
                 // Changed in cycle AT, changed back in AT + 1.
@@ -368,7 +384,7 @@ fn every_divergence_falls_back_with_the_bits_of_an_eager_run() {
                     ProductAddress => "a matrix product with other arguments",
                     Read => "reads or waits after",
                     Error | Shorter => "the cycle ended after 4 of the 6 recorded calls",
-                    Thread => "another thread used cuda:0",
+                    Thread => "another thread's `mul_scalar_` on cuda:0 touched what this cycle's held calls use",
                     _ => "was called after the last recorded call",
                 };
                 assert!(

@@ -374,3 +374,63 @@ fn a_replayed_cuda_predictor_answers_as_the_eager_one_with_one_graph_launch_per_
     drop((eager, replayed));
     model.close().unwrap();
 }
+
+/// Two workers of a service replaying their context cycles on one GPU at once: they read the
+/// same parameters and write only their own workspaces, so neither makes the other fall back
+/// (each op's locked arrays are checked against what the other's held calls use), and every
+/// answer is the eager one.
+#[test]
+fn two_replaying_workers_on_one_gpu_do_not_make_each_other_fall_back() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let _turn = turn();
+    let (model, params) = model_on(dev);
+    let eager = predictor(&model, params.clone());
+    let shared = params.clone();
+    let replay = ndscope::WorkspaceConfig::builder()
+        .graph_replay(true)
+        .build()
+        .unwrap();
+    let service = ParallelInference::builder(&model)
+        .workers(2)
+        .workspace(replay)
+        .build(move |_ctx, x| forward(&shared, x))
+        .unwrap();
+    let x = request(60, 3);
+    let want = eager.predict(&x).unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (service, x, want) = (&service, &x, &want);
+            s.spawn(move || {
+                for _ in 0..40 {
+                    let got = service.predict(x.clone()).unwrap();
+                    assert_eq!(
+                        got.as_slice::<f32>().unwrap(),
+                        want.as_slice::<f32>().unwrap()
+                    );
+                }
+            });
+        }
+    });
+    let report = service.debug_dump(0);
+    println!("{report}");
+    let workers = model.report();
+    let mut replays = 0;
+    let mut fallbacks = 0;
+    fn walk(r: &ndscope::ManagerReport, replays: &mut u64, fallbacks: &mut u64) {
+        for ws in &r.workspaces {
+            *replays += ws.stats.graph.replays;
+            *fallbacks += ws.stats.graph.fallbacks;
+        }
+        for c in &r.children {
+            walk(c, replays, fallbacks);
+        }
+    }
+    walk(&workers, &mut replays, &mut fallbacks);
+    assert_eq!(fallbacks, 0, "{report}");
+    assert!(replays >= 150, "{replays} replays: {report}");
+    service.shutdown(ShutdownMode::Drain).unwrap();
+    drop(eager);
+    model.close().unwrap();
+}

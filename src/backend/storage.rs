@@ -28,6 +28,20 @@ pub(crate) enum Storage {
 }
 
 impl Storage {
+    /// Notes, for graph replay, that the calling thread's op holds these bytes locked (for
+    /// writing or reading) until the guard drops; nothing for host memory.
+    #[inline]
+    pub fn note_locked(&self, write: bool) -> Option<crate::backend::cuda::Noted> {
+        match self {
+            Storage::Host(_) => None,
+            Storage::Cuda(buffer) => Some(crate::backend::cuda::note(
+                buffer.address(),
+                buffer.bytes(),
+                write,
+            )),
+        }
+    }
+
     /// Storage for `bytes` on `device`, reserved against the device's memory limit first. Host
     /// memory is zeroed; device memory is not (see [`may_be_stale`](Self::may_be_stale)).
     pub fn alloc(ctx: &Ctx, device: Device, bytes: usize) -> Result<Storage> {

@@ -13,6 +13,7 @@ use parking_lot::{
 
 use crate::arena::{ArrayShared, CloseReason, Owner, Place};
 use crate::backend::contract::{StepTensor, StepTensors};
+use crate::backend::cuda::Noted;
 use crate::backend::Storage;
 use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
@@ -195,14 +196,19 @@ pub(crate) fn discard(array: &NDArray) {
     }
 }
 
-/// An array's bytes, read-locked (and counted in the lock order, see `crate::locks`).
+/// An array's bytes, read-locked (and counted in the lock order, see `crate::locks`; device
+/// bytes noted as this thread's op's, for graph replay).
 struct ReadGuard<'a> {
+    // Dropped first: the note ends before the lock.
+    _noted: Option<Noted>,
     guard: MappedRwLockReadGuard<'a, Storage>,
     _held: Held,
 }
 
-/// An array's bytes, write-locked (and counted in the lock order, see `crate::locks`).
+/// An array's bytes, write-locked (and counted in the lock order, see `crate::locks`; device
+/// bytes noted as this thread's op's, for graph replay).
 struct WriteGuard<'a> {
+    _noted: Option<Noted>,
     guard: MappedRwLockWriteGuard<'a, Storage>,
     _held: Held,
 }
@@ -235,7 +241,11 @@ fn read<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<ReadGuard<'a>> {
     let held = locks::acquire(Rank::Data, a as *const ArrayShared as usize);
     let guard =
         RwLockReadGuard::try_map(a.data.read(), Option::as_ref).map_err(|_| a.closed_error(ctx))?;
-    Ok(ReadGuard { guard, _held: held })
+    Ok(ReadGuard {
+        _noted: guard.note_locked(false),
+        guard,
+        _held: held,
+    })
 }
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
@@ -258,7 +268,11 @@ fn write_at<'a>(ctx: &Ctx, a: &'a ArrayShared, address: usize) -> Result<WriteGu
     let held = locks::acquire(Rank::Data, address);
     let guard = RwLockWriteGuard::try_map(a.data.write(), Option::as_mut)
         .map_err(|_| a.closed_error(ctx))?;
-    Ok(WriteGuard { guard, _held: held })
+    Ok(WriteGuard {
+        _noted: guard.note_locked(true),
+        guard,
+        _held: held,
+    })
 }
 
 fn addr(a: &NDArray) -> usize {

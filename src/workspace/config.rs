@@ -278,14 +278,14 @@ impl WorkspaceConfigBuilder {
         /// whole step where nothing is read in it. Kernel arguments that change (a learning
         /// rate, Adam's step count, an address) are written into the executable graph; any
         /// other difference (another op, shape or product, a read in a new place, another
-        /// thread using the device while calls are held back) makes that cycle finish eagerly,
-        /// with the results of an eager run, and the next one record again.
+        /// thread's op on arrays the held calls use) makes that cycle finish eagerly, with the
+        /// results of an eager run, and the next one record again.
         /// [`WorkspaceStats::graph`](crate::WorkspaceStats) says how it went.
         ///
         /// Off by default because it moves when work reaches the device: a replayed cycle's
         /// kernels run when its graph is launched, not when each op returns, so another thread
-        /// that uses the device in the middle of a cycle makes it fall back, and a cycle whose
-        /// ops differ every time pays for recording without replaying.
+        /// that uses the cycle's arrays in the middle of it makes it fall back, and a cycle
+        /// whose ops differ every time pays for recording without replaying.
         graph_replay: bool
     );
 

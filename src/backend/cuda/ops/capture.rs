@@ -20,8 +20,8 @@
 //!    another address) is the same launch with other arguments: they are written into the
 //!    executable graph (`cuGraphExecKernelNodeSetParams`) before it is launched. Anything else
 //!    that differs (another kernel or launch shape, a product's arguments, a call more or
-//!    fewer, a boundary inside a stretch, another thread using the device while calls are held
-//!    back) is a divergence: the held-back calls of the stretch are issued as recorded, the
+//!    fewer, a boundary inside a stretch, another thread's op touching what the held calls use)
+//!    is a divergence: the held-back calls of the stretch are issued as recorded, the
 //!    diverging call is issued, the cycle finishes eagerly, and the graphs are dropped so that
 //!    the next cycle records again. Nothing the user did not ask for ever runs, and every call
 //!    that runs is the one an eager run makes, in the same order, so results are bit for bit
@@ -366,6 +366,8 @@ struct Replay {
     failed_captures: u32,
     /// Recording stopped for good.
     failed: bool,
+    /// What the calls held back in the current stretch touch.
+    held: Held,
 }
 
 /// Failed captures in a row after which a workspace stops recording.
@@ -386,6 +388,110 @@ thread_local! {
     /// The cycle this thread records or replays, and its device (`usize::MAX`: none).
     static ACTIVE: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
     static ACTIVE_ON: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// One device range an op of this thread holds locked: `[start, end)`, written or only read,
+/// and the id its [`Noted`] guard removes it by.
+#[derive(Clone, Copy)]
+struct Access {
+    start: u64,
+    end: u64,
+    write: bool,
+    id: u64,
+}
+
+thread_local! {
+    /// The device ranges of the arrays this thread's op has locked now: what its calls touch
+    /// (besides the backend's own scratch, used by one op at a time). Empty: not known.
+    static FOOTPRINT: RefCell<Vec<Access>> = const { RefCell::new(Vec::new()) };
+    static NEXT_ACCESS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// An array's device bytes locked by this thread's op (see [`note`]); dropping it (with the
+/// lock) forgets them.
+pub(crate) struct Noted(u64);
+
+/// Notes that this thread's op has `len` bytes at `ptr` locked, for writing or reading, until
+/// the returned guard drops. Another thread's replayed cycle holds calls back only as long as
+/// no op touches what they touch (see [`flush_others`]).
+pub(crate) fn note(ptr: CUdeviceptr, len: usize, write: bool) -> Noted {
+    let id = NEXT_ACCESS.with(|n| {
+        let id = n.get();
+        n.set(id.wrapping_add(1));
+        id
+    });
+    FOOTPRINT.with(|f| {
+        f.borrow_mut().push(Access {
+            start: ptr,
+            end: ptr.saturating_add(len as u64),
+            write,
+            id,
+        })
+    });
+    Noted(id)
+}
+
+impl Drop for Noted {
+    fn drop(&mut self) {
+        let id = self.0;
+        FOOTPRINT.with(|f| {
+            let mut f = f.borrow_mut();
+            if let Some(at) = f.iter().rposition(|a| a.id == id) {
+                f.swap_remove(at);
+            }
+        });
+    }
+}
+
+/// What the calls a replayed cycle holds back touch: the ranges of their ops' locked arrays, or
+/// `unknown` where a call came without them.
+#[derive(Default)]
+struct Held {
+    ranges: Vec<(u64, u64, bool)>,
+    unknown: bool,
+}
+
+impl Held {
+    fn clear(&mut self) {
+        self.ranges.clear();
+        self.unknown = false;
+    }
+
+    /// Adds what this thread's op touches now.
+    fn add_footprint(&mut self) {
+        FOOTPRINT.with(|f| {
+            let f = f.borrow();
+            if f.is_empty() {
+                self.unknown = true;
+            }
+            for a in f.iter() {
+                if !self
+                    .ranges
+                    .iter()
+                    .any(|&(s, e, w)| s == a.start && e == a.end && w == a.write)
+                {
+                    self.ranges.push((a.start, a.end, a.write));
+                }
+            }
+        });
+    }
+
+    /// Whether this thread's op now may touch what the held calls touch: it writes what they
+    /// read or write, or reads what they write (or either side is not known).
+    fn conflicts_with_footprint(&self) -> bool {
+        if self.unknown {
+            return true;
+        }
+        FOOTPRINT.with(|f| {
+            let f = f.borrow();
+            f.is_empty()
+                || f.iter().any(|a| {
+                    self.ranges
+                        .iter()
+                        .any(|&(s, e, w)| s < a.end && a.start < e && (w || a.write))
+                })
+        })
+    }
 }
 
 /// Cycles replaying per device (their calls may be held back).
@@ -453,8 +559,10 @@ fn boundary_hook(gpu: &Gpu) {
     let _ = boundary(&ctx, gpu);
 }
 
-/// Another thread's cycle replaying on `gpu` whose calls are held back diverges now (its held
-/// calls are issued first): this thread's work may depend on them, and must not run before.
+/// Another thread's cycle replaying on `gpu` whose held calls touch what this thread's op
+/// touches (one of the two writing), or either side not known, diverges now (its held calls are
+/// issued first): this op may depend on them, and must not run before. Ops on arrays the held
+/// calls do not write, writing none they use (two inference workers reading one model), go on.
 fn flush_others(ctx: &Ctx, gpu: &Gpu, mine: Option<&Arc<Shared>>) -> Result<()> {
     let at = slot(gpu.ordinal);
     let replaying = REPLAYING[at].load(Ordering::Acquire);
@@ -471,10 +579,10 @@ fn flush_others(ctx: &Ctx, gpu: &Gpu, mine: Option<&Arc<Shared>>) -> Result<()> 
     for other in others {
         let mut replay = other.replay.lock();
         if let Mode::Replaying { stretch, pos } = replay.mode {
-            if pos > 0 {
+            if pos > 0 && replay.held.conflicts_with_footprint() {
                 let why = format!(
-                    "another thread used cuda:{} (`{}`) while this cycle's calls were held back",
-                    gpu.ordinal, ctx.op
+                    "another thread's `{}` on cuda:{} touched what this cycle's held calls use",
+                    ctx.op, gpu.ordinal
                 );
                 replay.diverge(ctx, gpu, &other, why, stretch, pos)?;
             }
@@ -502,6 +610,7 @@ impl CycleGraph {
                 },
                 failed_captures: 0,
                 failed: false,
+                held: Held::default(),
             }),
         })))
     }
@@ -655,6 +764,7 @@ impl Replay {
                 };
                 match compared {
                     Compare::Same => {
+                        self.held.add_footprint();
                         self.mode = Mode::Replaying {
                             stretch,
                             pos: pos + 1,
@@ -662,6 +772,7 @@ impl Replay {
                         Ok(())
                     }
                     Compare::Updated => {
+                        self.held.add_footprint();
                         self.stats.updated_arguments += 1;
                         self.mode = Mode::Replaying {
                             stretch,
@@ -759,7 +870,9 @@ impl Replay {
         // order with everything else; it reads and writes memory held as when it was recorded.
         unsafe { sys::cuGraphLaunch(stretch.exec, gpu.cu_stream()) }
             .result()
-            .map_err(|e| gpu.failed(ctx, "cuGraphLaunch", e))
+            .map_err(|e| gpu.failed(ctx, "cuGraphLaunch", e))?;
+        self.held.clear();
+        Ok(())
     }
 
     /// The cycle diverged at call `pos` of stretch `s`: the held calls of the stretch are
@@ -777,6 +890,7 @@ impl Replay {
         self.stats.fallbacks += 1;
         self.stats.last_fallback = Some(why);
         self.mode = Mode::Eager;
+        self.held.clear();
         self.stop_replaying(shared);
         let issued = match self.stretches.get(s) {
             Some(stretch) => stretch.entries[..pos.min(stretch.entries.len())]
