@@ -528,7 +528,7 @@ fn with_active<R>(ordinal: usize, f: impl FnOnce(Option<&Arc<Shared>>) -> R) -> 
 /// records it, or checks it against the recording and holds it back.
 pub(super) fn call(ctx: &Ctx, gpu: &Gpu, call: Call<'_>) -> Result<()> {
     with_active(gpu.ordinal, |mine| {
-        flush_others(ctx, gpu, mine)?;
+        flush_others(ctx, gpu, mine, true)?;
         match mine {
             Some(shared) => shared.replay.lock().call(ctx, gpu, shared, call),
             None => issue(ctx, gpu, &call, gpu.cu_stream()),
@@ -539,11 +539,17 @@ pub(super) fn call(ctx: &Ctx, gpu: &Gpu, call: Call<'_>) -> Result<()> {
 /// Before a call on `gpu`'s stream that no graph holds (a transfer, a host read, a wait, a
 /// free): the calls held back so far must reach the device first.
 pub(super) fn boundary(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
+    boundary_of(ctx, gpu, true)
+}
+
+/// [`boundary`]; `known`: what the call touches is the op's locked arrays (a transfer or read
+/// of them), else it may touch anything (a free, a wait for the whole device).
+fn boundary_of(ctx: &Ctx, gpu: &Gpu, known: bool) -> Result<()> {
     if !watching(gpu.ordinal) {
         return Ok(());
     }
     with_active(gpu.ordinal, |mine| {
-        flush_others(ctx, gpu, mine)?;
+        flush_others(ctx, gpu, mine, known)?;
         match mine {
             Some(shared) => shared.replay.lock().boundary(ctx, gpu, shared),
             None => Ok(()),
@@ -551,19 +557,19 @@ pub(super) fn boundary(ctx: &Ctx, gpu: &Gpu) -> Result<()> {
     })
 }
 
-/// [`boundary`] for the device layer's frees and allocations (registered with it), which have
-/// no op to name.
+/// [`boundary`] for the device layer's frees (registered with it), which have no op to name.
 fn boundary_hook(gpu: &Gpu) {
-    let ctx = Ctx::new("(a free or allocation in a replayed cycle)");
-    // A failure here is the device's: the free or allocation that follows reports it.
-    let _ = boundary(&ctx, gpu);
+    let ctx = Ctx::new("(a free of device memory)");
+    // A failure here is the device's: the free that follows reports it. The memory freed may
+    // be any held call's, whatever the op's locked arrays.
+    let _ = boundary_of(&ctx, gpu, false);
 }
 
 /// Another thread's cycle replaying on `gpu` whose held calls touch what this thread's op
 /// touches (one of the two writing), or either side not known, diverges now (its held calls are
 /// issued first): this op may depend on them, and must not run before. Ops on arrays the held
 /// calls do not write, writing none they use (two inference workers reading one model), go on.
-fn flush_others(ctx: &Ctx, gpu: &Gpu, mine: Option<&Arc<Shared>>) -> Result<()> {
+fn flush_others(ctx: &Ctx, gpu: &Gpu, mine: Option<&Arc<Shared>>, known: bool) -> Result<()> {
     let at = slot(gpu.ordinal);
     let replaying = REPLAYING[at].load(Ordering::Acquire);
     let own = mine.is_some_and(|m| m.replaying.load(Ordering::Relaxed));
@@ -579,7 +585,7 @@ fn flush_others(ctx: &Ctx, gpu: &Gpu, mine: Option<&Arc<Shared>>) -> Result<()> 
     for other in others {
         let mut replay = other.replay.lock();
         if let Mode::Replaying { stretch, pos } = replay.mode {
-            if pos > 0 && replay.held.conflicts_with_footprint() {
+            if pos > 0 && (!known || replay.held.conflicts_with_footprint()) {
                 let why = format!(
                     "another thread's `{}` on cuda:{} touched what this cycle's held calls use",
                     ctx.op, gpu.ordinal
