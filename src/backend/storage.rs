@@ -29,11 +29,13 @@ pub(crate) enum Storage {
 
 impl Storage {
     /// Notes, for graph replay, that the calling thread's op holds these bytes locked (for
-    /// writing or reading) until the guard drops; nothing for host memory.
-    #[inline]
+    /// writing or reading) until the guard drops; nothing for host memory, nor while no cycle
+    /// replays.
+    #[inline(always)]
     pub fn note_locked(&self, write: bool) -> Option<crate::backend::cuda::Noted> {
         match self {
             Storage::Host(_) => None,
+            Storage::Cuda(_) if !crate::backend::cuda::any_replaying() => None,
             Storage::Cuda(buffer) => Some(crate::backend::cuda::note(
                 buffer.address(),
                 buffer.bytes(),

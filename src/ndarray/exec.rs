@@ -237,6 +237,7 @@ impl std::ops::DerefMut for WriteGuard<'_> {
 }
 
 /// Read-locks an array's bytes, or gives its `ArrayClosed` error.
+#[inline]
 fn read<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<ReadGuard<'a>> {
     let held = locks::acquire(Rank::Data, a as *const ArrayShared as usize);
     let guard =
@@ -249,6 +250,7 @@ fn read<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<ReadGuard<'a>> {
 }
 
 /// Write-locks an array's bytes, or gives its `ArrayClosed` error.
+#[inline]
 fn write<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<WriteGuard<'a>> {
     let guard = write_at(ctx, a, a as *const ArrayShared as usize)?;
     // An in-place write: the version a gradient tape checks.
@@ -263,7 +265,7 @@ fn write_fresh<'a>(ctx: &Ctx, a: &'a ArrayShared) -> Result<WriteGuard<'a>> {
     write_at(ctx, a, usize::MAX)
 }
 
-#[inline]
+#[inline(always)]
 fn write_at<'a>(ctx: &Ctx, a: &'a ArrayShared, address: usize) -> Result<WriteGuard<'a>> {
     let held = locks::acquire(Rank::Data, address);
     let guard = RwLockWriteGuard::try_map(a.data.write(), Option::as_mut)

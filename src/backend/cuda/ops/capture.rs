@@ -400,47 +400,61 @@ struct Access {
     id: u64,
 }
 
+/// The device ranges of the arrays this thread's op has locked now: what its calls touch
+/// (besides the backend's own scratch, used by one op at a time). Empty: not known.
+struct Footprint {
+    accesses: Vec<Access>,
+    /// The id of the last access noted.
+    last: u64,
+}
+
 thread_local! {
-    /// The device ranges of the arrays this thread's op has locked now: what its calls touch
-    /// (besides the backend's own scratch, used by one op at a time). Empty: not known.
-    static FOOTPRINT: RefCell<Vec<Access>> = const { RefCell::new(Vec::new()) };
-    static NEXT_ACCESS: Cell<u64> = const { Cell::new(0) };
+    static FOOTPRINT: RefCell<Footprint> = const {
+        RefCell::new(Footprint {
+            accesses: Vec::new(),
+            last: 0,
+        })
+    };
 }
 
 /// An array's device bytes locked by this thread's op (see [`note`]); dropping it (with the
 /// lock) forgets them.
-pub(crate) struct Noted(u64);
+pub(crate) struct Noted(std::num::NonZeroU64);
 
 /// Notes that this thread's op has `len` bytes at `ptr` locked, for writing or reading, until
 /// the returned guard drops. Another thread's replayed cycle holds calls back only as long as
 /// no op touches what they touch (see [`flush_others`]).
 pub(crate) fn note(ptr: CUdeviceptr, len: usize, write: bool) -> Noted {
-    let id = NEXT_ACCESS.with(|n| {
-        let id = n.get();
-        n.set(id.wrapping_add(1));
-        id
-    });
     FOOTPRINT.with(|f| {
-        f.borrow_mut().push(Access {
+        let mut f = f.borrow_mut();
+        let id = f.last.wrapping_add(1).max(1);
+        f.last = id;
+        f.accesses.push(Access {
             start: ptr,
             end: ptr.saturating_add(len as u64),
             write,
             id,
-        })
-    });
-    Noted(id)
+        });
+        Noted(std::num::NonZeroU64::MIN.saturating_add(id - 1))
+    })
 }
 
 impl Drop for Noted {
+    #[inline]
     fn drop(&mut self) {
-        let id = self.0;
-        FOOTPRINT.with(|f| {
-            let mut f = f.borrow_mut();
-            if let Some(at) = f.iter().rposition(|a| a.id == id) {
-                f.swap_remove(at);
-            }
-        });
+        forget(self.0.get());
     }
+}
+
+/// Removes access `id` from this thread's footprint.
+#[inline(never)]
+fn forget(id: u64) {
+    FOOTPRINT.with(|f| {
+        let accesses = &mut f.borrow_mut().accesses;
+        if let Some(at) = accesses.iter().rposition(|a| a.id == id) {
+            accesses.swap_remove(at);
+        }
+    });
 }
 
 /// What the calls a replayed cycle holds back touch: the ranges of their ops' locked arrays, or
@@ -457,20 +471,18 @@ impl Held {
         self.unknown = false;
     }
 
-    /// Adds what this thread's op touches now.
+    /// Adds what this thread's op touches now (the last call's ranges again are skipped: an
+    /// op's calls come one after another).
     fn add_footprint(&mut self) {
         FOOTPRINT.with(|f| {
             let f = f.borrow();
-            if f.is_empty() {
+            if f.accesses.is_empty() {
                 self.unknown = true;
             }
-            for a in f.iter() {
-                if !self
-                    .ranges
-                    .iter()
-                    .any(|&(s, e, w)| s == a.start && e == a.end && w == a.write)
-                {
-                    self.ranges.push((a.start, a.end, a.write));
+            for a in &f.accesses {
+                let range = (a.start, a.end, a.write);
+                if !self.ranges.iter().rev().take(4).any(|&r| r == range) {
+                    self.ranges.push(range);
                 }
             }
         });
@@ -483,7 +495,7 @@ impl Held {
             return true;
         }
         FOOTPRINT.with(|f| {
-            let f = f.borrow();
+            let f = &f.borrow().accesses;
             f.is_empty()
                 || f.iter().any(|a| {
                     self.ranges
@@ -492,6 +504,17 @@ impl Held {
                 })
         })
     }
+}
+
+/// Cycles replaying on any device: while none does, no op's locked arrays are noted. (An op
+/// that locked an array before a cycle began replaying cannot conflict with that cycle's held
+/// calls through it: they would need the same array, whose lock the op holds.)
+static ANY_REPLAYING: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether any cycle replays now (ops note their locked device arrays only then).
+#[inline]
+pub(crate) fn any_replaying() -> bool {
+    ANY_REPLAYING.load(Ordering::Relaxed) != 0
 }
 
 /// Cycles replaying per device (their calls may be held back).
@@ -642,6 +665,7 @@ impl CycleGraph {
                 .lock()
                 .push(Arc::clone(&self.0));
             REPLAYING[slot(replay.ordinal)].fetch_add(1, Ordering::Release);
+            ANY_REPLAYING.fetch_add(1, Ordering::Release);
         }
         ACTIVE.with(|a| *a.borrow_mut() = Some(Arc::clone(&self.0)));
         ACTIVE_ON.with(|a| a.set(replay.ordinal));
@@ -916,6 +940,7 @@ impl Replay {
             let at = slot(self.ordinal);
             REGISTRY[at].lock().retain(|s| !Arc::ptr_eq(s, shared));
             REPLAYING[at].fetch_sub(1, Ordering::Release);
+            ANY_REPLAYING.fetch_sub(1, Ordering::Release);
         }
     }
 
