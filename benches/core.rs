@@ -18,6 +18,8 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
+
+mod common;
 use ndscope::{DType, Manager};
 
 /// The least an eager array library does per result: allocate its bytes zeroed, 64-byte
@@ -41,6 +43,17 @@ fn tiny_ops_on_a_big_pool(c: &mut Criterion) {
     let one = m.ones([1], DType::F32).unwrap();
     let x = m.ones([1, 784], DType::F32).unwrap();
     let w = m.ones([784, 1024], DType::F32).unwrap();
+    let w2 = m.ones([1024, 1024], DType::F32).unwrap();
+    let w3 = m.ones([1024, 10], DType::F32).unwrap();
+    let b = m.ones([1024], DType::F32).unwrap();
+    // A batch-1 forward pass of the 784→1024→1024→10 MLP: its 1024² product reads 4 MiB of
+    // weights and takes 3 threads of the policy (one per 1.25 MiB), the rest stays on the
+    // caller. On a pool larger than the machine this used to leave helpers spinning.
+    let forward = || {
+        let h = x.matmul(&w)?.add(&b)?.relu()?;
+        let h = h.matmul(&w2)?.add(&b)?.relu()?;
+        h.matmul(&w3)
+    };
     let mut g = c.benchmark_group("tiny_ops_on_a_big_pool");
     for cap in [full, 1] {
         g.bench_function(format!("1-element add, {cap}-thread pool"), |b| {
@@ -54,8 +67,20 @@ fn tiny_ops_on_a_big_pool(c: &mut Criterion) {
                 b.iter(|| x.matmul(&w).unwrap().close().unwrap())
             },
         );
+        let name = format!("batch-1 MLP forward, {cap}-thread pool");
+        common::bench(&mut g, "tiny_ops_on_a_big_pool", &name, || {
+            ndscope::set_num_threads(cap);
+            let scope = m.sub_scope().unwrap();
+            let _active = scope.activate();
+            black_box(forward().unwrap());
+        });
     }
     g.finish();
+    common::ratio(
+        &format!("batch-1 MLP forward, {full}-thread pool / 1-thread pool"),
+        &format!("tiny_ops_on_a_big_pool/batch-1 MLP forward, {full}-thread pool"),
+        "tiny_ops_on_a_big_pool/batch-1 MLP forward, 1-thread pool",
+    );
     // The other groups run on as many threads as there are cores, as without this group.
     ndscope::set_num_threads(std::thread::available_parallelism().map_or(1, |n| n.get()));
     m.close().unwrap();

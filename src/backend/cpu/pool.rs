@@ -67,6 +67,10 @@ struct Job<'a> {
 struct Pool {
     /// Threads a job runs on: 1 + the helpers that started.
     threads: AtomicUsize,
+    /// The cores the process may use: no job runs on more threads than that.
+    cores: AtomicUsize,
+    /// Helpers spinning for the next job (not sleeping, not in a job).
+    spinning: AtomicUsize,
     /// Whether a caller owns the pool (runs a job).
     busy: AtomicBool,
     ctl: AtomicU64,
@@ -162,6 +166,7 @@ fn pool() -> &'static Pool {
         }
         let pool: &'static Pool = Box::leak(Box::new(Pool {
             threads: AtomicUsize::new(1),
+            cores: AtomicUsize::new(available.max(1)),
             busy: AtomicBool::new(false),
             ctl: AtomicU64::new(0),
             job: UnsafeCell::new(std::ptr::null()),
@@ -169,6 +174,7 @@ fn pool() -> &'static Pool {
             helpers: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
+            spinning: AtomicUsize::new(0),
             ready: AtomicUsize::new(0),
             warm_at_start: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
@@ -236,21 +242,28 @@ fn helper(pool: &'static Pool) {
     super::warm::warm_thread();
     pool.ready.fetch_add(1, Ordering::Release);
     let mut seen = 0u64;
+    // Since when this helper has run no task: it spins until `SPIN` past that, then sleeps. A
+    // job it did not join (enough helpers were in) does not restart the count: on a pool larger
+    // than the jobs (16 threads on 2 cores, or kernels that want 2 threads of 64), the helpers
+    // no job wants would otherwise spin for ever, taking the cores from the ones working.
+    let mut idle_since = Instant::now();
     loop {
         // Wait for an open job of a new epoch: spin first, then sleep.
-        let start = Instant::now();
         let mut spins = 0u32;
+        pool.spinning.fetch_add(1, Ordering::SeqCst);
         let mut ctl = loop {
             let c = pool.ctl.load(Ordering::Acquire);
             if c & OPEN != 0 && c >> EPOCH_SHIFT != seen {
+                pool.spinning.fetch_sub(1, Ordering::SeqCst);
                 break c;
             }
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && idle_since.elapsed() > SPIN {
                 let guard = pool
                     .sleep_lock
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
+                pool.spinning.fetch_sub(1, Ordering::SeqCst);
                 pool.sleepers.fetch_add(1, Ordering::SeqCst);
                 let c = pool.ctl.load(Ordering::SeqCst);
                 if !(c & OPEN != 0 && c >> EPOCH_SHIFT != seen) {
@@ -261,6 +274,7 @@ fn helper(pool: &'static Pool) {
                     );
                 }
                 pool.sleepers.fetch_sub(1, Ordering::SeqCst);
+                pool.spinning.fetch_add(1, Ordering::SeqCst);
                 continue;
             }
             std::hint::spin_loop();
@@ -295,6 +309,7 @@ fn helper(pool: &'static Pool) {
             pool.panicked.store(true, Ordering::Relaxed);
         }
         pool.ctl.fetch_sub(1, Ordering::Release);
+        idle_since = Instant::now();
     }
 }
 
@@ -334,7 +349,11 @@ pub(crate) fn run(tasks: usize, work: Work, f: &(dyn Fn(usize) + Sync)) {
         return;
     }
     let pool = pool();
-    let threads = super::threads_for(work, tasks, threads());
+    // Never more threads at once than cores: on a pool larger than the machine (16 threads on
+    // 2 cores), a third thread woken for a 1024² product waits for a core a scheduler tick
+    // long (a batch-1 forward pass took 417 µs there instead of 61).
+    let cores = pool.cores.load(Ordering::Relaxed);
+    let threads = super::threads_for(work, tasks, threads().min(cores));
     if threads < 2
         || pool
             .busy
@@ -361,14 +380,19 @@ pub(crate) fn run(tasks: usize, work: Work, f: &(dyn Fn(usize) + Sync)) {
         Ordering::SeqCst,
     );
     let sleepers = pool.sleepers.load(Ordering::SeqCst);
-    if sleepers > 0 {
+    // The places spinning helpers will take need no sleeper woken (a wake-up is a system call,
+    // and on a small machine a context switch the caller waits for). A spinner that goes to
+    // sleep meanwhile leaves its place to the caller, which runs every task no helper takes.
+    let wake = helpers
+        .saturating_sub(pool.spinning.load(Ordering::SeqCst))
+        .min(sleepers);
+    if wake > 0 {
         let _guard = pool
             .sleep_lock
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        // Spinning helpers may take some of the places first; a woken one that finds none
-        // goes back to sleep.
-        for _ in 0..sleepers.min(helpers) {
+        // A woken helper that finds no place left goes back to sleep.
+        for _ in 0..wake {
             pool.wake.notify_one();
         }
     }
