@@ -119,24 +119,8 @@ fn a_replayed_mlp_step_is_one_graph_launch_from_the_host() {
         return;
     };
     let _one = serial();
-    let trainer = Manager::new_base_on(dev).unwrap().with_name("trainer");
-    let ws = trainer.workspace("batch", replaying()).unwrap();
-    manual_seed(2);
-    let model = Manager::new_base_on(dev).unwrap().with_name("model");
-    let net = mlp::Mlp::with_gradients(&model, &[784, 1024, 1024, 10]).unwrap();
-    let sgd = Sgd {
-        momentum: 0.9,
-        ..Sgd::new(0.01)
-    };
-    let mut optimizer = Optimizer::new(net.parameters(), sgd).unwrap();
-    model.cap();
-    let x = trainer.randn([16, 784], DType::F32).unwrap();
-    let labels: Vec<i64> = (0..16).map(|i| i % 10).collect();
-    let y = trainer.from_vec(labels, [16]).unwrap();
-    let mut step = || {
-        ws.cycle(|_| net.autograd_step(&mut optimizer, &x, &y).map(|_| ()))
-            .unwrap()
-    };
+    let mut fixture = mlp::AutogradStep::new(dev, 16, replaying()).unwrap();
+    let mut step = || fixture.run().unwrap();
     for _ in 0..3 {
         step();
     }
@@ -173,11 +157,10 @@ fn a_replayed_mlp_step_is_one_graph_launch_from_the_host() {
             sim::calls(&d)
         );
     }
-    let g = ws.stats().graph;
+    let g = fixture.ws.stats().graph;
     assert_eq!((g.replays, g.fallbacks), (11, 0), "{g:?}");
     assert!(g.calls >= 8, "{g:?}");
-    model.close().unwrap();
-    trainer.close().unwrap();
+    fixture.close().unwrap();
 }
 
 /// How a cycle departs from the recorded one (in cycle [`AT`] only).
@@ -206,6 +189,22 @@ enum Divergence {
     Shorter,
     /// One op more at the end.
     Longer,
+}
+
+impl Divergence {
+    const ALL: [Divergence; 11] = [
+        Divergence::Op,
+        Divergence::Shape,
+        Divergence::Scalar,
+        Divergence::KernelAddress,
+        Divergence::ProductAddress,
+        Divergence::Read,
+        Divergence::Error,
+        Divergence::Thread,
+        Divergence::OtherArrays,
+        Divergence::Shorter,
+        Divergence::Longer,
+    ];
 }
 
 /// The cycle in which the divergence happens: cycle 0 learns the block, 1 is recorded, 2
@@ -334,19 +333,7 @@ fn every_divergence_falls_back_with_the_bits_of_an_eager_run() {
     };
     let _one = serial();
     use Divergence::*;
-    for kind in [
-        Op,
-        Shape,
-        Scalar,
-        KernelAddress,
-        ProductAddress,
-        Read,
-        Error,
-        Thread,
-        OtherArrays,
-        Shorter,
-        Longer,
-    ] {
+    for kind in Divergence::ALL {
         let eager = Run::new(dev, WorkspaceConfig::default());
         let replayed = Run::new(dev, replaying());
         for i in 0..CYCLES {

@@ -8,7 +8,7 @@ mod common;
 #[path = "../examples/mlp/mod.rs"]
 mod mlp;
 
-use ndscope::{manual_seed, DType, Manager, Optimizer, Sgd, WorkspaceConfig};
+use ndscope::WorkspaceConfig;
 
 use common::sim;
 
@@ -20,27 +20,8 @@ fn a_learned_mlp_step_is_at_most_16_launches_and_never_waits() {
     let Some(dev) = common::cuda_device() else {
         return;
     };
-    let trainer = Manager::new_base_on(dev).unwrap().with_name("trainer");
-    let ws = trainer
-        .workspace("batch", WorkspaceConfig::default())
-        .unwrap();
-    manual_seed(2);
-    let model = Manager::new_base_on(dev).unwrap().with_name("model");
-    let net = mlp::Mlp::with_gradients(&model, &[784, 1024, 1024, 10]).unwrap();
-    let sgd = Sgd {
-        momentum: 0.9,
-        ..Sgd::new(0.01)
-    };
-    let mut optimizer = Optimizer::new(net.parameters(), sgd).unwrap();
-    model.cap();
-    let batch = 16;
-    let x = trainer.randn([batch, 784], DType::F32).unwrap();
-    let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
-    let y = trainer.from_vec(labels, [batch]).unwrap();
-    let mut step = || {
-        ws.cycle(|_| net.autograd_step(&mut optimizer, &x, &y).map(|_| ()))
-            .unwrap()
-    };
+    let mut fixture = mlp::AutogradStep::new(dev, 16, WorkspaceConfig::default()).unwrap();
+    let mut step = || fixture.run().unwrap();
     // Learning: the workspace sizes its block, the gradients and momenta are made.
     for _ in 0..3 {
         step();
@@ -86,6 +67,5 @@ fn a_learned_mlp_step_is_at_most_16_launches_and_never_waits() {
             sim::calls(&d)
         );
     }
-    model.close().unwrap();
-    trainer.close().unwrap();
+    fixture.close().unwrap();
 }

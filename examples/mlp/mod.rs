@@ -364,3 +364,69 @@ pub fn make_data(
         Ok((tmp.ret(&x)?, tmp.ret(&y)?))
     })
 }
+
+/// The learned training step `examples/mlp_step.rs` times and the launch-count tests count:
+/// the MLP 784→1024→1024→10 (seed 2) with gradients in a capped `model`, SGD with momentum 0.9
+/// (lr 0.01), a batch of random inputs and labels `i % 10` in `trainer`, one cycle of the
+/// trainer's workspace `batch` per step.
+pub struct AutogradStep {
+    pub trainer: Manager,
+    pub model: Manager,
+    pub ws: ndscope::Workspace,
+    pub net: Mlp,
+    pub optimizer: Optimizer,
+    pub x: NDArray,
+    pub y: NDArray,
+}
+
+impl AutogradStep {
+    /// The step on `device` at `batch`, its workspace configured by `config`.
+    pub fn new(
+        device: ndscope::Device,
+        batch: usize,
+        config: ndscope::WorkspaceConfig,
+    ) -> Result<AutogradStep> {
+        let trainer = Manager::new_base_on(device)?.with_name("trainer");
+        let ws = trainer.workspace("batch", config)?;
+        ndscope::manual_seed(2);
+        let model = Manager::new_base_on(device)?.with_name("model");
+        let net = Mlp::with_gradients(&model, &[784, 1024, 1024, 10])?;
+        let sgd = ndscope::Sgd {
+            momentum: 0.9,
+            ..ndscope::Sgd::new(0.01)
+        };
+        let optimizer = Optimizer::new(net.parameters(), sgd)?;
+        model.cap();
+        let x = trainer.randn([batch, 784], DType::F32)?;
+        let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
+        let y = trainer.from_vec(labels, [batch])?;
+        Ok(AutogradStep {
+            trainer,
+            model,
+            ws,
+            net,
+            optimizer,
+            x,
+            y,
+        })
+    }
+
+    /// One step, in one cycle of the workspace.
+    pub fn run(&mut self) -> Result<()> {
+        let AutogradStep {
+            ws,
+            net,
+            optimizer,
+            x,
+            y,
+            ..
+        } = self;
+        ws.cycle(|_| net.autograd_step(optimizer, x, y).map(|_| ()))
+    }
+
+    /// Closes the model and the trainer.
+    pub fn close(self) -> Result<()> {
+        self.model.close()?;
+        self.trainer.close()
+    }
+}

@@ -334,17 +334,62 @@ impl Drop for OnStream {
     }
 }
 
-/// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
-/// where cuBLASLt cannot be loaded.
-fn lt_linear(
-    ctx: &Ctx,
-    gpu: &Gpu,
+/// One product with an epilogue, `out = act(x · w + bias)`, row-major `[m, k] · [k, n]`
+/// (`bias` 0: none).
+#[derive(Clone, Copy)]
+struct LtCall {
     dtype: DType,
-    Mnk { m, k, n }: Mnk,
-    (x, w, bias): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
+    dims: Mnk,
+    x: CUdeviceptr,
+    w: CUdeviceptr,
+    bias: CUdeviceptr,
     relu: bool,
     out: CUdeviceptr,
-) -> Result<bool> {
+}
+
+impl LtCall {
+    /// The product as the words of a recorded call.
+    fn encode(&self) -> [u64; LIB_WORDS] {
+        let Mnk { m, k, n } = self.dims;
+        let mut words = [0u64; LIB_WORDS];
+        words[..8].copy_from_slice(&[
+            u64::from(self.dtype == DType::F64) | u64::from(self.relu) << 1,
+            m as u64,
+            k as u64,
+            n as u64,
+            self.x,
+            self.w,
+            self.bias,
+            self.out,
+        ]);
+        words
+    }
+
+    /// The product of [`encode`](Self::encode)'s words.
+    fn decode(w: &[u64; LIB_WORDS]) -> LtCall {
+        LtCall {
+            dtype: if w[0] & 1 != 0 {
+                DType::F64
+            } else {
+                DType::F32
+            },
+            dims: Mnk {
+                m: w[1] as usize,
+                k: w[2] as usize,
+                n: w[3] as usize,
+            },
+            x: w[4],
+            w: w[5],
+            bias: w[6],
+            relu: w[0] & 2 != 0,
+            out: w[7],
+        }
+    }
+}
+
+/// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
+/// where cuBLASLt cannot be loaded.
+fn lt_linear(ctx: &Ctx, gpu: &Gpu, call: LtCall) -> Result<bool> {
     gpu.bind(ctx)?;
     if capture::watching(gpu.ordinal) {
         let available = {
@@ -355,60 +400,20 @@ fn lt_linear(
         if !available {
             return Ok(false);
         }
-        let mut words = [0u64; LIB_WORDS];
-        words[..8].copy_from_slice(&[
-            u64::from(dtype == DType::F64) | u64::from(relu) << 1,
-            m as u64,
-            k as u64,
-            n as u64,
-            x,
-            w,
-            bias,
-            out,
-        ]);
-        let call = LibCall {
+        let recorded = LibCall {
             kind: LT,
-            words,
+            words: call.encode(),
             issue: lt_on,
         };
-        capture::call(ctx, gpu, Call::Lib(call))?;
+        capture::call(ctx, gpu, Call::Lib(recorded))?;
         return Ok(true);
     }
-    lt_linear_on(
-        ctx,
-        gpu,
-        dtype,
-        Mnk { m, k, n },
-        (x, w, bias),
-        relu,
-        out,
-        None,
-    )
+    lt_linear_on(ctx, gpu, call, None)
 }
 
 /// A recorded cuBLASLt product issued again on `stream` ([`LibCall::issue`]).
-fn lt_on(ctx: &Ctx, gpu: &Gpu, w: &[u64; LIB_WORDS], stream: CUstream) -> Result<()> {
-    let dtype = if w[0] & 1 != 0 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let dims = Mnk {
-        m: w[1] as usize,
-        k: w[2] as usize,
-        n: w[3] as usize,
-    };
-    let done = lt_linear_on(
-        ctx,
-        gpu,
-        dtype,
-        dims,
-        (w[4], w[5], w[6]),
-        w[0] & 2 != 0,
-        w[7],
-        Some(stream),
-    )?;
-    if done {
+fn lt_on(ctx: &Ctx, gpu: &Gpu, words: &[u64; LIB_WORDS], stream: CUstream) -> Result<()> {
+    if lt_linear_on(ctx, gpu, LtCall::decode(words), Some(stream))? {
         Ok(())
     } else {
         Err(ctx.unsupported("cuBLASLt, used when the call was recorded, cannot be loaded now"))
@@ -416,17 +421,16 @@ fn lt_on(ctx: &Ctx, gpu: &Gpu, w: &[u64; LIB_WORDS], stream: CUstream) -> Result
 }
 
 /// [`lt_linear`] on `stream` (the device's own when `None`).
-#[allow(clippy::too_many_arguments)]
-fn lt_linear_on(
-    ctx: &Ctx,
-    gpu: &Gpu,
-    dtype: DType,
-    Mnk { m, k, n }: Mnk,
-    (x, w, bias): (CUdeviceptr, CUdeviceptr, CUdeviceptr),
-    relu: bool,
-    out: CUdeviceptr,
-    stream: Option<CUstream>,
-) -> Result<bool> {
+fn lt_linear_on(ctx: &Ctx, gpu: &Gpu, call: LtCall, stream: Option<CUstream>) -> Result<bool> {
+    let LtCall {
+        dtype,
+        dims: Mnk { m, k, n },
+        x,
+        w,
+        bias,
+        relu,
+        out,
+    } = call;
     gpu.bind(ctx)?;
     let mut handle = gpu.blas();
     handle.prepare(ctx, gpu)?;
@@ -589,17 +593,16 @@ impl MatmulOps for Cuda {
             return Ok(());
         }
         let bias_ptr = bias.map_or(0, DeviceBuffer::ptr);
-        if k > 0
-            && lt_linear(
-                ctx,
-                gpu,
-                dtype,
-                dims,
-                (x.ptr(), w.ptr(), bias_ptr),
-                relu,
-                out.ptr(),
-            )?
-        {
+        let call = LtCall {
+            dtype,
+            dims,
+            x: x.ptr(),
+            w: w.ptr(),
+            bias: bias_ptr,
+            relu,
+            out: out.ptr(),
+        };
+        if k > 0 && lt_linear(ctx, gpu, call)? {
             return Ok(());
         }
         // Without cuBLASLt (or for k = 0, which it need not take): the product, then the bias
