@@ -283,42 +283,34 @@ impl Shared {
                     return None;
                 }
             }
-            // The polling place taken when this worker answered: poll with it now.
-            if !polled && !q.gathering && HOLDS_POLL.with(|h| h.replace(false)) {
-                polled = true;
-                let seen = self.pushed.load(Ordering::SeqCst);
-                drop(q);
-                spin_until(spin_for(self.recent_ns.load(Ordering::Relaxed)), || {
-                    self.pushed.load(Ordering::Acquire) != seen
-                });
-                self.polling.store(0, Ordering::SeqCst);
-                q = self.queue.lock();
-                continue;
+            // Poll briefly for the next request before sleeping (see `SPIN`), one idle worker
+            // at a time: more would only take cores from the callers and the busy workers,
+            // and a submitter wakes a sleeping worker when none polls. The place may be this
+            // worker's already, taken when it answered.
+            if !polled && !q.gathering {
+                let held = HOLDS_POLL.with(|h| h.replace(false));
+                if held
+                    || self
+                        .polling
+                        .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+                {
+                    polled = true;
+                    let seen = self.pushed.load(Ordering::SeqCst);
+                    drop(q);
+                    spin_until(spin_for(self.recent_ns.load(Ordering::Relaxed)), || {
+                        self.pushed.load(Ordering::Acquire) != seen
+                    });
+                    // Counted out before looking at the queue: a request queued after this is
+                    // seen by the look below, or its submitter sees no poller and wakes a
+                    // worker.
+                    self.polling.store(0, Ordering::SeqCst);
+                    q = self.queue.lock();
+                    continue;
+                }
             }
             // Held but not used (another worker gathers a batch): given back before sleeping.
             self.release_poll();
-            // Poll briefly for the next request before sleeping (see `SPIN`), one idle worker
-            // at a time: more would only take cores from the callers and the busy workers,
-            // and a submitter wakes a sleeping worker when none polls.
-            if !polled
-                && !q.gathering
-                && self
-                    .polling
-                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
-                    .is_ok()
-            {
-                polled = true;
-                let seen = self.pushed.load(Ordering::SeqCst);
-                drop(q);
-                spin_until(spin_for(self.recent_ns.load(Ordering::Relaxed)), || {
-                    self.pushed.load(Ordering::Acquire) != seen
-                });
-                // Counted out before looking at the queue: a request queued after this is
-                // seen by the look below, or its submitter sees no poller and wakes a worker.
-                self.polling.store(0, Ordering::SeqCst);
-                q = self.queue.lock();
-                continue;
-            }
             self.work.wait(&mut q);
         }
         self.release_poll();
