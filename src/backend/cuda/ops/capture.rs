@@ -256,10 +256,7 @@ impl Entry {
                 spans,
                 ..
             } => {
-                let mut params: Vec<*mut c_void> = spans
-                    .iter()
-                    .map(|&(at, _)| bytes[at..].as_ptr().cast_mut().cast())
-                    .collect();
+                let mut params = argument_pointers(bytes, spans);
                 // SAFETY: the same kernel, launch shape and argument bytes as a launch that
                 // `launch_raw`'s caller vouched for; the driver copies the arguments before
                 // returning (it only reads through the pointers); the memory they address is
@@ -282,6 +279,15 @@ impl Entry {
             }
         }
     }
+}
+
+/// One pointer per recorded kernel argument, into `bytes` at each span's offset, as
+/// `cuLaunchKernel` and a kernel node's parameters take them (the driver only reads them).
+fn argument_pointers(bytes: &[u8], spans: &[(usize, usize)]) -> Vec<*mut c_void> {
+    spans
+        .iter()
+        .map(|&(at, _)| bytes[at..].as_ptr().cast_mut().cast())
+        .collect()
 }
 
 fn kind_of(call: &Call<'_>) -> &'static str {
@@ -364,8 +370,6 @@ struct Replay {
     /// Captures that failed in a row (a recorded address freed before the cycle's end, by a
     /// workspace that grew in it): at [`MAX_FAILED_CAPTURES`] recording stops for good.
     failed_captures: u32,
-    /// Recording stopped for good.
-    failed: bool,
     /// What the calls held back in the current stretch touch.
     held: Held,
 }
@@ -638,7 +642,6 @@ impl CycleGraph {
                     ..GraphReplayStats::default()
                 },
                 failed_captures: 0,
-                failed: false,
                 held: Held::default(),
             }),
         })))
@@ -649,7 +652,7 @@ impl CycleGraph {
     pub(crate) fn begin(&self, learned: bool) {
         let mut replay = self.0.replay.lock();
         replay.mode = Mode::Idle;
-        if !learned || replay.failed || !self.thread_is_free() {
+        if !learned || replay.gave_up() || !self.thread_is_free() {
             // Not learned, given up, or a cycle of another workspace records on this thread
             // already (it records this one's calls too).
             return;
@@ -742,7 +745,7 @@ impl CycleGraph {
     pub(crate) fn forget(&self) {
         let mut replay = self.0.replay.lock();
         replay.drop_graphs();
-        if !replay.failed {
+        if !replay.gave_up() {
             replay.stats.state = GraphState::Learning;
         }
     }
@@ -764,6 +767,12 @@ impl Drop for CycleGraph {
 }
 
 impl Replay {
+    /// Whether recording stopped for good ([`MAX_FAILED_CAPTURES`] failed captures in a row:
+    /// none is tried again, so the count stays there).
+    fn gave_up(&self) -> bool {
+        self.failed_captures >= MAX_FAILED_CAPTURES
+    }
+
     fn call(&mut self, ctx: &Ctx, gpu: &Gpu, shared: &Arc<Shared>, call: Call<'_>) -> Result<()> {
         match self.mode {
             Mode::Recording => {
@@ -868,10 +877,7 @@ impl Replay {
                 if !*dirty {
                     continue;
                 }
-                let mut params: Vec<*mut c_void> = spans
-                    .iter()
-                    .map(|&(at, _)| bytes[at..].as_mut_ptr().cast())
-                    .collect();
+                let mut params = argument_pointers(bytes, spans);
                 let node_params = sys::CUDA_KERNEL_NODE_PARAMS {
                     func: *f,
                     gridDimX: *blocks,
@@ -929,7 +935,7 @@ impl Replay {
             None => Ok(()),
         };
         self.drop_graphs();
-        if !self.failed {
+        if !self.gave_up() {
             self.stats.state = GraphState::Learning;
         }
         issued
@@ -994,7 +1000,6 @@ impl Replay {
                         "graph replay is off for this workspace: capturing its cycle failed \
                          {MAX_FAILED_CAPTURES} times in a row, last: {why}"
                     );
-                    self.failed = true;
                     self.stats.state = GraphState::Failed(why);
                     return;
                 }
