@@ -15,11 +15,25 @@ pub enum DType {
     I64,
     /// 8-bit unsigned integer; also the boolean type (0 or 1).
     U8,
+    /// 16-bit IEEE half-precision float ([`half::f16`]: 5 exponent bits, 10 mantissa bits).
+    /// Arithmetic computes in f32 and rounds each result once, to nearest even.
+    F16,
+    /// 16-bit brain float ([`half::bf16`]: f32's 8 exponent bits, 7 mantissa bits). Arithmetic
+    /// computes in f32 and rounds each result once, to nearest even.
+    BF16,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 5] = [DType::F32, DType::F64, DType::I32, DType::I64, DType::U8];
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::F64,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::F16,
+        DType::BF16,
+    ];
 
     /// Bytes per element.
     pub const fn size_in_bytes(self) -> usize {
@@ -27,15 +41,22 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
             DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
         }
     }
 
-    /// `true` for `F32` and `F64`.
+    /// `true` for `F32`, `F64`, `F16` and `BF16`.
     pub const fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
     }
 
-    /// The name as Rust spells the element type: `"f32"`, `"f64"`, `"i32"`, `"i64"`, `"u8"`.
+    /// `true` for the 16-bit floats `F16` and `BF16`, which compute in f32.
+    pub const fn is_half(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+
+    /// The name as Rust spells the element type: `"f32"`, `"f64"`, `"i32"`, `"i64"`, `"u8"`,
+    /// `"f16"`, `"bf16"` (the last two as the `half` crate names them).
     pub const fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -43,6 +64,8 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::U8 => "u8",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
         }
     }
 }
@@ -60,9 +83,12 @@ mod sealed {
     impl Sealed for i32 {}
     impl Sealed for i64 {}
     impl Sealed for u8 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
 }
 
-/// A Rust type that can be an array element: `f32, f64, i32, i64, u8`. Sealed.
+/// A Rust type that can be an array element: `f32, f64, i32, i64, u8`, and `half`'s `f16` and
+/// `bf16`. Sealed.
 pub trait Element:
     sealed::Sealed
     + Copy
@@ -83,8 +109,9 @@ pub trait Element:
     const ONE: Self;
     /// Converts to `f64` (exact for every value except large `i64`).
     fn to_f64(self) -> f64;
-    /// Converts from `f64` as Rust's `as` does: floats round, integers truncate toward zero and
-    /// saturate at their bounds, NaN becomes 0.
+    /// Converts from `f64` as Rust's `as` does: floats round (to nearest even, once: `f16` and
+    /// `bf16` straight from the f64, as `half` and CUDA's `__double2half` do), integers truncate
+    /// toward zero and saturate at their bounds, NaN becomes 0.
     fn from_f64(value: f64) -> Self;
 }
 
@@ -112,6 +139,27 @@ element!(i32, DType::I32, 0, 1);
 element!(i64, DType::I64, 0, 1);
 element!(u8, DType::U8, 0, 1);
 
+macro_rules! half_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            const ZERO: Self = <$t>::ZERO;
+            const ONE: Self = <$t>::ONE;
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self.to_f64()
+            }
+            #[inline(always)]
+            fn from_f64(value: f64) -> Self {
+                <$t>::from_f64(value)
+            }
+        }
+    };
+}
+
+half_element!(half::f16, DType::F16);
+half_element!(half::bf16, DType::BF16);
+
 /// Runs `$body` with `$t` bound to the Rust type of `$dtype`.
 macro_rules! dispatch {
     ($dtype:expr, $t:ident => $body:expr) => {
@@ -136,6 +184,14 @@ macro_rules! dispatch {
                 type $t = u8;
                 $body
             }
+            $crate::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
         }
     };
 }
@@ -151,6 +207,14 @@ macro_rules! dispatch_float {
             }
             $crate::DType::F64 => {
                 type $t = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = half::bf16;
                 $body
             }
             _ => $other,

@@ -42,12 +42,14 @@ pub(crate) enum HostData {
     I32(Vec<i32>),
     I64(Vec<i64>),
     U8(Vec<u8>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
 }
 
 impl HostData {
     /// Takes `data` as the variant of its element type.
     fn from_vec<T: Element>(data: Vec<T>) -> HostData {
-        // `Element` is sealed to these five types, so exactly one cast succeeds.
+        // `Element` is sealed to these seven types, so exactly one cast succeeds.
         let data = match cast_vec::<T, f32>(data) {
             Ok(v) => return HostData::F32(v),
             Err(d) => d,
@@ -64,9 +66,19 @@ impl HostData {
             Ok(v) => return HostData::I64(v),
             Err(d) => d,
         };
-        match cast_vec::<T, u8>(data) {
-            Ok(v) => HostData::U8(v),
-            Err(_) => unreachable!("Element is implemented for f32, f64, i32, i64 and u8 only"),
+        let data = match cast_vec::<T, u8>(data) {
+            Ok(v) => return HostData::U8(v),
+            Err(d) => d,
+        };
+        let data = match cast_vec::<T, half::f16>(data) {
+            Ok(v) => return HostData::F16(v),
+            Err(d) => d,
+        };
+        match cast_vec::<T, half::bf16>(data) {
+            Ok(v) => HostData::BF16(v),
+            Err(_) => {
+                unreachable!("Element is implemented for f32, f64, i32, i64, u8, f16, bf16 only")
+            }
         }
     }
 
@@ -77,6 +89,8 @@ impl HostData {
             HostData::I32(_) => DType::I32,
             HostData::I64(_) => DType::I64,
             HostData::U8(_) => DType::U8,
+            HostData::F16(_) => DType::F16,
+            HostData::BF16(_) => DType::BF16,
         }
     }
 
@@ -87,6 +101,8 @@ impl HostData {
             HostData::I32(v) => v,
             HostData::I64(v) => v,
             HostData::U8(v) => v,
+            HostData::F16(v) => v,
+            HostData::BF16(v) => v,
         }
     }
 }
@@ -182,6 +198,8 @@ impl HostArray {
             HostData::I32(v) => cast_vec(v).ok(),
             HostData::I64(v) => cast_vec(v).ok(),
             HostData::U8(v) => cast_vec(v).ok(),
+            HostData::F16(v) => cast_vec(v).ok(),
+            HostData::BF16(v) => cast_vec(v).ok(),
         };
         taken.ok_or_else(|| ctx.dtype(T::DTYPE, "internal: element type and storage disagree"))
     }
@@ -257,6 +275,8 @@ impl HostArray {
             HostData::I32(_) => join!(I32),
             HostData::I64(_) => join!(I64),
             HostData::U8(_) => join!(U8),
+            HostData::F16(_) => join!(F16),
+            HostData::BF16(_) => join!(BF16),
         };
         Ok(HostArray { shape, data })
     }
@@ -290,6 +310,8 @@ impl HostArray {
                 HostData::I32(v) => HostData::I32(v[range].to_vec()),
                 HostData::I64(v) => HostData::I64(v[range].to_vec()),
                 HostData::U8(v) => HostData::U8(v[range].to_vec()),
+                HostData::F16(v) => HostData::F16(v[range].to_vec()),
+                HostData::BF16(v) => HostData::BF16(v[range].to_vec()),
             };
             parts.push(HostArray {
                 shape: Shape::from(dims),

@@ -30,6 +30,9 @@ pub mod workspace;
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
+/// The half-precision element types of [`DType::F16`] and [`DType::BF16`], re-exported from the
+/// `half` crate so arrays of them need no second dependency.
+pub use half::{bf16, f16};
 pub use host::HostArray;
 pub use inference::{
     InferenceMode, InferenceStats, ParallelInference, ParallelInferenceBuilder, Pending, Predictor,

@@ -63,6 +63,8 @@ fn file_dtype(dtype: DType) -> FileDType {
         DType::I32 => FileDType::I32,
         DType::I64 => FileDType::I64,
         DType::U8 => FileDType::U8,
+        DType::F16 => FileDType::F16,
+        DType::BF16 => FileDType::BF16,
     }
 }
 
@@ -74,6 +76,8 @@ fn our_dtype(dtype: FileDType) -> Option<DType> {
         FileDType::I32 => Some(DType::I32),
         FileDType::I64 => Some(DType::I64),
         FileDType::U8 | FileDType::BOOL => Some(DType::U8),
+        FileDType::F16 => Some(DType::F16),
+        FileDType::BF16 => Some(DType::BF16),
         _ => None,
     }
 }
@@ -202,6 +206,12 @@ fn le_bytes(array: &NDArray) -> Result<Vec<u8>> {
             o.extend_from_slice(&v.to_le_bytes())
         }),
         DType::U8 => array.to_vec::<u8>()?,
+        DType::F16 => bytes(array.to_vec::<half::f16>()?, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
+        DType::BF16 => bytes(array.to_vec::<half::bf16>()?, |v, o| {
+            o.extend_from_slice(&v.to_le_bytes())
+        }),
     })
 }
 
@@ -575,6 +585,12 @@ impl SafetensorsFile {
             DType::F64 => manager.from_vec(self.values(ctx, count, f64::from_le_bytes)?, shape),
             DType::I32 => manager.from_vec(self.values(ctx, count, i32::from_le_bytes)?, shape),
             DType::I64 => manager.from_vec(self.values(ctx, count, i64::from_le_bytes)?, shape),
+            DType::F16 => {
+                manager.from_vec(self.values(ctx, count, half::f16::from_le_bytes)?, shape)
+            }
+            DType::BF16 => {
+                manager.from_vec(self.values(ctx, count, half::bf16::from_le_bytes)?, shape)
+            }
             DType::U8 => {
                 let mut bytes = vec![0u8; count];
                 (&self.file)

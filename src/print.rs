@@ -123,6 +123,18 @@ impl Values {
             DType::I32 => Values::Int(a.to_vec::<i32>()?.into_iter().map(i64::from).collect()),
             DType::I64 => Values::Int(a.to_vec::<i64>()?),
             DType::U8 => Values::Int(a.to_vec::<u8>()?.into_iter().map(i64::from).collect()),
+            DType::F16 => Values::Float(
+                a.to_vec::<half::f16>()?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            ),
+            DType::BF16 => Values::Float(
+                a.to_vec::<half::bf16>()?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            ),
         })
     }
 }

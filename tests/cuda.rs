@@ -317,6 +317,16 @@ fn host_data(m: &Manager, dtype: DType, shape: &[usize], seed: u64, data: Data) 
     match dtype {
         DType::F32 => m.from_vec(vals.map(|(i, x)| float(i, x) as f32).collect(), shape),
         DType::F64 => m.from_vec(vals.map(|(i, x)| float(i, x)).collect(), shape),
+        DType::F16 => m.from_vec(
+            vals.map(|(i, x)| ndscope::f16::from_f64(float(i, x)))
+                .collect(),
+            shape,
+        ),
+        DType::BF16 => m.from_vec(
+            vals.map(|(i, x)| ndscope::bf16::from_f64(float(i, x)))
+                .collect(),
+            shape,
+        ),
         DType::I32 => m.from_vec(
             vals.map(|(i, x)| int(i, x, [i32::MIN.into(), i32::MAX.into()]) as i32)
                 .collect(),
@@ -1107,6 +1117,8 @@ fn factories_match_the_cpu() {
                 DType::I32 => uploads::<i32>(&cpu, &gpu_m, dev, &data),
                 DType::I64 => uploads::<i64>(&cpu, &gpu_m, dev, &data),
                 DType::U8 => uploads::<u8>(&cpu, &gpu_m, dev, &data),
+                DType::F16 => uploads::<ndscope::f16>(&cpu, &gpu_m, dev, &data),
+                DType::BF16 => uploads::<ndscope::bf16>(&cpu, &gpu_m, dev, &data),
             }
             data.close().unwrap();
         }

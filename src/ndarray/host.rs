@@ -22,6 +22,8 @@ impl NDArray {
             DType::I32 => HostData::I32(self.to_vec()?),
             DType::I64 => HostData::I64(self.to_vec()?),
             DType::U8 => HostData::U8(self.to_vec()?),
+            DType::F16 => HostData::F16(self.to_vec()?),
+            DType::BF16 => HostData::BF16(self.to_vec()?),
         };
         Ok(HostArray { shape, data })
     }
@@ -39,6 +41,8 @@ impl Manager {
             HostData::I32(v) => self.from_slice(v, shape),
             HostData::I64(v) => self.from_slice(v, shape),
             HostData::U8(v) => self.from_slice(v, shape),
+            HostData::F16(v) => self.from_slice(v, shape),
+            HostData::BF16(v) => self.from_slice(v, shape),
         }
     }
 }

@@ -116,6 +116,18 @@ pub fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64], scale: f6
             vals.iter().map(|&v| v.unsigned_abs() as u8).collect(),
             shape,
         ),
+        DType::F16 => m.from_vec(
+            vals.iter()
+                .map(|&v| ndscope::f16::from_f64(v as f64 * scale))
+                .collect(),
+            shape,
+        ),
+        DType::BF16 => m.from_vec(
+            vals.iter()
+                .map(|&v| ndscope::bf16::from_f64(v as f64 * scale))
+                .collect(),
+            shape,
+        ),
     }
     .unwrap()
 }
@@ -144,6 +156,18 @@ pub fn as_f64(a: &NDArray) -> Vec<f64> {
             .collect(),
         DType::U8 => a
             .to_vec::<u8>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F16 => a
+            .to_vec::<ndscope::f16>()
+            .unwrap()
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::BF16 => a
+            .to_vec::<ndscope::bf16>()
             .unwrap()
             .into_iter()
             .map(f64::from)

@@ -16,6 +16,7 @@ pub(crate) mod reduce;
 pub(crate) mod sgd;
 pub(crate) mod shape;
 pub(crate) mod warm;
+pub(crate) mod wide;
 
 /// Below this many elements a kernel runs on the calling thread: splitting costs more than it
 /// saves (a task hand-off is a few microseconds; 32 Ki f32 adds take about as long).

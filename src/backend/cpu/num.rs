@@ -33,6 +33,12 @@ pub(crate) trait Num: Element {
     fn to_i64(self) -> i64;
     /// `self` raised to a float power (integers through f64, rounded toward zero).
     fn pow_f64(self, exponent: f64) -> Self;
+    /// The largest value below `self` (`self` for integers' and wider floats' callers, which
+    /// never ask: only half-precision uniform draws use it).
+    #[inline(always)]
+    fn next_below(self) -> Self {
+        self
+    }
 }
 
 /// `x^e` for integer arrays: a whole exponent in `0..=64` by repeated squaring in f64 (exact
@@ -236,6 +242,116 @@ macro_rules! float_num {
 float_num!(f32, libm::erff);
 float_num!(f64, libm::erf);
 
+/// `f16` and `bf16`: every operation converts its operands to f32 (exactly), computes there and
+/// rounds the result once, to nearest even, as PyTorch's CPU kernels and CUDA's `__half`
+/// arithmetic do; comparisons and `maximum`/`minimum` are exact.
+macro_rules! half_num {
+    ($t:ty) => {
+        impl Num for $t {
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() - o.to_f32())
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+            #[inline(always)]
+            fn div(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() / o.to_f32())
+            }
+            #[inline(always)]
+            fn maximum(self, o: Self) -> Self {
+                if self > o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn minimum(self, o: Self) -> Self {
+                if self < o || self.is_nan() {
+                    self
+                } else {
+                    o
+                }
+            }
+            #[inline(always)]
+            fn neg(self) -> Self {
+                -self
+            }
+            #[inline(always)]
+            fn abs(self) -> Self {
+                <$t>::from_bits(self.to_bits() & 0x7fff)
+            }
+            #[inline(always)]
+            fn is_zero(self) -> bool {
+                self.to_bits() & 0x7fff == 0
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+            #[inline(always)]
+            fn to_i64(self) -> i64 {
+                self.to_f32() as i64
+            }
+            #[inline(always)]
+            fn pow_f64(self, exponent: f64) -> Self {
+                <$t>::from_f32(self.to_f32().powf(exponent as f32))
+            }
+            #[inline(always)]
+            fn next_below(self) -> Self {
+                let bits = self.to_bits();
+                if self.is_nan() || bits == <$t>::NEG_INFINITY.to_bits() {
+                    self
+                } else if bits & 0x7fff == 0 {
+                    // ±0: the smallest negative subnormal.
+                    <$t>::from_bits(0x8001)
+                } else if bits & 0x8000 == 0 {
+                    <$t>::from_bits(bits - 1)
+                } else {
+                    <$t>::from_bits(bits + 1)
+                }
+            }
+        }
+
+        impl Float for $t {
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::from_f32(self.to_f32().exp())
+            }
+            #[inline(always)]
+            fn log(self) -> Self {
+                <$t>::from_f32(self.to_f32().ln())
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::from_f32(self.to_f32().sqrt())
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::from_f32(self.to_f32().tanh())
+            }
+            #[inline(always)]
+            fn sigmoid(self) -> Self {
+                <$t>::from_f32(Float::sigmoid(self.to_f32()))
+            }
+            #[inline(always)]
+            fn gelu(self) -> Self {
+                <$t>::from_f32(Float::gelu(self.to_f32()))
+            }
+        }
+    };
+}
+
+half_num!(half::f16);
+half_num!(half::bf16);
+
 /// Element conversion by Rust's `as`, the rule of `to_dtype` (and of the CUDA kernels'
 /// `convert`): integers to integers wrap (two's complement truncation, as NumPy's `astype` and
 /// PyTorch's `to`), integers to floats round to nearest, floats to integers truncate toward zero
@@ -260,3 +376,59 @@ cast_to!(f64 => f32, f64, i32, i64, u8);
 cast_to!(i32 => f32, f64, i32, i64, u8);
 cast_to!(i64 => f32, f64, i32, i64, u8);
 cast_to!(u8 => f32, f64, i32, i64, u8);
+
+/// Conversions to and from `f16`/`bf16`: into a half type through f64 (exact for every f32,
+/// i32 and u8, and for i64 up to 2^53) with one rounding to nearest even, NaN and infinities
+/// kept, values beyond the type's range becoming infinities (as `half` and CUDA's
+/// `__double2half_rn` do); out of a half type exactly into f32, then by `as`.
+macro_rules! cast_half {
+    ($h:ty => $($to:ty),*) => {
+        $(impl CastTo<$h> for $to {
+            #[inline(always)]
+            fn cast(self) -> $h {
+                <$h>::from_f64(self as f64)
+            }
+        }
+        impl CastTo<$to> for $h {
+            #[inline(always)]
+            fn cast(self) -> $to {
+                self.to_f32() as $to
+            }
+        })*
+        impl CastTo<$h> for f32 {
+            #[inline(always)]
+            fn cast(self) -> $h {
+                <$h>::from_f32(self)
+            }
+        }
+        impl CastTo<f32> for $h {
+            #[inline(always)]
+            fn cast(self) -> f32 {
+                self.to_f32()
+            }
+        }
+        impl CastTo<$h> for $h {
+            #[inline(always)]
+            fn cast(self) -> $h {
+                self
+            }
+        }
+    };
+}
+
+cast_half!(half::f16 => f64, i32, i64, u8);
+cast_half!(half::bf16 => f64, i32, i64, u8);
+
+impl CastTo<half::bf16> for half::f16 {
+    #[inline(always)]
+    fn cast(self) -> half::bf16 {
+        half::bf16::from_f32(self.to_f32())
+    }
+}
+
+impl CastTo<half::f16> for half::bf16 {
+    #[inline(always)]
+    fn cast(self) -> half::f16 {
+        half::f16::from_f32(self.to_f32())
+    }
+}

@@ -7,6 +7,7 @@
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
+use super::wide::{self, dispatch_half};
 use super::{matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
     AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
@@ -67,10 +68,7 @@ macro_rules! unary_kernel {
         dispatch!($dtype, T => elementwise::map($a.as_slice::<T>(), $out.as_mut_slice::<T>(), <T as Num>::$name))
     };
     (float, $name:ident, $dtype:expr, $a:expr, $out:expr) => {
-        match $dtype {
-            DType::F32 => elementwise::map($a.as_slice::<f32>(), $out.as_mut_slice(), <f32 as Float>::$name),
-            _ => elementwise::map($a.as_slice::<f64>(), $out.as_mut_slice(), <f64 as Float>::$name),
-        }
+        dispatch_float!($dtype, T => elementwise::map($a.as_slice::<T>(), $out.as_mut_slice::<T>(), <T as Float>::$name), _ => {})
     };
 }
 
@@ -467,13 +465,23 @@ impl MatmulOps for Cpu {
         b: &HostBuffer,
         out: &mut HostBuffer,
     ) -> Result<()> {
-        dispatch!(dtype, T => {
+        dispatch_half!(dtype, H => {
+            // Products of halves: f32 operands, f32 accumulation, the result rounded once.
+            let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
+            let out = out.as_mut_slice::<H>();
+            let mut wide_out = vec![0.0f32; out.len()];
+            match batch {
+                None => matmul::matmul(m, k, n, &a, &b, &mut wide_out),
+                Some(batch) => matmul::matmul_batched(batch, (m, k, n), &a, &b, &mut wide_out),
+            }
+            wide::narrow(&wide_out, out);
+        }, _ => dispatch!(dtype, T => {
             let (a, b, out) = (a.as_slice::<T>(), b.as_slice::<T>(), out.as_mut_slice::<T>());
             match batch {
                 None => matmul::matmul(m, k, n, a, b, out),
                 Some(batch) => matmul::matmul_batched(batch, (m, k, n), a, b, out),
             }
-        });
+        }));
         Ok(())
     }
 
@@ -486,6 +494,20 @@ impl MatmulOps for Cpu {
         out: &mut HostBuffer,
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
+        dispatch_half!(dtype, H => {
+            let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
+            let out = out.as_mut_slice::<H>();
+            let mut wide_out = match spec.accumulate {
+                Some(_) => wide::widen(out),
+                None => vec![0.0f32; out.len()],
+            };
+            matmul::gemm_general(
+                (m, k, n), (&a, spec.trans_a), (&b, spec.trans_b), &mut wide_out,
+                spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32)),
+            );
+            wide::narrow(&wide_out, out);
+            return Ok(());
+        }, _ => {});
         dispatch!(dtype, T => matmul::gemm_general(
             (m, k, n), (a.as_slice::<T>(), spec.trans_a), (b.as_slice::<T>(), spec.trans_b),
             out.as_mut_slice::<T>(),
@@ -503,6 +525,17 @@ impl MatmulOps for Cpu {
         relu: bool,
         out: &mut HostBuffer,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            // The product and its epilogue in f32, rounded once.
+            let (x, w) = (wide::widen(x.as_slice::<H>()), wide::widen(w.as_slice::<H>()));
+            let bias = bias.map(|b| wide::widen(b.as_slice::<H>()));
+            let out = out.as_mut_slice::<H>();
+            let mut wide_out = vec![0.0f32; out.len()];
+            matmul::matmul(dims.m, dims.k, dims.n, &x, &w, &mut wide_out);
+            nn::bias_act(&mut wide_out, dims.n, bias.as_deref(), relu);
+            wide::narrow(&wide_out, out);
+            return Ok(());
+        }, _ => {});
         Cpu::matmul(ctx, dtype, None, dims, x, w, out)?;
         dispatch_float!(dtype, T => nn::bias_act(
             out.as_mut_slice::<T>(), dims.n, bias.map(|b| b.as_slice::<T>()), relu
@@ -518,6 +551,15 @@ impl MatmulOps for Cpu {
         (v, w): (&mut HostBuffer, &mut HostBuffer),
         step: SgdStep,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            let (x, g) = (wide::widen(x.as_slice::<H>()), wide::widen(g.as_slice::<H>()));
+            let (v, w) = (v.as_mut_slice::<H>(), w.as_mut_slice::<H>());
+            let (mut wv, mut ww) = (wide::widen(v), wide::widen(w));
+            sgd::sgd_dense(dims, (&x, &g), (&mut wv, &mut ww), (step.lr as f32, step.momentum as f32));
+            wide::narrow(&wv, v);
+            wide::narrow(&ww, w);
+            return Ok(());
+        }, _ => {});
         dispatch_float!(dtype, T => sgd::sgd_dense(
             dims, (x.as_slice::<T>(), g.as_slice::<T>()),
             (v.as_mut_slice::<T>(), w.as_mut_slice::<T>()),
@@ -536,6 +578,20 @@ impl OptimOps for Cpu {
         velocity: Option<&mut HostBuffer>,
         step: SgdCoeffs,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            // The step in f32 on widened copies; each stored value rounded once.
+            let (grad, p) = (grad.as_mut_slice::<H>(), p.as_mut_slice::<H>());
+            let (mut wg, mut wp) = (wide::widen(grad), wide::widen(p));
+            let velocity = velocity.map(|v| v.as_mut_slice::<H>());
+            let mut wv = velocity.as_deref().map(wide::widen);
+            optim::sgd_update(&mut wg, &mut wp, wv.as_deref_mut(), step);
+            wide::narrow(&wg, grad);
+            wide::narrow(&wp, p);
+            if let (Some(v), Some(wv)) = (velocity, wv) {
+                wide::narrow(&wv, v);
+            }
+            return Ok(());
+        }, _ => {});
         dispatch_float!(dtype, T => optim::sgd_update(
             grad.as_mut_slice::<T>(),
             p.as_mut_slice::<T>(),
@@ -553,6 +609,17 @@ impl OptimOps for Cpu {
         (m, v): (&mut HostBuffer, &mut HostBuffer),
         step: AdamCoeffs,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            let (grad, p) = (grad.as_mut_slice::<H>(), p.as_mut_slice::<H>());
+            let (m, v) = (m.as_mut_slice::<H>(), v.as_mut_slice::<H>());
+            let (mut wg, mut wp) = (wide::widen(grad), wide::widen(p));
+            let (mut wm, mut wv) = (wide::widen(m), wide::widen(v));
+            optim::adam_update(&mut wg, &mut wp, (&mut wm, &mut wv), step);
+            for (wide, half) in [(&wg, grad), (&wp, p), (&wm, m), (&wv, v)] {
+                wide::narrow(wide, half);
+            }
+            return Ok(());
+        }, _ => {});
         dispatch_float!(dtype, T => optim::adam_update(
             grad.as_mut_slice::<T>(),
             p.as_mut_slice::<T>(),
@@ -611,6 +678,24 @@ impl NnOps for Cpu {
         db: &mut HostBuffer,
         accumulate: bool,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            // The bias gradient summed in f32, each stored value rounded once.
+            let g = wide::widen(g.as_slice::<H>());
+            let db = db.as_mut_slice::<H>();
+            let mut wdb = if accumulate { wide::widen(db) } else { vec![0.0f32; db.len()] };
+            match relu {
+                Some((y, dz)) => {
+                    let y = wide::widen(y.as_slice::<H>());
+                    let dz = dz.as_mut_slice::<H>();
+                    let mut wdz = vec![0.0f32; dz.len()];
+                    nn::bias_act_grad(rows_cols, &g, Some((&y, &mut wdz)), &mut wdb, accumulate);
+                    wide::narrow(&wdz, dz);
+                }
+                None => nn::bias_act_grad(rows_cols, &g, None, &mut wdb, accumulate),
+            }
+            wide::narrow(&wdb, db);
+            return Ok(());
+        }, _ => {});
         dispatch_float!(dtype, T => nn::bias_act_grad(
             rows_cols,
             g.as_slice::<T>(),
@@ -629,7 +714,13 @@ impl NnOps for Cpu {
         out: &mut HostBuffer,
         log: bool,
     ) -> Result<()> {
-        match dtype {
+        dispatch_half!(dtype, H => {
+            let a = wide::widen(a.as_slice::<H>());
+            let out = out.as_mut_slice::<H>();
+            let mut wide_out = vec![0.0f32; out.len()];
+            nn::softmax(&a, outer, len, inner, &mut wide_out, log);
+            wide::narrow(&wide_out, out);
+        }, _ => match dtype {
             DType::F32 => nn::softmax(
                 a.as_slice::<f32>(),
                 outer,
@@ -646,7 +737,7 @@ impl NnOps for Cpu {
                 out.as_mut_slice(),
                 log,
             ),
-        }
+        });
         Ok(())
     }
 
@@ -707,6 +798,17 @@ impl NnOps for Cpu {
             if let Some(bad) = nn::first_out_of_range(idx, classes) {
                 return Ok(Some(bad));
             }
+            dispatch_half!(dtype, H => {
+                let x = wide::widen(logits.as_slice::<H>());
+                let grad = grad.map(|g| g.as_mut_slice::<H>());
+                let mut wide_grad = grad.as_ref().map(|g| vec![0.0f32; g.len()]);
+                let l = nn::softmax_cross_entropy(&x, classes, idx, wide_grad.as_deref_mut());
+                loss.as_mut_slice::<H>()[0] = H::from_f64(f64::from(l));
+                if let (Some(g), Some(w)) = (grad, wide_grad) {
+                    wide::narrow(&w, g);
+                }
+                return Ok(None);
+            }, _ => {});
             dispatch_float!(dtype, T => {
                 let grad = grad.map(|g| g.as_mut_slice::<T>());
                 loss.as_mut_slice::<T>()[0] =

@@ -1,6 +1,7 @@
 //! Counter-based random numbers: value `i` of a draw is a pure function of the seed and the
 //! draw's counter offset, so every device (and every thread split) produces the same numbers.
 
+use super::num::Num;
 use super::{chunk_len, pool, PAR_MIN};
 use crate::Element;
 
@@ -125,8 +126,23 @@ pub(crate) fn fill_normal<T: Element>(out: &mut [T], seed: u64, start: u64) {
 
 /// Fills `out` with uniforms in [low, high) drawn at counters `start..`; integer types get the
 /// integers of [low, high), each equally likely.
-pub(crate) fn fill_uniform<T: Element>(out: &mut [T], seed: u64, start: u64, low: f64, high: f64) {
-    if T::DTYPE.is_float() {
+pub(crate) fn fill_uniform<T: Num>(out: &mut [T], seed: u64, start: u64, low: f64, high: f64) {
+    if T::DTYPE.is_half() {
+        // A draw just below `high` can round up to it in 8 or 11 mantissa bits: it becomes the
+        // largest value below `high` instead, so draws stay in [low, high) (as PyTorch's
+        // `rand` for half types keeps them).
+        let span = high - low;
+        let top = T::from_f64(high);
+        let below = top.next_below().maximum(T::from_f64(low));
+        fill(out, start, |c| {
+            let v = T::from_f64(low + span * uniform(seed, c));
+            if span > 0.0 && v >= top {
+                below
+            } else {
+                v
+            }
+        });
+    } else if T::DTYPE.is_float() {
         let span = high - low;
         fill(out, start, |c| T::from_f64(low + span * uniform(seed, c)));
     } else {

@@ -51,6 +51,7 @@ impl Types {
     fn dtypes(self) -> Vec<DType> {
         DType::ALL
             .into_iter()
+            .filter(|d| !d.is_half())
             .filter(|d| match self {
                 Types::All => true,
                 Types::Float => d.is_float(),
@@ -241,6 +242,8 @@ fn dtype_code(dtype: DType) -> u8 {
         DType::I32 => 2,
         DType::I64 => 3,
         DType::U8 => 4,
+        DType::F16 => 5,
+        DType::BF16 => 6,
     }
 }
 

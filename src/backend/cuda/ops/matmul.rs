@@ -54,6 +54,9 @@ const MAX_BLAS_BATCH: usize = 65_535;
 
 /// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
 fn blas_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
+    if dtype.is_half() {
+        return Err(ctx.unsupported(format!("`{}` on {dtype} on a CUDA device", ctx.op)));
+    }
     let elem = dtype.size_in_bytes() as u64;
     let mut done = 0;
     while done < p.batch {
@@ -390,6 +393,9 @@ impl LtCall {
 /// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
 /// where cuBLASLt cannot be loaded.
 fn lt_linear(ctx: &Ctx, gpu: &Gpu, call: LtCall) -> Result<bool> {
+    if call.dtype.is_half() {
+        return Ok(false);
+    }
     gpu.bind(ctx)?;
     if capture::watching(gpu.ordinal) {
         let available = {
