@@ -110,7 +110,7 @@ pub trait Element:
     /// Converts to `f64` (exact for every value except large `i64`).
     fn to_f64(self) -> f64;
     /// Converts from `f64` as Rust's `as` does: floats round (to nearest even, once: `f16` and
-    /// `bf16` straight from the f64, as `half` and CUDA's `__double2half` do), integers truncate
+    /// `bf16` straight from the f64, as CUDA's `__double2half_rn` does), integers truncate
     /// toward zero and saturate at their bounds, NaN becomes 0.
     fn from_f64(value: f64) -> Self;
 }
@@ -139,6 +139,25 @@ element!(i32, DType::I32, 0, 1);
 element!(i64, DType::I64, 0, 1);
 element!(u8, DType::U8, 0, 1);
 
+/// `value` rounded to f32 by rounding to odd: truncated toward zero, with the last mantissa bit
+/// set when anything was cut off. Rounding that once more to nearest even in a format at least
+/// two bits narrower (f16's 11 bits, bf16's 8) gives the correctly rounded result of `value`,
+/// which rounding to nearest twice (f64 → f32 → half) does not always (and `half`'s own f64
+/// conversions read only the top 32 bits of the f64). NaN and infinities pass through.
+#[inline]
+pub(crate) fn f32_round_to_odd(value: f64) -> f32 {
+    let f = value as f32;
+    if !value.is_finite() || f as f64 == value {
+        return f;
+    }
+    // Inexact (or beyond f32's range): the f32 toward zero, its last bit set.
+    let mut bits = f.to_bits();
+    if f.is_infinite() || (f as f64).abs() > value.abs() {
+        bits -= 1;
+    }
+    f32::from_bits(bits | 1)
+}
+
 macro_rules! half_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
@@ -151,7 +170,7 @@ macro_rules! half_element {
             }
             #[inline(always)]
             fn from_f64(value: f64) -> Self {
-                <$t>::from_f64(value)
+                <$t>::from_f32(f32_round_to_odd(value))
             }
         }
     };

@@ -45,6 +45,8 @@ use std::time::SystemTime;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype as FileDType;
 
+use crate::backend::cpu::num::CastTo;
+use crate::dtype::dispatch_float;
 use crate::error::Ctx;
 use crate::state;
 use crate::{DType, Device, Element, Error, Manager, NDArray, NDList, Result, Shape};
@@ -344,8 +346,15 @@ fn create_temporary(dir: &Path, file_name: &str, mode: Option<u32>) -> io::Resul
 /// and the directory synced, so `path` holds the old file or the whole new one, even after a
 /// crash or a power cut. Stale temporaries of earlier saves to `path` are removed first.
 #[track_caller]
-fn save(ctx: &Ctx, named: Vec<(String, NDArray)>, path: &Path) -> Result<()> {
+fn save(ctx: &Ctx, mut named: Vec<(String, NDArray)>, path: &Path) -> Result<()> {
     check_names(ctx, &named)?;
+    // The reference implementation's order: by dtype (its `Dtype` order, widest first), then
+    // by name, so a file saved here is laid out byte for byte as `safetensors` writes it.
+    named.sort_by(|(a, x), (b, y)| {
+        file_dtype(y.dtype())
+            .cmp(&file_dtype(x.dtype()))
+            .then_with(|| a.cmp(b))
+    });
     let Some(file_name) = path.file_name().and_then(|n| n.to_str()) else {
         return Err(ctx.invalid(format!(
             "cannot save to {}: the path must end in a file name (of UTF-8 text)",
@@ -420,8 +429,6 @@ struct FileTensor {
     shape: Shape,
     /// Where its bytes start in the file.
     start: u64,
-    /// How many bytes.
-    len: usize,
 }
 
 /// An open safetensors file whose header was read and checked; the tensors' data is read
@@ -546,7 +553,6 @@ impl SafetensorsFile {
                 boolean: info.dtype == FileDType::BOOL,
                 shape,
                 start: data_start + start as u64,
-                len: end - start,
             });
         }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
@@ -559,27 +565,63 @@ impl SafetensorsFile {
         })
     }
 
-    /// Refuses (`OutOfMemory`, nothing read) when the tensors' bytes cannot all be allocated
-    /// on `device` under its memory limit now, before any is read.
-    fn charge(&self, ctx: &Ctx, device: Device, tensors: &[&FileTensor]) -> Result<()> {
+    /// Refuses (`OutOfMemory`, nothing read) when the tensors' bytes (each in the dtype it is
+    /// loaded as) cannot all be allocated on `device` under its memory limit now, before any is
+    /// read.
+    fn charge(&self, ctx: &Ctx, device: Device, tensors: &[(&FileTensor, DType)]) -> Result<()> {
         let bytes = tensors
             .iter()
-            .try_fold(0usize, |sum, t| sum.checked_add(t.len))
+            .try_fold(0usize, |sum, (t, to)| {
+                sum.checked_add(t.shape.size().checked_mul(to.size_in_bytes())?)
+            })
             .unwrap_or(usize::MAX);
         crate::memory::reserve(ctx, device, bytes)?;
         crate::memory::release(device, bytes);
         Ok(())
     }
 
-    /// A new array of `manager` holding tensor `t`, read from the file straight into the
-    /// array's values.
+    /// A new array of `manager` holding tensor `t` as dtype `to` (a float tensor may be loaded
+    /// as another float dtype, by `to_dtype`'s rounding), read from the file straight into the
+    /// array's values: a converted tensor is converted a chunk at a time, so the file's values
+    /// never exist in memory in full beside the converted ones.
     #[track_caller]
-    fn create(&mut self, ctx: &Ctx, manager: &Manager, t: &FileTensor) -> Result<NDArray> {
+    fn create(
+        &mut self,
+        ctx: &Ctx,
+        manager: &Manager,
+        t: &FileTensor,
+        to: DType,
+    ) -> Result<NDArray> {
         self.file
             .seek(SeekFrom::Start(t.start))
             .map_err(|e| io_error(ctx, &self.path, e))?;
         let count = t.shape.size();
         let shape = t.shape.clone();
+        if to != t.dtype {
+            debug_assert!(to.is_float() && t.dtype.is_float());
+            macro_rules! load_as {
+                ($s:ty) => {
+                    dispatch_float!(to, U => manager.from_vec(
+                        self.converted::<$s, U, { std::mem::size_of::<$s>() }>(ctx, count, <$s>::from_le_bytes)?,
+                        shape,
+                    ), _ => return Err(ctx.invalid(format!("tensor '{}' cannot load as {to}", t.name))))
+                };
+            }
+            let array = match t.dtype {
+                DType::F32 => load_as!(f32),
+                DType::F64 => load_as!(f64),
+                DType::F16 => load_as!(half::f16),
+                DType::BF16 => load_as!(half::bf16),
+                other => {
+                    return Err(ctx.invalid(format!(
+                        "tensor '{}' is {other}: only float tensors load as another dtype",
+                        t.name
+                    )))
+                }
+            }?;
+            array.set_name(&t.name);
+            return Ok(array);
+        }
         let array = match t.dtype {
             DType::F32 => manager.from_vec(self.values(ctx, count, f32::from_le_bytes)?, shape),
             DType::F64 => manager.from_vec(self.values(ctx, count, f64::from_le_bytes)?, shape),
@@ -626,7 +668,24 @@ impl SafetensorsFile {
         ctx: &Ctx,
         count: usize,
         from: fn([u8; N]) -> T,
-    ) -> Result<Vec<T>> {
+    ) -> Result<Vec<T>>
+    where
+        T: CastTo<T>,
+    {
+        self.converted::<T, T, N>(ctx, count, from)
+    }
+
+    /// `count` values of `N` little-endian bytes each, read at the file's position, each
+    /// converted to `U` as `to_dtype` converts.
+    fn converted<T, U, const N: usize>(
+        &mut self,
+        ctx: &Ctx,
+        count: usize,
+        from: fn([u8; N]) -> T,
+    ) -> Result<Vec<U>>
+    where
+        T: CastTo<U>,
+    {
         let mut out = Vec::with_capacity(count);
         let mut chunk = vec![0u8; CHUNK.min(count * N)];
         let mut left = count;
@@ -639,7 +698,7 @@ impl SafetensorsFile {
             out.extend(bytes.chunks_exact(N).map(|c| {
                 let mut b = [0u8; N];
                 b.copy_from_slice(c);
-                from(b)
+                from(b).cast()
             }));
             left -= take;
         }
@@ -724,7 +783,9 @@ fn check_match(
                 array.shape()
             )));
         }
-        if t.dtype != array.dtype() {
+        // A float tensor restores into an array of another float dtype, converted as it is
+        // read (a bf16 checkpoint into f32 master weights, as PyTorch's `load_state_dict`).
+        if t.dtype != array.dtype() && !(t.dtype.is_float() && array.dtype().is_float()) {
             return Err(ctx.dtype(
                 t.dtype,
                 format!(
@@ -768,12 +829,13 @@ fn stage_and_write(
     let by_name: BTreeMap<&str, &FileTensor> =
         tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     // Charged to each device's limit before anything is read.
-    let mut per_device: Vec<(Device, Vec<&FileTensor>)> = Vec::new();
+    let mut per_device: Vec<(Device, Vec<(&FileTensor, DType)>)> = Vec::new();
     for (name, array) in named {
         if let Some(&t) = by_name.get(name.as_str()) {
+            let staged = (t, array.dtype());
             match per_device.iter_mut().find(|(d, _)| *d == array.device()) {
-                Some((_, ts)) => ts.push(t),
-                None => per_device.push((array.device(), vec![t])),
+                Some((_, ts)) => ts.push(staged),
+                None => per_device.push((array.device(), vec![staged])),
             }
         }
     }
@@ -791,7 +853,7 @@ fn stage_and_write(
             }
         };
         if let Some(t) = by_name.get(name.as_str()) {
-            sources.push((array, file.create(ctx, &scratch, t)?));
+            sources.push((array, file.create(ctx, &scratch, t, array.dtype())?));
         }
     }
     file.check_unchanged(ctx)?;
@@ -843,17 +905,57 @@ impl Manager {
     #[track_caller]
     pub fn load_safetensors(&self, path: impl AsRef<Path>) -> Result<NDList> {
         let ctx = Ctx::new("Manager::load_safetensors");
-        let path = path.as_ref();
-        let mut file = SafetensorsFile::open(&ctx, path)?;
+        self.load_converted(&ctx, path.as_ref(), None)
+    }
+
+    /// [`load_safetensors`](Self::load_safetensors), with every float tensor converted to the
+    /// float `dtype` as it is read (as `to_dtype` rounds: to nearest even, NaN and infinities
+    /// kept), a chunk at a time: a bf16 checkpoint loads as f32 master weights (or an f32 one
+    /// as bf16) without the file's values ever being held in full beside the converted ones.
+    /// Integer and boolean tensors load as stored (token ids stay integers, as PyTorch's
+    /// `torch_dtype` leaves them). `InvalidArgument` for a `dtype` that is not a float.
+    ///
+    /// ```
+    /// use ndscope::{bf16, DType, Manager};
+    /// # let dir = std::env::temp_dir().join(format!("ndscope-doc-as-{}", std::process::id()));
+    /// # std::fs::create_dir_all(&dir).unwrap();
+    /// let path = dir.join("half.safetensors");
+    /// let m = Manager::new_base();
+    /// m.from_vec(vec![bf16::from_f32(1.5), bf16::from_f32(-2.0)], [2])?.set_name("w");
+    /// m.save_safetensors(&path)?;
+    /// let w = Manager::new_base().load_safetensors_as(&path, DType::F32)?;
+    /// assert_eq!(w.get(0).unwrap().to_vec::<f32>()?, vec![1.5, -2.0]);
+    /// # std::fs::remove_dir_all(&dir).unwrap();
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn load_safetensors_as(&self, path: impl AsRef<Path>, dtype: DType) -> Result<NDList> {
+        let ctx = Ctx::new("Manager::load_safetensors_as");
+        if !dtype.is_float() {
+            return Err(ctx.invalid(format!(
+                "tensors load as a float dtype (f32, f64, f16, bf16), not {dtype}"
+            )));
+        }
+        self.load_converted(&ctx, path.as_ref(), Some(dtype))
+    }
+
+    #[track_caller]
+    fn load_converted(&self, ctx: &Ctx, path: &Path, to: Option<DType>) -> Result<NDList> {
+        let mut file = SafetensorsFile::open(ctx, path)?;
         let tensors = std::mem::take(&mut file.tensors);
+        let target = |t: &FileTensor| match to {
+            Some(d) if t.dtype.is_float() && !t.boolean => d,
+            _ => t.dtype,
+        };
         // Inside a workspace cycle the arrays go to its block, which the limit already counts.
         if !crate::ndarray::exec::allocates_from_workspace(self) {
-            file.charge(&ctx, self.device(), &tensors.iter().collect::<Vec<_>>())?;
+            let charged: Vec<_> = tensors.iter().map(|t| (t, target(t))).collect();
+            file.charge(ctx, self.device(), &charged)?;
         }
         let mut created = NDList::new();
         let mut result = Ok(());
         for t in &tensors {
-            match file.create(&ctx, self, t) {
+            match file.create(ctx, self, t, target(t)) {
                 Ok(array) => created.push(array),
                 Err(e) => {
                     result = Err(e);
@@ -861,7 +963,7 @@ impl Manager {
                 }
             }
         }
-        if let Err(e) = result.and_then(|()| file.check_unchanged(&ctx)) {
+        if let Err(e) = result.and_then(|()| file.check_unchanged(ctx)) {
             // Nothing half-loaded: close what this call created.
             created.close()?;
             return Err(e);
@@ -872,7 +974,9 @@ impl Manager {
     /// Overwrites, in place, the arrays this manager holds with the tensors of the same names
     /// in the safetensors file at `path` (DJL's `loadParameters`; allowed on a capped manager,
     /// as nothing new is created in it). The file must hold exactly these names, with the same
-    /// shapes and dtypes; otherwise nothing changes and the error names the difference
+    /// shapes and dtypes (a float tensor may restore into an array of another float dtype,
+    /// converted as it is read, as PyTorch's `load_state_dict` copies a bf16 checkpoint into
+    /// f32 parameters); otherwise nothing changes and the error names the difference
     /// (`InvalidArgument` for missing or extra names, `ShapeMismatch`, `DTypeMismatch`). Every
     /// held array must be named, as for [`save_safetensors`](Self::save_safetensors).
     #[track_caller]

@@ -132,6 +132,16 @@ pub fn array(m: &Manager, dtype: DType, shape: &[usize], vals: &[i64], scale: f6
     .unwrap()
 }
 
+/// `v` rounded to `dtype`'s precision when it is a half type (once, to nearest even, as the
+/// half dtypes store every result), else `v`.
+pub fn round_to(dtype: DType, v: f64) -> f64 {
+    match dtype {
+        DType::F16 => <ndscope::f16 as ndscope::Element>::from_f64(v).to_f64(),
+        DType::BF16 => <ndscope::bf16 as ndscope::Element>::from_f64(v).to_f64(),
+        _ => v,
+    }
+}
+
 /// The elements of any array as f64.
 pub fn as_f64(a: &NDArray) -> Vec<f64> {
     match a.dtype() {

@@ -377,16 +377,33 @@ cast_to!(i32 => f32, f64, i32, i64, u8);
 cast_to!(i64 => f32, f64, i32, i64, u8);
 cast_to!(u8 => f32, f64, i32, i64, u8);
 
-/// Conversions to and from `f16`/`bf16`: into a half type through f64 (exact for every f32,
-/// i32 and u8, and for i64 up to 2^53) with one rounding to nearest even, NaN and infinities
-/// kept, values beyond the type's range becoming infinities (as `half` and CUDA's
-/// `__double2half_rn` do); out of a half type exactly into f32, then by `as`.
+/// `x` rounded to f64 by rounding to odd (see `dtype::f32_round_to_odd`): exact up to 2^53,
+/// beyond that truncated toward zero with the last mantissa bit set when bits were cut off.
+#[inline]
+fn f64_round_to_odd(x: i64) -> f64 {
+    let f = x as f64;
+    // `f` is a whole number of magnitude at most 2^63, so i128 holds it exactly.
+    let back = f as i128;
+    if back == i128::from(x) {
+        return f;
+    }
+    let mut bits = f.to_bits();
+    if back.abs() > i128::from(x).abs() {
+        bits -= 1;
+    }
+    f64::from_bits(bits | 1)
+}
+
+/// Conversions to and from `f16`/`bf16`: into a half type with one rounding to nearest even
+/// of the exact value (through f64 rounded to odd for i64), NaN and infinities kept, values
+/// beyond the type's range becoming infinities (as CUDA's `__double2half_rn` and
+/// `__ll2half_rn`); out of a half type exactly into f32, then by `as`.
 macro_rules! cast_half {
     ($h:ty => $($to:ty),*) => {
         $(impl CastTo<$h> for $to {
             #[inline(always)]
             fn cast(self) -> $h {
-                <$h>::from_f64(self as f64)
+                <$h as Element>::from_f64(self as f64)
             }
         }
         impl CastTo<$to> for $h {
@@ -416,8 +433,27 @@ macro_rules! cast_half {
     };
 }
 
-cast_half!(half::f16 => f64, i32, i64, u8);
-cast_half!(half::bf16 => f64, i32, i64, u8);
+cast_half!(half::f16 => f64, i32, u8);
+cast_half!(half::bf16 => f64, i32, u8);
+
+macro_rules! cast_i64_half {
+    ($($h:ty),*) => {
+        $(impl CastTo<$h> for i64 {
+            #[inline(always)]
+            fn cast(self) -> $h {
+                <$h as Element>::from_f64(f64_round_to_odd(self))
+            }
+        }
+        impl CastTo<i64> for $h {
+            #[inline(always)]
+            fn cast(self) -> i64 {
+                self.to_f32() as i64
+            }
+        })*
+    };
+}
+
+cast_i64_half!(half::f16, half::bf16);
 
 impl CastTo<half::bf16> for half::f16 {
     #[inline(always)]

@@ -7,7 +7,7 @@
 use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
-use super::wide::{self, dispatch_half};
+use super::wide::{self, dispatch_half, Half};
 use super::{matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
     AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
@@ -222,6 +222,13 @@ impl ElementwiseOps for Cpu {
         value: f64,
         out: &mut HostBuffer,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            // Half arrays meet the scalar in f32 (PyTorch's opmath), rounded once.
+            let y = value as f32;
+            let (a, out) = (a.as_slice::<H>(), out.as_mut_slice::<H>());
+            with_binary!(op, f32, f => elementwise::map(a, out, move |x: H| H::narrow(f(x.widen(), y))));
+            return Ok(());
+        }, _ => {});
         dispatch!(dtype, T => {
             let y = T::from_f64(value);
             let (a, out) = (a.as_slice::<T>(), out.as_mut_slice::<T>());
@@ -314,6 +321,11 @@ impl ElementwiseOps for Cpu {
     }
 
     fn scale_inplace(_: &Ctx, dtype: DType, x: &mut HostBuffer, value: f64) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            let y = value as f32;
+            elementwise::map_inplace(x.as_mut_slice::<H>(), move |v| H::narrow(v.widen() * y));
+            return Ok(());
+        }, _ => {});
         dispatch!(dtype, T => {
             let y = T::from_f64(value);
             elementwise::map_inplace(x.as_mut_slice::<T>(), move |v| v.mul(y));
@@ -328,6 +340,17 @@ impl ElementwiseOps for Cpu {
         alpha: f64,
         src: Option<Operand<'_, HostBuffer>>,
     ) -> Result<()> {
+        dispatch_half!(dtype, H => {
+            // `x + alpha·y` in f32, rounded once.
+            let a = alpha as f32;
+            let target = x.as_mut_slice::<H>();
+            let f = move |v: H, y: H| H::narrow(v.widen() + a * y.widen());
+            match src {
+                Some((b, b_dims)) => broadcast_zip_inplace(target, x_dims, b.as_slice::<H>(), b_dims, f),
+                None => elementwise::map_inplace(target, move |v| f(v, v)),
+            }
+            return Ok(());
+        }, _ => {});
         dispatch!(dtype, T => {
             let a = T::from_f64(alpha);
             let target = x.as_mut_slice::<T>();
