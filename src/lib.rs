@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod amp;
 mod arena;
 mod backend;
 pub mod cuda;
@@ -27,6 +28,7 @@ pub mod testing;
 mod timeline;
 pub mod workspace;
 
+pub use amp::{GradScaler, GradScalerOptions};
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
@@ -46,9 +48,9 @@ pub use memory::{
     memory_limit, memory_usage, reset_memory_stats, reset_peak, set_memory_limit, DeviceUsage,
 };
 pub use ndarray::{
-    concat, gradient_collector, is_grad_enabled, manual_seed, no_gradient, stack, Activation,
-    AdamUpdate, ArrayId, Dense, GradientCollector, NDArray, NDList, NoGradientGuard, SgdUpdate,
-    Transpose,
+    autocast, autocast_dtype, concat, gradient_collector, is_grad_enabled, manual_seed,
+    no_gradient, stack, Activation, AdamUpdate, ArrayId, AutocastGuard, Dense, GradientCollector,
+    NDArray, NDList, NoGradientGuard, SgdUpdate, Transpose,
 };
 pub use optim::{Adam, AdamW, Optimizer, OptimizerKind, Sgd};
 pub use prefetch::{PrefetchStats, Prefetcher};

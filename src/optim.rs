@@ -392,7 +392,37 @@ impl Optimizer {
     /// an operand changed in place since.
     #[track_caller]
     pub fn step(&mut self) -> Result<()> {
-        let ctx = Ctx::new("Optimizer::step");
+        self.step_unless(&Ctx::new("Optimizer::step"), None)
+    }
+
+    /// [`step`](Self::step), skipped where the one-element f32 array `skip` holds anything but
+    /// 0 (a loss scaler's non-finite flag): then no parameter or state changes and the
+    /// gradients are only zeroed. The flag is read by the device it is on (the parameters'),
+    /// inside the step's launches, so a GPU step does not wait for it. On the CPU a skipped
+    /// step is not counted in [`steps`](Self::steps); on a GPU the host does not learn whether
+    /// it was skipped, and counts it.
+    #[track_caller]
+    pub(crate) fn step_unless(&mut self, ctx: &Ctx, skip: Option<&NDArray>) -> Result<()> {
+        let ctx = *ctx;
+        if let Some(flag) = skip {
+            if flag.dtype() != DType::F32 || flag.size() != 1 {
+                return Err(ctx.invalid(format!(
+                    "a step's skip flag is one f32 element, got {} {} {}",
+                    flag.0.describe(),
+                    flag.dtype(),
+                    flag.shape()
+                )));
+            }
+            if let Some(p) = self.params.iter().find(|p| p.device() != flag.device()) {
+                return Err(ctx.device_mismatch(format!(
+                    "the skip flag {} is on {}, parameter {} on {}",
+                    flag.0.describe(),
+                    flag.device(),
+                    p.0.describe(),
+                    p.device()
+                )));
+            }
+        }
         self.check_ready(&ctx)?;
         let step = self.steps + 1;
         let _not_recorded = NoGradientGuard::new();
@@ -415,9 +445,13 @@ impl Optimizer {
                 // parameter and its velocity, the gradient never written (it stays zero). On a
                 // GPU the multi-tensor step settles it first: one product written into the
                 // gradient (which holds zeros), then the one launch reads it.
+                // A flagged step runs the multi-tensor kernels, which read the flag.
                 let fused = match kind {
                     OptimizerKind::Sgd(sgd)
-                        if *device == Device::Cpu && sgd.weight_decay == 0.0 && !sgd.nesterov =>
+                        if skip.is_none()
+                            && *device == Device::Cpu
+                            && sgd.weight_decay == 0.0
+                            && !sgd.nesterov =>
                     {
                         let slot = &slots[i];
                         pending::fused_sgd_step(
@@ -457,11 +491,17 @@ impl Optimizer {
                     (*dtype, batch.len(), depth),
                     array,
                     sgd.update(),
+                    skip,
                 )?,
                 kind => match kind.adam_update(step) {
-                    Some(update) => {
-                        NDArray::adam_step_many(&ctx, locks, (*dtype, batch.len()), array, update)?
-                    }
+                    Some(update) => NDArray::adam_step_many(
+                        &ctx,
+                        locks,
+                        (*dtype, batch.len()),
+                        array,
+                        update,
+                        skip,
+                    )?,
                     None => return Err(missing_state(&ctx, &params[batch[0]])),
                 },
             }
@@ -470,7 +510,15 @@ impl Optimizer {
                 pending::mark_zero(&slots[i].grad.0);
             }
         }
-        self.steps = step;
+        // A skip flag in host memory costs nothing to read: a skipped CPU step is not counted
+        // (Adam's bias corrections continue from the last step taken, as PyTorch's).
+        let skipped = match skip {
+            Some(flag) if flag.device() == Device::Cpu => flag.to_scalar::<f32>()? != 0.0,
+            _ => false,
+        };
+        if !skipped {
+            self.steps = step;
+        }
         Ok(())
     }
 

@@ -41,6 +41,15 @@ const FD_TOL: f64 = 1e-6;
 const F32_TOL: f64 = 2e-4;
 /// A CUDA device's `F64` gradient against the CPU's.
 const DEVICE_F64_TOL: f64 = 1e-9;
+/// `F16` against `F64`, relative to the largest gradient element + 1: the inputs round to 11
+/// bits (2^-11 relative) and every op rounds its result once more, so a chain of a few ops with
+/// products over short sums stays within a few hundred ulps of 2^-11.
+const F16_TOL: f64 = 1e-2;
+/// `BF16` against `F64`: as for `F16`, with 8 bits (2^-8 relative).
+const BF16_TOL: f64 = 6e-2;
+/// The largest input magnitude the half checks take: beyond it a square or a product of the
+/// larger cases overflows f16 (65504), which is f16's range, not a wrong gradient.
+const HALF_INPUT_MAX: f64 = 8.0;
 
 /// The checks take turns: a CUDA case holds the device for a while, and the CPU cases are fast.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -468,6 +477,20 @@ fn array(m: &Manager, dtype: DType, shape: &[usize], values: &[f64]) -> NDArray 
     match dtype {
         DType::F64 => m.from_vec(values.to_vec(), shape),
         DType::F32 => m.from_vec(values.iter().map(|&v| v as f32).collect(), shape),
+        DType::F16 => m.from_vec(
+            values
+                .iter()
+                .map(|&v| <ndscope::f16 as ndscope::Element>::from_f64(v))
+                .collect(),
+            shape,
+        ),
+        DType::BF16 => m.from_vec(
+            values
+                .iter()
+                .map(|&v| <ndscope::bf16 as ndscope::Element>::from_f64(v))
+                .collect(),
+            shape,
+        ),
         other => panic!("no float array of {other}"),
     }
     .unwrap()
@@ -512,6 +535,24 @@ fn check(dev: Device, case: &Case) -> Result<(), TestCaseError> {
         )?;
         let single = case.analytic(Device::Cpu, DType::F32)?;
         close_to(case, "F32 gradient vs F64", &single, &reference, F32_TOL)?;
+        // The half types: every op in f32 with each result rounded once (issue 29, item 4).
+        let fits = case
+            .inputs
+            .iter()
+            .all(|i| i.values.iter().all(|v| v.abs() <= HALF_INPUT_MAX))
+            && case.inputs.iter().map(|i| i.values.len()).sum::<usize>() <= 4096;
+        if fits {
+            for (dtype, tol) in [(DType::F16, F16_TOL), (DType::BF16, BF16_TOL)] {
+                let half = case.analytic(Device::Cpu, dtype)?;
+                close_to(
+                    case,
+                    &format!("{dtype} gradient vs F64"),
+                    &half,
+                    &reference,
+                    tol,
+                )?;
+            }
+        }
     } else {
         let double = case.analytic(dev, DType::F64)?;
         close_to(

@@ -69,6 +69,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("prefetch", 8),
     ("inference", 8),
     ("optim", 8),
+    // Loss scaling over the optimizers' flagged steps.
+    ("amp", 8),
     ("layer_workspace", 8),
     ("timeline", 8),
     ("cuda", 8),

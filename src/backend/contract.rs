@@ -159,6 +159,18 @@ pub(crate) trait StepTensors<B> {
     /// Tensor `i`'s buffers; `None` when `i` is out of range or its buffers are not of this
     /// backend.
     fn tensor(&mut self, i: usize) -> Option<StepTensor<'_, B>>;
+    /// The step's skip flag, if it has one: a one-element f32 buffer on the tensors' device;
+    /// when it holds anything but 0 (NaN included: a loss scaler's "non-finite gradient
+    /// found"), the step changes no parameter and no state, and only zeroes the gradients it
+    /// was asked to zero. Read by the device where it lies (no host round trip on a GPU).
+    fn skip_flag(&mut self) -> Option<&B> {
+        None
+    }
+    /// [`skip_flag`](Self::skip_flag), as the list of storages hands it out to the backend it
+    /// is on.
+    fn skip_flag_mut(&mut self) -> Option<&mut B> {
+        None
+    }
 }
 
 /// The first tensor of a multi-tensor step (the contract's witness of a buffer for the list

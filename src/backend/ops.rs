@@ -484,6 +484,12 @@ impl<B> StepTensors<B> for OnBackend<'_, '_, B> {
             state,
         })
     }
+
+    fn skip_flag(&mut self) -> Option<&B> {
+        let pick = self.pick;
+        // The flag is read only; `pick` takes a mutable reference to choose the variant.
+        self.inner.skip_flag_mut().and_then(pick).map(|b| &*b)
+    }
 }
 
 fn host_buffer(s: &mut Storage) -> Option<&mut HostBuffer> {

@@ -116,6 +116,10 @@ impl Dense {
     #[track_caller]
     pub fn forward(&self, x: &NDArray) -> Result<NDArray> {
         let ctx = Ctx::new("Dense::forward");
+        if let Some((x, w, b)) = lowered_layer(x, &self.w, self.bias.as_ref())? {
+            // Under autocast: the unpacked product in the low dtype.
+            return x.linear(&w, b.as_ref(), self.activation);
+        }
         let out = {
             // Recorded as one op (its unpacked path's steps are not).
             let _pause = super::autograd::recording().then(super::autograd::Pause::new);
@@ -244,6 +248,30 @@ impl Drop for Dense {
     }
 }
 
+/// A layer's input, weights and bias in the autocast dtype (PyTorch's autocast converts
+/// `linear`'s bias too), when a guard is open and any of them is a float of another dtype.
+#[allow(clippy::type_complexity)]
+fn lowered_layer(
+    x: &NDArray,
+    w: &NDArray,
+    bias: Option<&NDArray>,
+) -> Result<Option<(NDArray, NDArray, Option<NDArray>)>> {
+    if super::autocast::autocast_dtype().is_none() {
+        return Ok(None);
+    }
+    let lx = super::autocast::lowered(x)?;
+    let lw = super::autocast::lowered(w)?;
+    let lb = bias.map(super::autocast::lowered).transpose()?.flatten();
+    if lx.is_none() && lw.is_none() && lb.is_none() {
+        return Ok(None);
+    }
+    Ok(Some((
+        lx.unwrap_or_else(|| x.clone()),
+        lw.unwrap_or_else(|| w.clone()),
+        lb.or_else(|| bias.cloned()),
+    )))
+}
+
 /// The checks of a layer's weights `[in, out]` (floats) and bias `[out]` (their dtype and
 /// device): `(in, out)`, or the error naming what is wrong.
 fn check_layer(ctx: &Ctx, w: &NDArray, bias: Option<&NDArray>) -> Result<(usize, usize)> {
@@ -342,6 +370,9 @@ impl NDArray {
         activation: Activation,
     ) -> Result<NDArray> {
         let ctx = Ctx::new("linear");
+        if let Some((x, w, b)) = lowered_layer(self, w, bias)? {
+            return x.linear(&w, b.as_ref(), activation);
+        }
         let (k, n) = check_layer(&ctx, w, bias)?;
         check_same(&ctx, self, w)?;
         let Some((_, lead)) = self.dims().split_last().filter(|(&last, _)| last == k) else {

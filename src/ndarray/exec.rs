@@ -721,10 +721,12 @@ fn recycle<T, U>(mut list: Vec<T>) -> Vec<U> {
 /// The tensors of a multi-tensor step over the guards [`locked_steps`] holds.
 struct LockedTensors<'g, 'a> {
     guards: &'g mut [WriteGuard<'a>],
-    /// The guard of each role (tensor `t`, role `r` at `t·depth + r`).
+    /// The guard of each role (tensor `t`, role `r` at `t·depth + r`), then the skip flag's.
     slot: &'g [usize],
     depth: usize,
     count: usize,
+    /// Whether the step has a skip flag (its guard is the last slot).
+    flagged: bool,
 }
 
 impl StepTensors<Storage> for LockedTensors<'_, '_> {
@@ -765,19 +767,28 @@ impl StepTensors<Storage> for LockedTensors<'_, '_> {
             _ => None,
         }
     }
+
+    fn skip_flag_mut(&mut self) -> Option<&mut Storage> {
+        if !self.flagged {
+            return None;
+        }
+        let at = *self.slot.get(self.count * self.depth)?;
+        self.guards.get_mut(at).map(|g| &mut *g.guard)
+    }
 }
 
 /// Runs a multi-tensor optimizer step's kernel on `count` tensors of `depth` arrays each (2 to
 /// 4: role 0 the gradient, 1 the parameter, then the state), `array(t, role)` giving each: every
 /// array's pending product settled first, then all write-locked in address order (each once:
 /// an array in two roles is `InvalidArgument`, before any lock), the kernel given their bytes
-/// tensor by tensor. Reuses `locks`' memory: allocates nothing once it has grown to the size of
-/// the step.
+/// tensor by tensor, and the skip `flag` (see `StepTensors::skip_flag`), locked with them.
+/// Reuses `locks`' memory: allocates nothing once it has grown to the size of the step.
 pub(crate) fn locked_steps<'a>(
     ctx: &Ctx,
     locks: &mut ManyLocks,
     (count, depth): (usize, usize),
     array: impl Fn(usize, usize) -> &'a NDArray,
+    flag: Option<&'a NDArray>,
     kernel: impl FnOnce(&mut dyn StepTensors<Storage>) -> Result<()>,
 ) -> Result<()> {
     if !(2..=4).contains(&depth) {
@@ -786,19 +797,24 @@ pub(crate) fn locked_steps<'a>(
         )));
     }
     let roles = count * depth;
-    let of = |role: usize| array(role / depth, role % depth);
-    for role in 0..roles {
+    let all = roles + usize::from(flag.is_some());
+    // Role `roles` is the flag.
+    let of = |role: usize| match flag {
+        Some(f) if role == roles => f,
+        _ => array(role / depth, role % depth),
+    };
+    for role in 0..all {
         hooks::before_access(ctx, &of(role).0)?;
     }
     let ManyLocks { order, slot, spare } = locks;
     order.clear();
-    order.extend((0..roles).map(|role| (addr(of(role)), role)));
+    order.extend((0..all).map(|role| (addr(of(role)), role)));
     order.sort_unstable();
     if order.windows(2).any(|w| w[0].0 == w[1].0) {
         return Err(clash(ctx));
     }
     slot.clear();
-    slot.resize(roles, 0);
+    slot.resize(all, 0);
     let mut guards: Vec<WriteGuard<'a>> = recycle(std::mem::take(&mut spare.0));
     let run = || {
         for (at, &(_, role)) in order.iter().enumerate() {
@@ -810,6 +826,7 @@ pub(crate) fn locked_steps<'a>(
             slot,
             depth,
             count,
+            flagged: flag.is_some(),
         })
     };
     let result = run();

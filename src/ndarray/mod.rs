@@ -2,6 +2,7 @@
 //! in `ops.rs` (elementwise, comparisons, in place), `reduce_ops.rs`, `shape_ops.rs`,
 //! `nn_ops.rs` and `optim.rs` (the fused optimizer steps); factories (on `Manager`) in `factory.rs`.
 
+pub(crate) mod autocast;
 pub(crate) mod autograd;
 mod convert;
 mod dense;
@@ -21,6 +22,7 @@ use std::fmt;
 use std::panic::Location;
 use std::sync::Arc;
 
+pub use autocast::{autocast, autocast_dtype, AutocastGuard};
 pub use autograd::{
     gradient_collector, is_grad_enabled, no_gradient, GradientCollector, NoGradientGuard,
 };

@@ -70,6 +70,9 @@ impl NDArray {
     #[track_caller]
     pub fn matmul(&self, other: &NDArray) -> Result<NDArray> {
         let ctx = Ctx::new("matmul");
+        if let Some((a, b)) = lowered_pair(self, other)? {
+            return a.matmul(&b);
+        }
         let out = self.matmul_unrecorded(ctx, other)?;
         record(&ctx, &[self, other], &out, || Backward::Matmul);
         Ok(out)
@@ -135,6 +138,9 @@ impl NDArray {
     #[track_caller]
     pub fn matmul_t(&self, other: &NDArray, transpose: Transpose) -> Result<NDArray> {
         let ctx = Ctx::new("matmul_t");
+        if let Some((a, b)) = lowered_pair(self, other)? {
+            return a.matmul_t(&b, transpose);
+        }
         let out = self.matmul_t_unrecorded(ctx, other, transpose)?;
         record(&ctx, &[self, other], &out, || {
             let (left, right) = transpose.flags();
@@ -373,6 +379,9 @@ impl NDArray {
     }
 
     fn softmax_impl(&self, ctx: Ctx, axis: isize, log: bool) -> Result<NDArray> {
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.softmax_impl(ctx, axis, log);
+        }
         let dtype = self.dtype();
         if !dtype.is_float() {
             return Err(self.dtype_error(&ctx, "f32 or f64"));
@@ -554,6 +563,9 @@ impl NDArray {
     #[track_caller]
     pub fn softmax_cross_entropy(&self, labels: &NDArray) -> Result<NDArray> {
         let ctx = Ctx::new("softmax_cross_entropy");
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.softmax_cross_entropy(labels);
+        }
         let dtype = self.dtype();
         if !dtype.is_float() {
             return Err(self.dtype_error(&ctx, "f32 or f64 logits"));
@@ -644,4 +656,17 @@ fn index_error(
         array.0.describe(),
         array.shape()
     ))
+}
+
+/// Both operands in the autocast dtype when a guard is open and either is a float of another
+/// dtype.
+fn lowered_pair(a: &NDArray, b: &NDArray) -> Result<Option<(NDArray, NDArray)>> {
+    let (la, lb) = (super::autocast::lowered(a)?, super::autocast::lowered(b)?);
+    if la.is_none() && lb.is_none() {
+        return Ok(None);
+    }
+    Ok(Some((
+        la.unwrap_or_else(|| a.clone()),
+        lb.unwrap_or_else(|| b.clone()),
+    )))
 }

@@ -201,6 +201,9 @@ fn division_by_zero(ctx: &Ctx, b: &NDArray) -> Error {
 
 impl NDArray {
     fn binary(&self, ctx: Ctx, other: &NDArray, op: Binary) -> Result<NDArray> {
+        if let Some((a, b)) = super::autocast::promoted(self, other)? {
+            return a.binary(ctx, &b, op);
+        }
         check_same(&ctx, self, other)?;
         let shape = broadcast_shapes(&ctx, self.shape(), other.shape())?;
         let dtype = self.dtype();

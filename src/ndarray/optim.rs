@@ -325,9 +325,10 @@ impl NDArray {
         (dtype, count, depth): (DType, usize, usize),
         array: impl Fn(usize, usize) -> &'a NDArray,
         step: SgdUpdate,
+        skip: Option<&'a NDArray>,
     ) -> Result<()> {
         let coeffs = step.coeffs(true);
-        exec::locked_steps(ctx, locks, (count, depth), array, |tensors| {
+        exec::locked_steps(ctx, locks, (count, depth), array, skip, |tensors| {
             AnyDevice::sgd_update_multi(ctx, dtype, tensors, coeffs)
         })
     }
@@ -341,9 +342,10 @@ impl NDArray {
         (dtype, count): (DType, usize),
         array: impl Fn(usize, usize) -> &'a NDArray,
         step: AdamUpdate,
+        skip: Option<&'a NDArray>,
     ) -> Result<()> {
         let coeffs = step.coeffs(true);
-        exec::locked_steps(ctx, locks, (count, 4), array, |tensors| {
+        exec::locked_steps(ctx, locks, (count, 4), array, skip, |tensors| {
             AnyDevice::adam_update_multi(ctx, dtype, tensors, coeffs)
         })
     }

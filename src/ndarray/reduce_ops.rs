@@ -53,6 +53,9 @@ impl NDArray {
     /// ```
     #[track_caller]
     pub fn sum(&self, axes: &[isize], keep_dims: bool) -> Result<NDArray> {
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.sum(axes, keep_dims);
+        }
         self.sum_or_mean(Ctx::new("sum"), axes, keep_dims, false)
     }
 
@@ -60,6 +63,9 @@ impl NDArray {
     /// `F64`. The mean over an empty axis is NaN.
     #[track_caller]
     pub fn mean(&self, axes: &[isize], keep_dims: bool) -> Result<NDArray> {
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.mean(axes, keep_dims);
+        }
         self.sum_or_mean(Ctx::new("mean"), axes, keep_dims, true)
     }
 
@@ -156,6 +162,9 @@ impl NDArray {
     /// integers (wrapping), as PyTorch.
     #[track_caller]
     pub fn sum_all(&self) -> Result<NDArray> {
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.sum_all();
+        }
         self.reduce_all(Ctx::new("sum_all"), false)
     }
 
@@ -163,6 +172,9 @@ impl NDArray {
     /// integers. NaN for an empty array.
     #[track_caller]
     pub fn mean_all(&self) -> Result<NDArray> {
+        if let Some(wide) = super::autocast::widened(self)? {
+            return wide.mean_all();
+        }
         self.reduce_all(Ctx::new("mean_all"), true)
     }
 

@@ -658,6 +658,9 @@ impl OptimOps for Cpu {
         tensors: &mut dyn StepTensors<HostBuffer>,
         step: SgdCoeffs,
     ) -> Result<()> {
+        if skipped(ctx, tensors, step.zero_grad)? {
+            return Ok(());
+        }
         for i in 0..tensors.len() {
             let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
             let [velocity, _] = t.state;
@@ -672,6 +675,9 @@ impl OptimOps for Cpu {
         tensors: &mut dyn StepTensors<HostBuffer>,
         step: AdamCoeffs,
     ) -> Result<()> {
+        if skipped(ctx, tensors, step.zero_grad)? {
+            return Ok(());
+        }
         for i in 0..tensors.len() {
             let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
             match t.state {
@@ -681,6 +687,22 @@ impl OptimOps for Cpu {
         }
         Ok(())
     }
+}
+
+/// Whether a multi-tensor step is skipped by its flag (anything but 0, NaN included); if so,
+/// the gradients are zeroed when the step zeroes them, and nothing else changes.
+fn skipped(ctx: &Ctx, tensors: &mut dyn StepTensors<HostBuffer>, zero_grad: bool) -> Result<bool> {
+    let skip = match tensors.skip_flag() {
+        Some(flag) => flag.as_slice::<f32>().first().is_some_and(|&v| v != 0.0),
+        None => false,
+    };
+    if skip && zero_grad {
+        for i in 0..tensors.len() {
+            let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
+            t.grad.as_bytes_mut().fill(0);
+        }
+    }
+    Ok(skip)
 }
 
 /// The error for tensor `i` of a multi-tensor list that is not in host memory.

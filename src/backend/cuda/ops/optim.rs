@@ -280,6 +280,9 @@ impl OptimOps for Cuda {
         tensors: &mut dyn StepTensors<DeviceBuffer>,
         step: SgdCoeffs,
     ) -> Result<()> {
+        if tensors.skip_flag().is_some() {
+            return Err(ctx.unsupported("a flagged multi-tensor step on a CUDA device"));
+        }
         let velocity = match tensors.tensor(0) {
             Some(t) => t.state[0].is_some(),
             None => return Ok(()),
@@ -308,6 +311,9 @@ impl OptimOps for Cuda {
         tensors: &mut dyn StepTensors<DeviceBuffer>,
         step: AdamCoeffs,
     ) -> Result<()> {
+        if tensors.skip_flag().is_some() {
+            return Err(ctx.unsupported("a flagged multi-tensor step on a CUDA device"));
+        }
         let mode = adam_mode(step);
         let s = |value: f64| scalar(dtype, value);
         each_launch(ctx, dtype, tensors, 4, |gpu, list, blocks| {

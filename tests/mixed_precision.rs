@@ -1,0 +1,391 @@
+//! Mixed precision as PyTorch users know it: `autocast` (products in f16/bf16, softmax, losses
+//! and sums in f32, each parameter converted once per guard) and `GradScaler` (dynamic loss
+//! scaling, a step with a non-finite gradient skipped, decided on the device).
+
+use ndscope::{
+    autocast, autocast_dtype, Activation, Adam, DType, Error, GradScaler, GradScalerOptions,
+    Manager, NDArray, Optimizer, Sgd,
+};
+
+fn values(a: &NDArray) -> Vec<f64> {
+    a.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+#[test]
+fn products_run_low_and_precision_sensitive_ops_in_f32() {
+    let m = Manager::new_base();
+    let x = m.randn([4, 8], DType::F32).unwrap();
+    let w = m.randn([8, 3], DType::F32).unwrap();
+    let b = m.randn([3], DType::F32).unwrap();
+    let labels = m.from_slice(&[0i64, 2, 1, 1], [4]).unwrap();
+    assert_eq!(autocast_dtype(), None);
+    for low in [DType::F16, DType::BF16] {
+        let _guard = autocast(low).unwrap();
+        assert_eq!(autocast_dtype(), Some(low));
+        let y = x.matmul(&w).unwrap();
+        assert_eq!(y.dtype(), low);
+        assert_eq!(
+            x.linear(&w, Some(&b), Activation::Relu).unwrap().dtype(),
+            low
+        );
+        let dense = ndscope::Dense::new(&w, Some(&b), Activation::Identity).unwrap();
+        assert_eq!(dense.forward(&x).unwrap().dtype(), low);
+        assert_eq!(
+            x.matmul_t(&x, ndscope::Transpose::Right).unwrap().dtype(),
+            low
+        );
+        // The precision-sensitive ones in f32, whatever their input.
+        assert_eq!(y.softmax(-1).unwrap().dtype(), DType::F32);
+        assert_eq!(y.log_softmax(-1).unwrap().dtype(), DType::F32);
+        assert_eq!(
+            y.softmax_cross_entropy(&labels).unwrap().dtype(),
+            DType::F32
+        );
+        assert_eq!(y.sum_all().unwrap().dtype(), DType::F32);
+        assert_eq!(y.mean(&[0], false).unwrap().dtype(), DType::F32);
+        // Others in their input's dtype; two float dtypes meet in the wider.
+        assert_eq!(y.relu().unwrap().dtype(), low);
+        assert_eq!(y.add(&b).unwrap().dtype(), DType::F32);
+        // The product is the low-precision product of the rounded inputs.
+        let want = x
+            .to_dtype(low)
+            .unwrap()
+            .matmul(&w.to_dtype(low).unwrap())
+            .unwrap();
+        assert_eq!(values(&y), values(&want));
+        dense.close().unwrap();
+    }
+    // Nested guards: the innermost applies, and the outer one is back after it.
+    {
+        let _outer = autocast(DType::BF16).unwrap();
+        {
+            let _inner = autocast(DType::F16).unwrap();
+            assert_eq!(x.matmul(&w).unwrap().dtype(), DType::F16);
+        }
+        assert_eq!(x.matmul(&w).unwrap().dtype(), DType::BF16);
+    }
+    assert_eq!(x.matmul(&w).unwrap().dtype(), DType::F32);
+    for bad in [DType::F32, DType::F64, DType::I32] {
+        assert!(matches!(autocast(bad), Err(Error::InvalidArgument { .. })));
+    }
+    m.close().unwrap();
+}
+
+#[test]
+fn a_parameter_is_converted_once_per_guard_while_unchanged() {
+    let model = Manager::new_base();
+    let w = model.randn([8, 8], DType::F32).unwrap();
+    w.set_requires_gradient(true).unwrap();
+    let x = model
+        .randn([2, 8], DType::F32)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let arrays_made = |uses: usize, change_between: bool| {
+        let step = model.sub_scope().unwrap();
+        {
+            let _active = step.activate();
+            let _bf16 = autocast(DType::BF16).unwrap();
+            for i in 0..uses {
+                if change_between && i == 1 {
+                    w.mul_scalar_(1.0).unwrap();
+                }
+                x.matmul(&w).unwrap();
+            }
+        }
+        let n = step.report().total_arrays();
+        step.close().unwrap();
+        n
+    };
+    // Three products: three results and one bf16 copy of `w`.
+    assert_eq!(arrays_made(3, false), 4);
+    // Written in place between uses: copied again.
+    assert_eq!(arrays_made(3, true), 5);
+    // A new guard converts anew (its step's copy is gone with the step).
+    assert_eq!(arrays_made(1, false), 2);
+    model.close().unwrap();
+}
+
+#[test]
+fn gradients_flow_through_autocast_to_f32_parameters() {
+    let model = Manager::new_base();
+    let w = model
+        .randn([16, 10], DType::F32)
+        .unwrap()
+        .mul_scalar(0.3)
+        .unwrap();
+    let b = model.zeros([10], DType::F32).unwrap();
+    for p in [&w, &b] {
+        p.set_requires_gradient(true).unwrap();
+    }
+    let x = model.randn([32, 16], DType::F32).unwrap();
+    let labels = model
+        .from_vec((0..32).map(|i| (i % 10) as i64).collect(), [32])
+        .unwrap();
+    let grads = |low: Option<DType>| -> Vec<Vec<f64>> {
+        let step = model.sub_scope().unwrap();
+        {
+            let _active = step.activate();
+            let collector = step.gradient_collector().unwrap();
+            let loss = {
+                let _guard = low.map(|d| autocast(d).unwrap());
+                x.linear(&w, Some(&b), Activation::Relu)
+                    .unwrap()
+                    .softmax_cross_entropy(&labels)
+                    .unwrap()
+            };
+            assert_eq!(loss.dtype(), DType::F32);
+            collector.backward(&loss).unwrap();
+        }
+        step.close().unwrap();
+        let out = [&w, &b]
+            .iter()
+            .map(|p| {
+                let g = p.gradient().unwrap();
+                assert_eq!(
+                    g.dtype(),
+                    DType::F32,
+                    "the gradient of an f32 parameter is f32"
+                );
+                let v = values(&g);
+                g.fill_(0.0).unwrap();
+                v
+            })
+            .collect();
+        out
+    };
+    let reference = grads(None);
+    for (low, tol) in [(DType::F16, 5e-3), (DType::BF16, 3e-2)] {
+        let got = grads(Some(low));
+        for (g, r) in got.iter().zip(&reference) {
+            let scale = 1.0 + r.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for (a, e) in g.iter().zip(r) {
+                assert!((a - e).abs() <= tol * scale, "{low}: {a} vs {e}");
+            }
+        }
+    }
+    model.close().unwrap();
+}
+
+/// One training step of `w` on `loss_of(w)`, with or without a scaler.
+fn step(
+    model: &Manager,
+    opt: &mut Optimizer,
+    scaler: Option<&mut GradScaler>,
+    loss_of: &dyn Fn() -> NDArray,
+) {
+    let scope = model.sub_scope().unwrap();
+    {
+        let _active = scope.activate();
+        let collector = scope.gradient_collector().unwrap();
+        let loss = loss_of();
+        match scaler {
+            Some(s) => {
+                collector.backward(&s.scale(&loss).unwrap()).unwrap();
+                s.step(opt).unwrap();
+                s.update().unwrap();
+            }
+            None => {
+                collector.backward(&loss).unwrap();
+                opt.step().unwrap();
+            }
+        }
+    }
+    scope.close().unwrap();
+}
+
+#[test]
+fn a_scaled_f32_step_is_the_plain_step_and_a_non_finite_one_is_skipped() {
+    for adam in [false, true] {
+        let kind = |lr| -> ndscope::OptimizerKind {
+            if adam {
+                Adam::new(lr).into()
+            } else {
+                Sgd {
+                    momentum: 0.9,
+                    ..Sgd::new(lr)
+                }
+                .into()
+            }
+        };
+        let model = Manager::new_base();
+        let init = model.randn([6, 3], DType::F32).unwrap();
+        let x = model.randn([5, 6], DType::F32).unwrap();
+        let bad = x.mul_scalar(f64::INFINITY).unwrap();
+        let labels = model.from_slice(&[0i64, 1, 2, 1, 0], [5]).unwrap();
+        let make = || {
+            let w = init.duplicate().unwrap();
+            w.set_requires_gradient(true).unwrap();
+            let opt = Optimizer::new([&w], kind(0.05)).unwrap();
+            (w, opt)
+        };
+        let loss =
+            |w: &NDArray, x: &NDArray| x.matmul(w).unwrap().softmax_cross_entropy(&labels).unwrap();
+        // Plain: two good steps.
+        let (w0, mut plain) = make();
+        for _ in 0..2 {
+            step(&model, &mut plain, None, &|| loss(&w0, &x));
+        }
+        // Scaled (a power of two: exact in f32), with a non-finite step between the two.
+        let (w1, mut scaled) = make();
+        let mut scaler = GradScaler::new(&model).unwrap();
+        step(&model, &mut scaled, Some(&mut scaler), &|| loss(&w1, &x));
+        assert!(!scaler.found_non_finite().unwrap());
+        let before = values(&w1);
+        let state_before: Vec<Vec<f64>> = scaled.state(&w1).unwrap().iter().map(values).collect();
+        step(&model, &mut scaled, Some(&mut scaler), &|| loss(&w1, &bad));
+        assert!(scaler.found_non_finite().unwrap(), "adam={adam}");
+        assert_eq!(values(&w1), before, "a skipped step changes no parameter");
+        let state_after: Vec<Vec<f64>> = scaled.state(&w1).unwrap().iter().map(values).collect();
+        assert_eq!(state_after, state_before, "nor any state");
+        assert!(
+            values(&w1.gradient().unwrap()).iter().all(|&g| g == 0.0),
+            "the gradient is zeroed"
+        );
+        assert_eq!(scaler.scale_value().unwrap(), 32768.0, "backed off");
+        assert_eq!(scaled.steps(), 1, "a skipped CPU step is not counted");
+        step(&model, &mut scaled, Some(&mut scaler), &|| loss(&w1, &x));
+        // The same steps up to rounding: the plain SGD step may fuse the weight gradient's
+        // product into the update (another rounding order), the scaled one reads the unscaled
+        // gradient.
+        for (a, e) in values(&w1).iter().zip(values(&w0)) {
+            assert!(
+                (a - e).abs() <= 1e-6 * e.abs().max(1.0),
+                "adam={adam}: {a} vs {e}"
+            );
+        }
+        assert_eq!(scaler.good_steps().unwrap(), 1);
+        model.close().unwrap();
+    }
+}
+
+#[test]
+fn the_scale_grows_after_the_interval_and_the_options_are_checked() {
+    let model = Manager::new_base();
+    let w = model.randn([4, 2], DType::F32).unwrap();
+    w.set_requires_gradient(true).unwrap();
+    let x = model.randn([3, 4], DType::F32).unwrap();
+    let labels = model.from_slice(&[0i64, 1, 1], [3]).unwrap();
+    let mut opt = Optimizer::new([&w], Sgd::new(0.01)).unwrap();
+    let options = GradScalerOptions {
+        init_scale: 8.0,
+        growth_interval: 3,
+        ..GradScalerOptions::default()
+    };
+    let mut scaler = GradScaler::with_options(&model, options).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..7 {
+        step(&model, &mut opt, Some(&mut scaler), &|| {
+            x.matmul(&w)
+                .unwrap()
+                .softmax_cross_entropy(&labels)
+                .unwrap()
+        });
+        seen.push(scaler.scale_value().unwrap());
+    }
+    assert_eq!(seen, vec![8.0, 8.0, 16.0, 16.0, 16.0, 32.0, 32.0]);
+    // unscale_ twice before update is refused, as PyTorch's.
+    {
+        let scope = model.sub_scope().unwrap();
+        let _active = scope.activate();
+        let c = scope.gradient_collector().unwrap();
+        c.backward(
+            &scaler
+                .scale(&x.matmul(&w).unwrap().sum_all().unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        scaler.unscale_(&opt).unwrap();
+        assert!(matches!(
+            scaler.unscale_(&opt),
+            Err(Error::InvalidArgument { .. })
+        ));
+        scaler.step(&mut opt).unwrap();
+        scaler.update().unwrap();
+        drop(c);
+        drop(_active);
+        scope.close().unwrap();
+    }
+    for bad in [
+        GradScalerOptions {
+            init_scale: 0.0,
+            ..Default::default()
+        },
+        GradScalerOptions {
+            init_scale: f64::INFINITY,
+            ..Default::default()
+        },
+        GradScalerOptions {
+            growth_factor: 1.0,
+            ..Default::default()
+        },
+        GradScalerOptions {
+            backoff_factor: 1.0,
+            ..Default::default()
+        },
+        GradScalerOptions {
+            growth_interval: 0,
+            ..Default::default()
+        },
+    ] {
+        assert!(matches!(
+            GradScaler::with_options(&model, bad),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+    model.close().unwrap();
+}
+
+#[test]
+fn without_a_scaler_small_f16_gradients_vanish_and_with_one_they_survive() {
+    let model = Manager::new_base();
+    let w = model.full([8, 4], 0.5, DType::F32).unwrap();
+    w.set_requires_gradient(true).unwrap();
+    let x = model.full([2, 8], 0.25, DType::F32).unwrap();
+    let grad = |scaler: Option<&mut GradScaler>| -> Vec<f64> {
+        let mut opt = Optimizer::new([&w], Sgd::new(0.0)).unwrap();
+        let scope = model.sub_scope().unwrap();
+        let g;
+        {
+            let _active = scope.activate();
+            let collector = scope.gradient_collector().unwrap();
+            // d loss / d y = 1e-8 per element: below f16's smallest subnormal (6e-8).
+            let loss = {
+                let _f16 = autocast(DType::F16).unwrap();
+                x.matmul(&w)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .mul_scalar(1e-8)
+                    .unwrap()
+            };
+            match scaler {
+                Some(s) => {
+                    collector.backward(&s.scale(&loss).unwrap()).unwrap();
+                    s.unscale_(&opt).unwrap();
+                    g = values(&w.gradient().unwrap());
+                    s.step(&mut opt).unwrap();
+                    s.update().unwrap();
+                }
+                None => {
+                    collector.backward(&loss).unwrap();
+                    g = values(&w.gradient().unwrap());
+                    opt.step().unwrap();
+                }
+            }
+        }
+        scope.close().unwrap();
+        g
+    };
+    assert!(
+        grad(None).iter().all(|&v| v == 0.0),
+        "f16 flushes 1e-8 to zero"
+    );
+    let mut scaler = GradScaler::new(&model).unwrap();
+    let scaled = grad(Some(&mut scaler));
+    // x · 1e-8 = 2.5e-9 · 2 rows = 5e-9 per weight, recovered to within f16's precision.
+    for v in scaled {
+        assert!((v - 5e-9).abs() < 5e-9 * 2e-2, "{v}");
+    }
+    model.close().unwrap();
+}
