@@ -35,6 +35,10 @@
 //! --no-prefetch     cut each batch in the step instead of on the prefetch thread (to compare)
 //! --save PATH       write the trained parameters (w1, b1, …) to PATH as safetensors
 //! --device cpu|cuda where to train (default cpu)
+//! --dtype f32|bf16|f16  the autograd step's precision (default f32): bf16 or f16 is mixed
+//!                   precision as PyTorch's AMP, the forward pass under autocast (products in
+//!                   the half type, the loss in f32), f32 parameters, gradients and optimizer
+//!                   state, and for f16 a GradScaler
 //! --no-graph        on CUDA, launch every op of the step instead of replaying the learned
 //!                   step as a CUDA graph (WorkspaceConfig::graph_replay); replay cuts the
 //!                   batches in the step: a prefetched batch lies at another address of the
@@ -65,10 +69,10 @@ use std::time::Instant;
 
 use std::cell::RefCell;
 
-use mlp::{make_data, Mlp};
+use mlp::{make_data, Mlp, Precision};
 use ndscope::{
-    fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, Device, LayerWorkspaceMgr, Manager,
-    NDArray, Optimizer, Prefetcher, RecordOptions, Sgd, WorkspaceConfig,
+    fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, DType, Device, LayerWorkspaceMgr,
+    Manager, NDArray, Optimizer, Prefetcher, RecordOptions, Sgd, WorkspaceConfig,
 };
 
 const FEATURES: usize = 784;
@@ -92,6 +96,7 @@ struct Args {
     graph: bool,
     save: Option<std::path::PathBuf>,
     device: Device,
+    dtype: DType,
     trace: Option<String>,
     snapshot: Option<String>,
 }
@@ -112,6 +117,7 @@ fn parse_args() -> Result<Args, String> {
         graph: true,
         save: None,
         device: Device::Cpu,
+        dtype: DType::F32,
         trace: None,
         snapshot: None,
     };
@@ -152,10 +158,18 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--device must be cpu or cuda, not {other:?}")),
                 }
             }
+            "--dtype" => {
+                args.dtype = match value("--dtype")?.as_str() {
+                    "f32" => DType::F32,
+                    "bf16" => DType::BF16,
+                    "f16" => DType::F16,
+                    other => return Err(format!("--dtype must be f32, bf16 or f16, not {other:?}")),
+                }
+            }
             "-h" | "--help" => {
                 return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
                             [--optimizer sgd|adam] [--manual-backward] [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
-                            [--device cpu|cuda] [--no-graph] [--trace PATH] [--snapshot PATH]"
+                            [--device cpu|cuda] [--dtype f32|bf16|f16] [--no-graph] [--trace PATH] [--snapshot PATH]"
                     .into())
             }
             other => return Err(format!("unknown flag {other:?} (try --help)")),
@@ -173,6 +187,9 @@ fn parse_args() -> Result<Args, String> {
     args.graph = args.graph && args.workspace && !args.device.is_cpu();
     if args.graph {
         args.prefetch = false;
+    }
+    if args.manual && args.dtype != DType::F32 {
+        return Err("--manual-backward computes in f32: it takes no --dtype bf16 or f16".into());
     }
     if args.manual && args.adam {
         return Err(
@@ -239,6 +256,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     sizes.push(CLASSES);
     let t0 = Instant::now();
     let (x, y) = make_data(&data, total, FEATURES, CLASSES, 3, SPREAD)?;
+    // In mixed precision the samples are stored in the half type, as a half-precision dataset
+    // is (half the data's memory; each step's batch needs no conversion).
+    let x = match args.dtype {
+        DType::F32 => x,
+        low => {
+            let half = x.to_dtype(low)?;
+            x.close()?;
+            half
+        }
+    };
     let lr = args.lr.unwrap_or(if args.adam { 0.001 } else { 0.02 });
     // The parameters (with their gradients, for autograd) and the optimizer's state are made
     // in the model before it is capped; they would be allowed after it too.
@@ -260,6 +287,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         };
         (net, Some(RefCell::new(optimizer)))
     };
+    // The loss scaler's state (f16) is made in the model before it is capped, as the rest.
+    let precision = Precision::new(&model, args.dtype)?;
     model.cap(); // from here on, a temporary landing in the model fails at its line
     let trainer = model.new_sub_manager()?.with_name("trainer");
     let config = WorkspaceConfig::builder()
@@ -284,6 +313,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (Learner::Autograd(_), false) => {
             format!("autograd, SGD lr {lr} momentum {}", args.momentum)
         }
+    };
+    let method = match (args.dtype, &precision.scaler) {
+        (DType::F32, _) => method,
+        (low, Some(_)) => format!("{method}, mixed precision ({low} autocast, GradScaler)"),
+        (low, None) => format!("{method}, mixed precision ({low} autocast)"),
     };
     println!(
         "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {}, {} epochs, \
@@ -348,7 +382,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     None => batch_of(step * args.batch, args.batch)?,
                 };
                 let out = match &learner {
-                    Learner::Autograd(opt) => net.autograd_step(&mut opt.borrow_mut(), &xb, &yb)?,
+                    Learner::Autograd(opt) => {
+                        net.autograd_step_in(&precision, &mut opt.borrow_mut(), &xb, &yb)?
+                    }
                     Learner::Manual(layers) => {
                         net.train_step(layers, &xb, &yb, lr, args.momentum)?
                     }
@@ -403,7 +439,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let len = args.batch.min(total - start);
         let count = |_: &Manager| -> ndscope::Result<i64> {
             let (xb, yb) = batch_of(start, len)?;
-            net.correct(&xb, &yb)?.to_scalar::<i64>()
+            net.correct_in(precision.low, &xb, &yb)?.to_scalar::<i64>()
         };
         held_correct += if args.workspace {
             eval_ws.cycle(count)?

@@ -18,10 +18,40 @@
 
 #![allow(dead_code)]
 
+use std::cell::RefCell;
+
 use ndscope::{
-    gradient_collector, Activation, ArrayKind, DType, Error, LayerWorkspaceMgr, Manager, NDArray,
-    NDList, Optimizer, Result, Transpose,
+    autocast, gradient_collector, Activation, ArrayKind, DType, Error, GradScaler,
+    LayerWorkspaceMgr, Manager, NDArray, NDList, Optimizer, Result, Transpose,
 };
+
+/// The precision of an autograd step: f32 throughout, or mixed precision as PyTorch's AMP (the
+/// forward pass under [`autocast`] in `low`, f32 parameters and optimizer; for f16 a
+/// [`GradScaler`]).
+#[derive(Default)]
+pub struct Precision {
+    /// The autocast dtype (`F16` or `BF16`), or `None` for f32.
+    pub low: Option<DType>,
+    /// The loss scaler (f16).
+    pub scaler: Option<RefCell<GradScaler>>,
+}
+
+impl Precision {
+    /// Mixed precision in `dtype` (`F16` gets a scaler, its state made in `model`), or f32.
+    pub fn new(model: &Manager, dtype: DType) -> Result<Precision> {
+        Ok(match dtype {
+            DType::F16 => Precision {
+                low: Some(DType::F16),
+                scaler: Some(RefCell::new(GradScaler::new(model)?)),
+            },
+            DType::BF16 => Precision {
+                low: Some(DType::BF16),
+                scaler: None,
+            },
+            _ => Precision::default(),
+        })
+    }
+}
 
 /// One dense layer: weights `[fan_in, fan_out]`, bias `[fan_out]`, and, for the hand-written
 /// step, their velocities (an autograd model's optimizer keeps its own).
@@ -125,13 +155,40 @@ impl Mlp {
         x: &NDArray,
         labels: &NDArray,
     ) -> Result<StepOut> {
+        self.autograd_step_in(&Precision::default(), optimizer, x, labels)
+    }
+
+    /// [`autograd_step`](Mlp::autograd_step) in `precision`: the forward pass and the loss
+    /// under autocast (products in the low dtype, the loss in f32), `backward` of the scaled
+    /// loss and the scaler's step when there is a scaler.
+    pub fn autograd_step_in(
+        &self,
+        precision: &Precision,
+        optimizer: &mut Optimizer,
+        x: &NDArray,
+        labels: &NDArray,
+    ) -> Result<StepOut> {
         let collector = gradient_collector()?;
-        let logits = self.logits(x)?;
-        let loss = Mlp::loss(&logits, labels)?;
-        collector.backward(&loss)?;
+        let (logits, loss) = {
+            let _low = precision.low.map(autocast).transpose()?;
+            let logits = self.logits(x)?;
+            let loss = Mlp::loss(&logits, labels)?;
+            (logits, loss)
+        };
+        match &precision.scaler {
+            Some(scaler) => collector.backward(&scaler.borrow().scale(&loss)?)?,
+            None => collector.backward(&loss)?,
+        }
         collector.close();
         let correct = logits.argmax(1)?.eq(labels)?.sum_all()?;
-        optimizer.step()?;
+        match &precision.scaler {
+            Some(scaler) => {
+                let mut scaler = scaler.borrow_mut();
+                scaler.step(optimizer)?;
+                scaler.update()?;
+            }
+            None => optimizer.step()?,
+        }
         Ok(StepOut { loss, correct })
     }
 
@@ -228,6 +285,12 @@ impl Mlp {
     /// Correct predictions on `x` against `labels` (an i64 0-d array in the active scope).
     pub fn correct(&self, x: &NDArray, labels: &NDArray) -> Result<NDArray> {
         self.logits(x)?.argmax(1)?.eq(labels)?.sum_all()
+    }
+
+    /// [`correct`](Mlp::correct) with the forward pass under autocast in `low` (if any).
+    pub fn correct_in(&self, low: Option<DType>, x: &NDArray, labels: &NDArray) -> Result<NDArray> {
+        let _low = low.map(autocast).transpose()?;
+        self.correct(x, labels)
     }
 
     /// Multiply-adds of one training step at `batch` (forward, and backward without the

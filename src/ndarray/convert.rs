@@ -66,6 +66,28 @@ impl NDArray {
         self.copy_as(&Ctx::new("NDArray::duplicate"), self.dtype())
     }
 
+    /// Writes `src` converted to this array's dtype into it, in place (same shape and device;
+    /// both floats, checked by the caller: backward's delivery of a converted gradient).
+    pub(crate) fn assign_converted_(&self, src: &NDArray) -> Result<()> {
+        let ctx = Ctx::new("assign_converted_");
+        if src.shape() != self.shape() || src.device() != self.device() {
+            return Err(ctx.shape(format!(
+                "{} {} on {} cannot be written into {} {} on {}",
+                src.0.describe(),
+                src.shape(),
+                src.device(),
+                self.0.describe(),
+                self.shape(),
+                self.device()
+            )));
+        }
+        let (from, to) = (src.dtype(), self.dtype());
+        exec::inplace_with(&ctx, self, src, |target, source| match source {
+            Some(s) => AnyDevice::convert(&ctx, (from, to), s, target),
+            None => Ok(()),
+        })
+    }
+
     fn copy_as(&self, ctx: &Ctx, dtype: DType) -> Result<NDArray> {
         let from = self.dtype();
         let out = exec::op1(ctx, self, self.shape().clone(), dtype, |src, dst| {

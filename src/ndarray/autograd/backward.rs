@@ -19,6 +19,10 @@ use crate::{concat, DType, Error, NDArray, Result, Shape, Transpose};
 enum Grad {
     Array(NDArray),
     Product(NDArray, NDArray, Transpose),
+    /// An array to convert to this dtype: a leaf's gradient through `to_dtype` (an autocast
+    /// copy of a parameter), converted as it is written into the leaf's gradient, with no
+    /// converted copy made.
+    Converted(NDArray, DType),
 }
 
 impl Grad {
@@ -26,6 +30,7 @@ impl Grad {
         match self {
             Grad::Array(a) => Ok(a),
             Grad::Product(a, b, t) => a.matmul_t(&b, t),
+            Grad::Converted(a, dtype) => a.to_dtype(dtype),
         }
     }
 }
@@ -250,6 +255,8 @@ fn accumulate(ctx: &Ctx, leaves: &[(NDArray, Grad)]) -> Result<()> {
             Grad::Array(g) => target.add_(g)?,
             Grad::Product(a, b, t) if zero => pending::set_pending(&target, a, b, t.flags()),
             Grad::Product(a, b, t) => target.addmm_(a, b, *t, 1.0, 1.0)?,
+            Grad::Converted(g, _) if zero => target.assign_converted_(g)?,
+            Grad::Converted(g, dtype) => target.add_(&g.to_dtype(*dtype)?)?,
         }
     }
     Ok(())
@@ -719,6 +726,14 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
             out[0] = arr(scatter(indices, a.dims()[*axis], *axis, &g_keep)?);
         }
         Backward::SoftmaxCrossEntropy => out[0] = arr(x(2)?.mul(g)?),
+        Backward::Convert
+            if node.input(0).is_some_and(|(a, t)| {
+                t == Track::Leaf && a.device() == g.device() && a.dtype() != g.dtype()
+            }) =>
+        {
+            // Into a leaf: converted as it is written into the leaf's gradient.
+            out[0] = Some(Grad::Converted(g.clone(), x(0)?.dtype()));
+        }
         Backward::Convert => {
             let a = x(0)?;
             let mut ga = g.clone();
