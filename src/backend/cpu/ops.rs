@@ -492,7 +492,7 @@ impl MatmulOps for Cpu {
             // Products of halves: f32 operands, f32 accumulation, the result rounded once.
             let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
             let out = out.as_mut_slice::<H>();
-            let mut wide_out = vec![0.0f32; out.len()];
+            let mut wide_out = wide::Wide::zeros(out.len());
             match batch {
                 None => matmul::matmul(m, k, n, &a, &b, &mut wide_out),
                 Some(batch) => matmul::matmul_batched(batch, (m, k, n), &a, &b, &mut wide_out),
@@ -522,7 +522,7 @@ impl MatmulOps for Cpu {
             let out = out.as_mut_slice::<H>();
             let mut wide_out = match spec.accumulate {
                 Some(_) => wide::widen(out),
-                None => vec![0.0f32; out.len()],
+                None => wide::Wide::zeros(out.len()),
             };
             matmul::gemm_general(
                 (m, k, n), (&a, spec.trans_a), (&b, spec.trans_b), &mut wide_out,
@@ -553,7 +553,7 @@ impl MatmulOps for Cpu {
             let (x, w) = (wide::widen(x.as_slice::<H>()), wide::widen(w.as_slice::<H>()));
             let bias = bias.map(|b| wide::widen(b.as_slice::<H>()));
             let out = out.as_mut_slice::<H>();
-            let mut wide_out = vec![0.0f32; out.len()];
+            let mut wide_out = wide::Wide::zeros(out.len());
             matmul::matmul(dims.m, dims.k, dims.n, &x, &w, &mut wide_out);
             nn::bias_act(&mut wide_out, dims.n, bias.as_deref(), relu);
             wide::narrow(&wide_out, out);
@@ -727,12 +727,12 @@ impl NnOps for Cpu {
             // The bias gradient summed in f32, each stored value rounded once.
             let g = wide::widen(g.as_slice::<H>());
             let db = db.as_mut_slice::<H>();
-            let mut wdb = if accumulate { wide::widen(db) } else { vec![0.0f32; db.len()] };
+            let mut wdb = if accumulate { wide::widen(db) } else { wide::Wide::zeros(db.len()) };
             match relu {
                 Some((y, dz)) => {
                     let y = wide::widen(y.as_slice::<H>());
                     let dz = dz.as_mut_slice::<H>();
-                    let mut wdz = vec![0.0f32; dz.len()];
+                    let mut wdz = wide::Wide::zeros(dz.len());
                     nn::bias_act_grad(rows_cols, &g, Some((&y, &mut wdz)), &mut wdb, accumulate);
                     wide::narrow(&wdz, dz);
                 }
@@ -762,7 +762,7 @@ impl NnOps for Cpu {
         dispatch_half!(dtype, H => {
             let a = wide::widen(a.as_slice::<H>());
             let out = out.as_mut_slice::<H>();
-            let mut wide_out = vec![0.0f32; out.len()];
+            let mut wide_out = wide::Wide::zeros(out.len());
             nn::softmax(&a, outer, len, inner, &mut wide_out, log);
             wide::narrow(&wide_out, out);
         }, _ => match dtype {
@@ -846,7 +846,7 @@ impl NnOps for Cpu {
             dispatch_half!(dtype, H => {
                 let x = wide::widen(logits.as_slice::<H>());
                 let grad = grad.map(|g| g.as_mut_slice::<H>());
-                let mut wide_grad = grad.as_ref().map(|g| vec![0.0f32; g.len()]);
+                let mut wide_grad = grad.as_ref().map(|g| wide::Wide::zeros(g.len()));
                 let l = nn::softmax_cross_entropy(&x, classes, idx, wide_grad.as_deref_mut());
                 loss.as_mut_slice::<H>()[0] = H::from_f64(f64::from(l));
                 if let (Some(g), Some(w)) = (grad, wide_grad) {

@@ -4,13 +4,20 @@
 //! backward) run this way, so their sums and intermediate values stay in f32 as PyTorch's CPU
 //! kernels keep them; the elementwise kernels convert per element instead (`num.rs`).
 
-use super::elementwise;
-use super::num::Float;
+use std::cell::RefCell;
 
-/// A 16-bit float: converts to f32 exactly and back with one rounding to nearest even.
+use half::slice::HalfFloatSliceExt;
+
+use super::{chunk_len, pool, Work, PAR_MIN};
+use crate::backend::cpu::num::Float;
+
+/// A 16-bit float: converts to f32 exactly and back with one rounding to nearest even, one
+/// element or a slice at a time (the slices vectorised: F16C for f16, shifts for bf16).
 pub(crate) trait Half: Float {
     fn widen(self) -> f32;
     fn narrow(value: f32) -> Self;
+    fn widen_slice(src: &[Self], dst: &mut [f32]);
+    fn narrow_slice(src: &[f32], dst: &mut [Self]);
 }
 
 impl Half for half::f16 {
@@ -22,29 +29,135 @@ impl Half for half::f16 {
     fn narrow(value: f32) -> Self {
         half::f16::from_f32(value)
     }
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// bf16 → f32: the bits moved up (exact, NaN payloads kept).
+#[inline(always)]
+fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// f32 → bf16 bits, rounded to nearest even; NaN stays NaN (made quiet), overflow becomes
+/// infinity (the carry runs into the exponent).
+#[inline(always)]
+fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x0040) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
 impl Half for half::bf16 {
     #[inline(always)]
     fn widen(self) -> f32 {
-        self.to_f32()
+        bf16_bits_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn narrow(value: f32) -> Self {
-        half::bf16::from_f32(value)
+        half::bf16::from_bits(f32_to_bf16_bits(value))
+    }
+    fn widen_slice(src: &[Self], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src.reinterpret_cast()) {
+            *d = bf16_bits_to_f32(*s);
+        }
+    }
+    fn narrow_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, &s) in dst.reinterpret_cast_mut().iter_mut().zip(src) {
+            *d = f32_to_bf16_bits(s);
+        }
     }
 }
 
-/// `x` as f32 (exact), in a new vector.
-pub(crate) fn widen<H: Half>(x: &[H]) -> Vec<f32> {
-    let mut out = vec![0.0f32; x.len()];
-    elementwise::map(x, &mut out, H::widen);
+thread_local! {
+    /// The calling thread's f32 buffers, kept between ops: a product of halves reuses the
+    /// memory (and the pages) of the last one instead of faulting in fresh pages every call.
+    static SPARE: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Most buffers a thread keeps.
+const KEEP: usize = 6;
+
+/// An f32 buffer of the calling thread's, returned to it when dropped.
+pub(crate) struct Wide(Vec<f32>);
+
+impl Wide {
+    /// `len` zeros.
+    pub(crate) fn zeros(len: usize) -> Wide {
+        let mut v = SPARE
+            .with(|s| {
+                let mut s = s.borrow_mut();
+                // The smallest kept buffer that holds `len`, else the largest (it grows).
+                let fit = (0..s.len())
+                    .filter(|&i| s[i].capacity() >= len)
+                    .min_by_key(|&i| s[i].capacity())
+                    .or_else(|| (0..s.len()).max_by_key(|&i| s[i].capacity()));
+                fit.map(|i| s.swap_remove(i))
+            })
+            .unwrap_or_default();
+        v.clear();
+        v.resize(len, 0.0);
+        Wide(v)
+    }
+}
+
+impl std::ops::Deref for Wide {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Wide {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.0
+    }
+}
+
+impl Drop for Wide {
+    fn drop(&mut self) {
+        let v = std::mem::take(&mut self.0);
+        // During thread teardown the list may be gone: the buffer is then simply freed.
+        let _ = SPARE.try_with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < KEEP {
+                s.push(v);
+            } else if let Some(small) = s.iter_mut().min_by_key(|b| b.capacity()) {
+                if small.capacity() < v.capacity() {
+                    *small = v;
+                }
+            }
+        });
+    }
+}
+
+/// `x` as f32 (exact), in a buffer of the calling thread's.
+pub(crate) fn widen<H: Half>(x: &[H]) -> Wide {
+    let mut out = Wide::zeros(x.len());
+    if x.len() < PAR_MIN {
+        H::widen_slice(x, &mut out);
+        return out;
+    }
+    let chunk = chunk_len(x.len());
+    let work = Work::Bytes(x.len() * 6);
+    pool::for_each_chunk_zip(&mut out, chunk, x, chunk, work, |o, s| H::widen_slice(s, o));
     out
 }
 
 /// `out[i] = x[i]` rounded to nearest even.
 pub(crate) fn narrow<H: Half>(x: &[f32], out: &mut [H]) {
-    elementwise::map(x, out, H::narrow);
+    if x.len() < PAR_MIN {
+        return H::narrow_slice(x, out);
+    }
+    let chunk = chunk_len(x.len());
+    let work = Work::Bytes(x.len() * 6);
+    pool::for_each_chunk_zip(out, chunk, x, chunk, work, |o, s| H::narrow_slice(s, o));
 }
 
 /// Runs `$body` with `$h` bound to the Rust type of a half-precision `$dtype` (`F16`, `BF16`);
