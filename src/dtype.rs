@@ -151,10 +151,32 @@ macro_rules! half_element {
             }
             #[inline(always)]
             fn from_f64(value: f64) -> Self {
-                <$t>::from_f64(value)
+                <$t>::from_f32(f32_to_odd(value))
             }
         }
     };
+}
+
+/// `value` rounded to f32 to odd: to the f32 on its side whose last bit is 1 wherever the f32
+/// nearest to it would drop bits and end in 0, so that a later rounding to nearest even to 8 or
+/// 11 bits (bf16, f16: far fewer than f32's 24) equals one rounding of `value` itself, as CUDA's
+/// `__double2half`/`__double2bfloat16` give. (The `half` crate's own `from_f64` rounds to
+/// nearest f32 first where the CPU has F16C, and truncates elsewhere: twice rounded, it can
+/// differ from one rounding by a unit in the last place.)
+#[inline(always)]
+fn f32_to_odd(value: f64) -> f32 {
+    let near = value as f32;
+    let bits = near.to_bits();
+    if !near.is_finite() || f64::from(near) == value || bits & 1 == 1 {
+        return near;
+    }
+    // Inexact and even: its neighbour on the side of `value` (odd), one unit away from or
+    // toward zero.
+    if value.abs() > f64::from(near).abs() {
+        f32::from_bits(bits + 1)
+    } else {
+        f32::from_bits(bits - 1)
+    }
 }
 
 half_element!(half::f16, DType::F16);
@@ -222,3 +244,36 @@ macro_rules! dispatch_float {
     };
 }
 pub(crate) use dispatch_float;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Into a half type, an f64 is rounded once: a value just above the midpoint of two halves
+    /// whose nearest f32 is that midpoint rounds up (twice rounded, it would go to the even one).
+    #[test]
+    fn f64_to_half_rounds_once() {
+        let above = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(half::f16::from_f64_rounded(above), 1.0 + 2f64.powi(-10));
+        let below = 1.0 + 2f64.powi(-11) - 2f64.powi(-40);
+        assert_eq!(half::f16::from_f64_rounded(below), 1.0);
+        let above = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(half::bf16::from_f64_rounded(above), 1.0 + 2f64.powi(-7));
+        // Exact ties still go to even, exact values stay, specials pass.
+        assert_eq!(half::f16::from_f64_rounded(1.0 + 2f64.powi(-11)), 1.0);
+        assert_eq!(half::f16::from_f64_rounded(-3.5), -3.5);
+        assert_eq!(half::f16::from_f64_rounded(1e10), f64::INFINITY);
+        assert_eq!(half::f16::from_f64_rounded(-1e-30), 0.0);
+        assert!(half::bf16::from_f64_rounded(f64::NAN).is_nan());
+    }
+
+    trait Rounded {
+        fn from_f64_rounded(v: f64) -> f64;
+    }
+
+    impl<T: Element> Rounded for T {
+        fn from_f64_rounded(v: f64) -> f64 {
+            T::from_f64(v).to_f64()
+        }
+    }
+}

@@ -386,7 +386,7 @@ macro_rules! cast_half {
         $(impl CastTo<$h> for $to {
             #[inline(always)]
             fn cast(self) -> $h {
-                <$h>::from_f64(self as f64)
+                <$h as crate::Element>::from_f64(self as f64)
             }
         }
         impl CastTo<$to> for $h {
