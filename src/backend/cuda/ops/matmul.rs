@@ -745,3 +745,50 @@ impl MatmulOps for Cuda {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recorded product keeps its dtype, the half types too (a replay issues the same call).
+    #[test]
+    fn recorded_products_keep_their_dtype() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let p = Products {
+                spec: Gemm {
+                    dims: Mnk { m: 3, k: 5, n: 7 },
+                    trans_a: true,
+                    trans_b: false,
+                    accumulate: Some(Accumulate {
+                        alpha: 2.0,
+                        beta: 0.5,
+                    }),
+                },
+                a: 0x1000,
+                b: 0x2000,
+                c: 0x3000,
+                c_len: 21,
+                batch: 4,
+                steps: (15, 35, 21),
+            };
+            let (back, q) = Products::decode(&p.encode(dtype));
+            assert_eq!(back, dtype);
+            assert_eq!(q.encode(back), p.encode(dtype));
+            assert!(q.spec.trans_a && !q.spec.trans_b);
+            for relu in [false, true] {
+                let call = LtCall {
+                    dtype,
+                    dims: Mnk { m: 3, k: 5, n: 7 },
+                    x: 1,
+                    w: 2,
+                    bias: 3,
+                    relu,
+                    out: 4,
+                };
+                let back = LtCall::decode(&call.encode());
+                assert_eq!((back.dtype, back.relu), (dtype, relu));
+                assert_eq!(back.encode(), call.encode());
+            }
+        }
+    }
+}
