@@ -241,3 +241,36 @@ macro_rules! dispatch_float {
     };
 }
 pub(crate) use dispatch_float;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Into a half type, an f64 is rounded once: a value just above the midpoint of two halves
+    /// whose nearest f32 is that midpoint rounds up (twice rounded, it would go to the even one).
+    #[test]
+    fn f64_to_half_rounds_once() {
+        let above = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        assert_eq!(half::f16::from_f64_rounded(above), 1.0 + 2f64.powi(-10));
+        let below = 1.0 + 2f64.powi(-11) - 2f64.powi(-40);
+        assert_eq!(half::f16::from_f64_rounded(below), 1.0);
+        let above = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(half::bf16::from_f64_rounded(above), 1.0 + 2f64.powi(-7));
+        // Exact ties still go to even, exact values stay, specials pass.
+        assert_eq!(half::f16::from_f64_rounded(1.0 + 2f64.powi(-11)), 1.0);
+        assert_eq!(half::f16::from_f64_rounded(-3.5), -3.5);
+        assert_eq!(half::f16::from_f64_rounded(1e10), f64::INFINITY);
+        assert_eq!(half::f16::from_f64_rounded(-1e-30), 0.0);
+        assert!(half::bf16::from_f64_rounded(f64::NAN).is_nan());
+    }
+
+    trait Rounded {
+        fn from_f64_rounded(v: f64) -> f64;
+    }
+
+    impl<T: Element> Rounded for T {
+        fn from_f64_rounded(v: f64) -> f64 {
+            T::from_f64(v).to_f64()
+        }
+    }
+}

@@ -48,12 +48,15 @@ enum Cmp {
     Exact,
     /// The same bits.
     Bits,
-    /// Each element within 1e-5 (f32) or 1e-12 (f64) of the CPU's, relative to its magnitude
-    /// (at least 1): transcendental functions.
+    /// Each element within 1e-5 (f32), 1e-12 (f64), 1e-3 (f16: one unit in the last place) or
+    /// 8e-3 (bf16: one unit in the last place) of the CPU's, relative to its magnitude (at
+    /// least 1): transcendental functions (the device's f32 `expf`, `erff`, ... may differ from
+    /// the CPU's by an ulp of f32, which can move the rounding to half by one place).
     Close,
-    /// Each element within 1e-4 (f32) or 1e-12 (f64) of the CPU's, relative to the largest
-    /// magnitude of the CPU's result (at least 1): reductions and products, whose order of
-    /// summation differs.
+    /// Each element within 1e-4 (f32), 1e-12 (f64), 2e-3 (f16) or 1e-2 (bf16) of the CPU's,
+    /// relative to the largest magnitude of the CPU's result (at least 1): reductions and
+    /// products, whose order of summation differs (half products accumulate in f32 on both
+    /// devices, in another order).
     Scaled,
 }
 
@@ -94,9 +97,35 @@ fn assert_values(what: &str, want: &NDArray, got: &NDArray, cmp: Cmp) {
             };
             assert_eq!(bits(got), bits(want), "{what}: bits");
         }
+        DType::F16 if cmp == Cmp::Bits => {
+            let bits = |a: &NDArray| -> Vec<u16> {
+                a.to_vec::<ndscope::f16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(got), bits(want), "{what}: bits");
+        }
+        DType::BF16 if cmp == Cmp::Bits => {
+            let bits = |a: &NDArray| -> Vec<u16> {
+                a.to_vec::<ndscope::bf16>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(got), bits(want), "{what}: bits");
+        }
         dtype => {
             let (w, g) = (as_f64(want), as_f64(got));
-            let f32s = dtype == DType::F32;
+            // (Close, Scaled) tolerances of the dtype.
+            let (close, scaled) = match dtype {
+                DType::F32 => (1e-5, 1e-4),
+                DType::F16 => (1e-3, 2e-3),
+                DType::BF16 => (8e-3, 1e-2),
+                _ => (1e-12, 1e-12),
+            };
             let scale = w
                 .iter()
                 .filter(|v| v.is_finite())
@@ -106,10 +135,8 @@ fn assert_values(what: &str, want: &NDArray, got: &NDArray, cmp: Cmp) {
                     let (x, y) = (w[i], g[i]);
                     let close = match cmp {
                         Cmp::Exact | Cmp::Bits => false,
-                        Cmp::Close => {
-                            (x - y).abs() <= if f32s { 1e-5 } else { 1e-12 } * x.abs().max(1.0)
-                        }
-                        Cmp::Scaled => (x - y).abs() <= if f32s { 1e-4 } else { 1e-12 } * scale,
+                        Cmp::Close => (x - y).abs() <= close * x.abs().max(1.0),
+                        Cmp::Scaled => (x - y).abs() <= scaled * scale,
                     };
                     !(x == y || (x.is_nan() && y.is_nan()) || close)
                 })
@@ -853,7 +880,7 @@ fn matrix_products_match_the_cpu() {
     }
     // v ← μ·v + xᵀ·g; w ← w − lr·v, with batches inside and past the CPU's fused kernel and
     // an empty layer (an empty batch has its own test).
-    for dtype in [DType::F32, DType::F64] {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for dims in [
             (7, 3, 5),
             (64, 16, 96),
@@ -903,7 +930,7 @@ fn sgd_dense_update_of_an_empty_batch_matches_the_cpu() {
     // velocity is not read, as for any batch), w unchanged.
     let Some((_serial, dev)) = gpu() else { return };
     let p = Parity::new(dev);
-    for dtype in [DType::F32, DType::F64] {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for momentum in [0.9, 0.0] {
             sgd_parity(&p, dtype, (4, 0, 3), momentum);
         }
@@ -1176,7 +1203,9 @@ fn random_numbers_are_the_same_bits_on_both_devices() {
     let Some((_serial, dev)) = gpu() else { return };
     let cpu = Manager::new_base();
     let gpu_m = Manager::new_base_on(dev).unwrap();
-    for dtype in [DType::F32, DType::F64] {
+    // Half types too: each value rounded once from the f64 draw, a uniform draw that rounds up
+    // to `high` made the largest value below it (many of the 300 001 draws near 3 do in bf16).
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for shape in [&[][..], &[1], &[7], &[1000, 3], &[300_001]] {
             manual_seed(1234);
             let c = cpu.randn(shape, dtype).unwrap();
@@ -1195,6 +1224,11 @@ fn random_numbers_are_the_same_bits_on_both_devices() {
         (DType::U8, 0.0, 256.0),
         (DType::F32, -1e-3, 1e-3),
         (DType::F64, 1e6, 1e6 + 1.0),
+        // Half ranges whose top rounds up often, a range inside one half step, one at 0.
+        (DType::F16, 0.0, 1.0),
+        (DType::BF16, 1000.0, 1003.0),
+        (DType::F16, 1.0, 1.0004),
+        (DType::BF16, -1e-3, 0.0),
     ] {
         manual_seed(99);
         let c = cpu.rand([10_007], low, high, dtype).unwrap();

@@ -176,7 +176,8 @@ fn multi_equals_single(dev: Device, kind: OptimizerKind, count: usize, dtypes: &
 
 const F32: &[DType] = &[DType::F32];
 const F64: &[DType] = &[DType::F64];
-const BOTH: &[DType] = &[DType::F32, DType::F64];
+/// Every float dtype, the half types too (their steps compute in f32, one launch or many).
+const FLOATS: &[DType] = &[DType::F32, DType::F64, DType::F16, DType::BF16];
 
 fn sgd_kinds() -> [OptimizerKind; 4] {
     [
@@ -204,7 +205,7 @@ fn sgd_kinds() -> [OptimizerKind; 4] {
 device_tests!(sgd_steps_many_parameters_as_each_alone);
 fn sgd_steps_many_parameters_as_each_alone(dev: Device) {
     for kind in sgd_kinds() {
-        multi_equals_single(dev, kind, 9, BOTH);
+        multi_equals_single(dev, kind, 9, FLOATS);
     }
 }
 
@@ -214,13 +215,13 @@ fn adam_steps_many_parameters_as_each_alone(dev: Device) {
         weight_decay: 0.01,
         ..Adam::new(1e-2)
     };
-    multi_equals_single(dev, adam.into(), 9, BOTH);
+    multi_equals_single(dev, adam.into(), 9, FLOATS);
     multi_equals_single(dev, Adam::new(1e-3).into(), 5, F64);
 }
 
 device_tests!(adamw_steps_many_parameters_as_each_alone);
 fn adamw_steps_many_parameters_as_each_alone(dev: Device) {
-    multi_equals_single(dev, AdamW::new(1e-2).into(), 9, BOTH);
+    multi_equals_single(dev, AdamW::new(1e-2).into(), 9, FLOATS);
 }
 
 device_tests!(more_parameters_than_one_launch_takes);

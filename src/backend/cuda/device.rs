@@ -353,7 +353,7 @@ impl Gpu {
             );
         }
         keep_freed_memory_cached(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
-        let kernels = Kernels::load(&ctx, major, minor)?;
+        let kernels = Kernels::load(&ctx, ordinal, (major, minor))?;
         let blas = Blas::new(&ctx, &stream, ordinal)?;
         let staging = Staging::new(&ctx)?;
         if injected_setup_failure() {

@@ -2,15 +2,25 @@
 //! once per process, cached on disk so a later process loads the binary instead of compiling
 //! again, and looked up by name and dtype.
 //!
-//! The cache key holds the source, the architecture, the NVRTC version and the options; a file
-//! whose key differs (or that is damaged) is compiled anew and replaced. The directory is
-//! `NDSCOPE_KERNEL_CACHE` if set, else `$XDG_CACHE_HOME/ndscope`, else `~/.cache/ndscope`, else
-//! the temp directory. A cache that cannot be written only costs the compile next time.
+//! The f16 and bf16 kernels (`kernels/half.cu`) are a second program, compiled (or loaded from
+//! the cache) the first time one of them is looked up on a device: it includes the CUDA
+//! toolkit's `cuda_fp16.h` and `cuda_bf16.h`, which NVRTC 13 does not build in, so users of the
+//! other dtypes never need them. Where the headers are is found at that point
+//! ([`find_cuda_include`]); without them, or if the program does not compile, half-precision ops
+//! on the device fail with `DeviceUnavailable` saying what was searched, and everything else
+//! keeps working.
+//!
+//! The cache key holds the source, the architecture, the NVRTC version and the options (for the
+//! half program also the include directory and a hash of its headers); a file whose key differs
+//! (or that is damaged) is compiled anew and replaced. The directory is `NDSCOPE_KERNEL_CACHE` if
+//! set, else `$XDG_CACHE_HOME/ndscope`, else `~/.cache/ndscope`, else the temp directory. A cache
+//! that cannot be written only costs the compile next time.
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::ffi::{c_char, CStr, CString};
 use std::hash::BuildHasherDefault;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::CUfunction;
@@ -19,12 +29,13 @@ use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};
 
 use crate::backend::{Binary, Compare, Unary};
 use crate::error::Ctx;
-use crate::{DType, Result};
+use crate::{DType, Device, Error, Result};
 
 /// The kernel source: the files of `kernels/`, the shared part first, then one file per op
 /// family, compiled as one program (a change to any file changes the cache key).
 pub(crate) const SOURCE: &str = concat!(
     include_str!("kernels/common.cu"),
+    include_str!("kernels/device.cu"),
     include_str!("kernels/transfer.cu"),
     include_str!("kernels/elementwise.cu"),
     include_str!("kernels/shape.cu"),
@@ -33,6 +44,41 @@ pub(crate) const SOURCE: &str = concat!(
     include_str!("kernels/matmul.cu"),
     include_str!("kernels/optim.cu"),
 );
+
+/// The f16/bf16 kernel source: the toolkit's half-precision headers, the shared part of the main
+/// program (types, addressing, device functions; no kernels), then `half.cu`.
+pub(crate) const HALF_SOURCE: &str = concat!(
+    include_str!("kernels/half_headers.cu"),
+    include_str!("kernels/common.cu"),
+    include_str!("kernels/device.cu"),
+    include_str!("kernels/half.cu"),
+);
+
+/// The two NVRTC programs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Program {
+    /// Every dtype but the half-precision ones ([`SOURCE`]), compiled when a device is set up.
+    Main,
+    /// f16 and bf16 ([`HALF_SOURCE`]), compiled at the first lookup of one of its kernels.
+    Half,
+}
+
+impl Program {
+    fn source(self) -> &'static str {
+        match self {
+            Program::Main => SOURCE,
+            Program::Half => HALF_SOURCE,
+        }
+    }
+
+    /// The name of the program (NVRTC's, for its messages) and of its cache files.
+    fn name(self) -> &'static str {
+        match self {
+            Program::Main => "kernels",
+            Program::Half => "half-kernels",
+        }
+    }
+}
 
 /// NVRTC options: no fused multiply-adds, so float arithmetic rounds as on the CPU.
 const OPTIONS: [&str; 2] = ["--fmad=false", "-std=c++17"];
@@ -51,7 +97,6 @@ impl Types {
     fn dtypes(self) -> Vec<DType> {
         DType::ALL
             .into_iter()
-            .filter(|d| !d.is_half())
             .filter(|d| match self {
                 Types::All => true,
                 Types::Float => d.is_float(),
@@ -96,8 +141,15 @@ const TWO_DTYPES: &[(&str, Types, Types)] = &[
     ("softmax_ce", Types::Float, Types::Index),
 ];
 
-/// `sum_<in>_<out>`: floats accumulate in f64, integers in i64 (sums) or f64 (means).
+/// `sum_<in>_<out>`: floats accumulate in f64, integers in i64 (sums) or f64 (means); the half
+/// types' partial sums pass through f64 (`_f64` out, then `f64_` in).
 const SUMS: &[(DType, DType)] = &[
+    (DType::F16, DType::F16),
+    (DType::F16, DType::F64),
+    (DType::F64, DType::F16),
+    (DType::BF16, DType::BF16),
+    (DType::BF16, DType::F64),
+    (DType::F64, DType::BF16),
     (DType::F32, DType::F32),
     (DType::F32, DType::F64),
     (DType::F64, DType::F64),
@@ -110,14 +162,16 @@ const SUMS: &[(DType, DType)] = &[
     (DType::U8, DType::F64),
 ];
 
-/// Kernels that only move bits, by element size: `<base>_b1`, `_b4`, `_b8`.
+/// Kernels that only move bits, by element size: `<base>_b1`, `_b2`, `_b4`, `_b8` (in the main
+/// program: moving half-precision elements needs no header).
 const BY_SIZE: &[&str] = &["gather", "transpose", "copy_rows"];
 
 /// The lookup key of a kernel: its base name and two dtype codes or an element size.
 type Key = (&'static str, u8, u8);
 
-/// Every kernel the backend may launch: its lookup key and its name in the kernel source.
-fn expected() -> Vec<(Key, String)> {
+/// Every kernel the backend may launch: its lookup key, its name in the kernel source, and the
+/// program that holds it (the half one for every kernel with a half-precision dtype).
+fn expected() -> Vec<(Key, String, Program)> {
     let mut all = Vec::new();
     // The elementwise families' kernels, from their rows in `backend::op_table`.
     let binary = Binary::ALL.iter().flat_map(|op| {
@@ -139,7 +193,11 @@ fn expected() -> Vec<(Key, String)> {
     let table: Vec<(&'static str, Types)> = binary.chain(compare).chain(unary).collect();
     for &(base, types) in ONE_DTYPE.iter().chain(&table) {
         for d in types.dtypes() {
-            all.push(((base, dtype_code(d), NO_DTYPE), format!("{base}_{d}")));
+            all.push((
+                (base, dtype_code(d), NO_DTYPE),
+                format!("{base}_{d}"),
+                program_of(&[d]),
+            ));
         }
     }
     let mut pairs: Vec<(&'static str, DType, DType)> =
@@ -155,26 +213,51 @@ fn expected() -> Vec<(Key, String)> {
         all.push((
             (base, dtype_code(a), dtype_code(b)),
             format!("{base}_{a}_{b}"),
+            program_of(&[a, b]),
         ));
     }
     for &base in BY_SIZE {
-        for size in [1u8, 4, 8] {
-            all.push(((base, size, NO_DTYPE), format!("{base}_b{size}")));
+        for size in [1u8, 2, 4, 8] {
+            all.push((
+                (base, size, NO_DTYPE),
+                format!("{base}_b{size}"),
+                Program::Main,
+            ));
         }
     }
     all
 }
 
+/// The program of a kernel for `dtypes`.
+fn program_of(dtypes: &[DType]) -> Program {
+    if dtypes.iter().any(|d| d.is_half()) {
+        Program::Half
+    } else {
+        Program::Main
+    }
+}
+
 /// [`expected`], computed once: the names the handles of every device refer to.
-fn names() -> &'static [(Key, String)] {
-    static NAMES: OnceLock<Vec<(Key, String)>> = OnceLock::new();
+fn names() -> &'static [(Key, String, Program)] {
+    static NAMES: OnceLock<Vec<(Key, String, Program)>> = OnceLock::new();
     NAMES.get_or_init(expected)
 }
 
-/// The loaded kernels of one device.
+/// Kernel handles by lookup key.
+type Table = HashMap<Key, Function, BuildHasherDefault<KeyHasher>>;
+
+/// The loaded kernels of one device: the main program's, and the half-precision program's once
+/// one of them has been looked up.
 pub(crate) struct Kernels {
     _module: Arc<CudaModule>,
-    functions: HashMap<(&'static str, u8, u8), Function, BuildHasherDefault<KeyHasher>>,
+    functions: Table,
+    /// The device's context and the architecture compiled for, to load the half program.
+    ctx: Arc<CudaContext>,
+    arch: String,
+    ordinal: usize,
+    /// The half program's module and kernels, or why it cannot be had (kept: the headers or the
+    /// compiler will not appear during the process).
+    half: OnceLock<std::result::Result<(Arc<CudaModule>, Table), String>>,
 }
 
 /// The hasher of the kernel table's keys (a short name and two bytes), looked up on every
@@ -256,74 +339,120 @@ impl Kernels {
     /// which the driver compiles for the device when it loads it.
     pub fn load(
         ctx: &Arc<CudaContext>,
-        major: i32,
-        minor: i32,
+        ordinal: usize,
+        (major, minor): (i32, i32),
     ) -> std::result::Result<Kernels, String> {
         let device = u32::try_from(major * 10 + minor).unwrap_or(0);
         let arch = target(device, &supported_archs()?)?;
-        let (cubin, cached) = cached_or_compiled(&arch, false)?;
-        match Self::from_cubin(ctx, &arch, cubin) {
-            Ok(kernels) => Ok(kernels),
-            // A damaged cache entry (a truncated or overwritten file whose key still matches):
-            // compiled again and replaced, instead of disabling the device.
-            Err(why) if cached => {
-                tracing::warn!(
-                    target: "ndscope::cuda",
-                    "ndscope's cached CUDA kernels for {arch} could not be used ({}); compiling \
-                     them again",
-                    why.lines().next().unwrap_or("")
-                );
-                let (cubin, _) = cached_or_compiled(&arch, true)?;
-                Self::from_cubin(ctx, &arch, cubin)
-            }
-            Err(why) => Err(why),
-        }
-    }
-
-    /// Loads `image`, compiled for `arch`, into `ctx` and finds every kernel in it: a CUBIN, or
-    /// for a virtual architecture PTX text, which the driver compiles for the device.
-    fn from_cubin(
-        ctx: &Arc<CudaContext>,
-        arch: &str,
-        image: Vec<u8>,
-    ) -> std::result::Result<Kernels, String> {
-        let image = if arch.starts_with("compute_") {
-            Ptx::from_src(String::from_utf8_lossy(&image).into_owned())
-        } else {
-            Ptx::from_binary(image)
-        };
-        let module = ctx.load_module(image).map_err(|e| {
-            format!(
-                "loading the compiled kernels failed: {}",
-                super::driver::describe(e)
-            )
-        })?;
-        let mut functions = HashMap::default();
-        for (key, name) in names() {
-            let f = module.load_function(name).map_err(|e| {
-                format!(
-                    "kernel `{name}` is missing from the compiled module: {}",
-                    super::driver::describe(e)
-                )
-            })?;
-            functions.insert(*key, Function(f.cu_function(), name.as_str()));
-        }
+        let (module, functions) = load_program(ctx, &arch, Program::Main, None)?;
         Ok(Kernels {
             _module: module,
             functions,
+            ctx: Arc::clone(ctx),
+            arch,
+            ordinal,
+            half: OnceLock::new(),
         })
     }
 
-    fn find(
-        &self,
-        ctx: &Ctx,
-        key: (&'static str, u8, u8),
-        what: impl Fn() -> String,
-    ) -> Result<Function> {
-        self.functions
-            .get(&key)
-            .copied()
-            .ok_or_else(|| ctx.unsupported(format!("no CUDA kernel for {}", what())))
+    /// The half-precision kernels, compiled (or loaded from the cache) and loaded into the
+    /// device's context at the first call.
+    fn half(&self) -> std::result::Result<&Table, &String> {
+        self.half
+            .get_or_init(|| {
+                let include = find_cuda_include()?;
+                load_program(&self.ctx, &self.arch, Program::Half, Some(&include))
+            })
+            .as_ref()
+            .map(|(_, table)| table)
+    }
+}
+
+/// Compiles (or loads from the disk cache) `program` for `arch` and loads it into `ctx`, with its
+/// kernels found; a damaged cache entry (a truncated or overwritten file whose key still
+/// matches) is compiled again and replaced, instead of disabling the device.
+fn load_program(
+    ctx: &Arc<CudaContext>,
+    arch: &str,
+    program: Program,
+    include: Option<&Path>,
+) -> std::result::Result<(Arc<CudaModule>, Table), String> {
+    let (cubin, cached) = cached_or_compiled(program, arch, include, false)?;
+    match from_cubin(ctx, arch, program, cubin) {
+        Ok(loaded) => Ok(loaded),
+        Err(why) if cached => {
+            tracing::warn!(
+                target: "ndscope::cuda",
+                "ndscope's cached CUDA {} for {arch} could not be used ({}); compiling them again",
+                program.name(),
+                why.lines().next().unwrap_or("")
+            );
+            let (cubin, _) = cached_or_compiled(program, arch, include, true)?;
+            from_cubin(ctx, arch, program, cubin)
+        }
+        Err(why) => Err(why),
+    }
+}
+
+/// Loads `image`, `program` compiled for `arch`, into `ctx` and finds each of its kernels: a
+/// CUBIN, or for a virtual architecture PTX text, which the driver compiles for the device.
+fn from_cubin(
+    ctx: &Arc<CudaContext>,
+    arch: &str,
+    program: Program,
+    image: Vec<u8>,
+) -> std::result::Result<(Arc<CudaModule>, Table), String> {
+    let image = if arch.starts_with("compute_") {
+        Ptx::from_src(String::from_utf8_lossy(&image).into_owned())
+    } else {
+        Ptx::from_binary(image)
+    };
+    let module = ctx.load_module(image).map_err(|e| {
+        format!(
+            "loading the compiled kernels failed: {}",
+            super::driver::describe(e)
+        )
+    })?;
+    let mut functions = HashMap::default();
+    for (key, name, _) in names().iter().filter(|(_, _, p)| *p == program) {
+        let f = module.load_function(name).map_err(|e| {
+            format!(
+                "kernel `{name}` is missing from the compiled module: {}",
+                super::driver::describe(e)
+            )
+        })?;
+        functions.insert(*key, Function(f.cu_function(), name.as_str()));
+    }
+    Ok((module, functions))
+}
+
+/// Whether a lookup key names a half-precision kernel (of the half program).
+fn is_half_key(key: Key) -> bool {
+    let half = |code: u8| code == dtype_code(DType::F16) || code == dtype_code(DType::BF16);
+    half(key.1) || half(key.2)
+}
+
+impl Kernels {
+    /// The kernel of `key`: from the main program's table (one lookup, the hot path), else for
+    /// a half-precision key from the half program's, loaded at the first such lookup.
+    #[inline]
+    fn find(&self, ctx: &Ctx, key: Key, what: impl Fn() -> String) -> Result<Function> {
+        if let Some(&f) = self.functions.get(&key) {
+            return Ok(f);
+        }
+        let missing = || ctx.unsupported(format!("no CUDA kernel for {}", what()));
+        if !is_half_key(key) {
+            return Err(missing());
+        }
+        match self.half() {
+            Ok(table) => table.get(&key).copied().ok_or_else(missing),
+            Err(why) => Err(Error::DeviceUnavailable {
+                op: ctx.op,
+                at: ctx.at,
+                device: Device::Cuda(self.ordinal),
+                reason: format!("no f16/bf16 kernels ({}): {why}", what()),
+            }),
+        }
     }
 
     /// The kernel `<base>_<dtype>`.
@@ -348,18 +477,33 @@ impl Kernels {
     }
 }
 
-/// The CUBIN for `arch` and whether it came from the disk cache: from the cache when its key
-/// matches (unless `fresh`), else compiled now and written to the cache (replacing what was
-/// there).
-fn cached_or_compiled(arch: &str, fresh: bool) -> std::result::Result<(Vec<u8>, bool), String> {
+/// The CUBIN of `program` for `arch` and whether it came from the disk cache: from the cache
+/// when its key matches (unless `fresh`), else compiled now and written to the cache (replacing
+/// what was there). `include`: the toolkit's include directory (the half program's headers),
+/// whose path and header contents are part of the key.
+fn cached_or_compiled(
+    program: Program,
+    arch: &str,
+    include: Option<&Path>,
+    fresh: bool,
+) -> std::result::Result<(Vec<u8>, bool), String> {
     let version = nvrtc_version()?;
-    let key = format!(
+    let options = options(arch, include);
+    let mut key = format!(
         "ndscope-kernels v1\narch {arch}\nnvrtc {version}\noptions {}\nsource {}\n",
-        OPTIONS.join(" "),
-        fnv1a(SOURCE.as_bytes())
+        options.join(" "),
+        fnv1a(program.source().as_bytes())
     );
-    let path = cache_dir()
-        .map(|dir| dir.join(format!("kernels-{arch}-{:016x}.bin", fnv1a(key.as_bytes()))));
+    if let Some(dir) = include {
+        key.push_str(&format!("headers {:016x}\n", headers_hash(dir)));
+    }
+    let path = cache_dir().map(|dir| {
+        dir.join(format!(
+            "{}-{arch}-{:016x}.bin",
+            program.name(),
+            fnv1a(key.as_bytes())
+        ))
+    });
     if let (Some(path), false) = (&path, fresh) {
         if let Ok(bytes) = std::fs::read(path) {
             if let Some(cubin) = bytes.strip_prefix(key.as_bytes()) {
@@ -369,8 +513,12 @@ fn cached_or_compiled(arch: &str, fresh: bool) -> std::result::Result<(Vec<u8>, 
             }
         }
     }
-    let cubin = compile(arch)
-        .map_err(|log| format!("NVRTC could not compile ndscope's kernels for {arch}:\n{log}"))?;
+    let cubin = compile(program, arch, include).map_err(|log| {
+        format!(
+            "NVRTC could not compile ndscope's {} for {arch}:\n{log}",
+            program.name()
+        )
+    })?;
     if let Some(path) = &path {
         // Written whole under a temporary name, then renamed: a reader never sees half a file.
         // The name is unique per process and per thread (and per call), so two writers never
@@ -451,6 +599,90 @@ fn target(device: u32, supported: &[u32]) -> std::result::Result<String, String>
     }
 }
 
+// ---- the toolkit's include directory (the half program's headers) ----
+
+/// The variable naming the directory that holds `cuda_fp16.h` and `cuda_bf16.h`: when set, the
+/// only place looked at.
+pub(crate) const INCLUDE_VAR: &str = "NDSCOPE_CUDA_INCLUDE";
+
+/// The directory holding the CUDA toolkit's `cuda_fp16.h` (and `cuda_bf16.h`), which the
+/// half-precision kernels include: `$NDSCOPE_CUDA_INCLUDE` if set (then only it), else the first
+/// of `$CUDA_PATH/include`, `$CUDA_HOME/include`, `$CUDA_ROOT/include`, the `include` directory
+/// beside the loaded NVRTC's library directory (a toolkit's `lib64/../include`, or PyPI's
+/// `nvidia/cu13/include`, which `nvidia-cuda-runtime` fills), `/usr/local/cuda/include`,
+/// `/opt/cuda/include` and `/usr/include` that has `cuda_fp16.h`. The error says what was
+/// searched and which variable to set.
+pub(crate) fn find_cuda_include() -> std::result::Result<PathBuf, String> {
+    search_include(
+        &|name| std::env::var_os(name),
+        loaded_nvrtc_dir().as_deref(),
+        &|dir| dir.join("cuda_fp16.h").is_file(),
+    )
+}
+
+/// [`find_cuda_include`] with the environment, the loaded NVRTC's directory and the header test
+/// given (for tests).
+fn search_include(
+    env: &dyn Fn(&str) -> Option<OsString>,
+    nvrtc_dir: Option<&Path>,
+    has_headers: &dyn Fn(&Path) -> bool,
+) -> std::result::Result<PathBuf, String> {
+    let set = |name: &str| env(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = set(INCLUDE_VAR) {
+        return if has_headers(&dir) {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "{INCLUDE_VAR}={} holds no cuda_fp16.h: set it to the CUDA toolkit's include \
+                 directory (e.g. /usr/local/cuda/include), or unset it to search the usual places",
+                dir.display()
+            ))
+        };
+    }
+    let mut places: Vec<(String, PathBuf)> = Vec::new();
+    for var in ["CUDA_PATH", "CUDA_HOME", "CUDA_ROOT"] {
+        if let Some(root) = set(var) {
+            let dir = root.join("include");
+            places.push((format!("${var}/include ({})", dir.display()), dir));
+        }
+    }
+    if let Some(dir) = nvrtc_dir.and_then(Path::parent).map(|p| p.join("include")) {
+        places.push((format!("beside the loaded NVRTC ({})", dir.display()), dir));
+    }
+    for fixed in [
+        "/usr/local/cuda/include",
+        "/opt/cuda/include",
+        "/usr/include",
+    ] {
+        places.push((fixed.to_string(), PathBuf::from(fixed)));
+    }
+    if let Some((_, dir)) = places.iter().find(|(_, dir)| has_headers(dir)) {
+        return Ok(dir.clone());
+    }
+    let searched: Vec<&str> = places.iter().map(|(what, _)| what.as_str()).collect();
+    Err(format!(
+        "the CUDA toolkit's cuda_fp16.h and cuda_bf16.h, which the f16/bf16 kernels include \
+         (NVRTC 13 does not build them in), were not found; searched {}; set {INCLUDE_VAR} to the \
+         directory holding them (a CUDA toolkit's include directory, or \
+         site-packages/nvidia/cu13/include of PyPI's nvidia-cuda-runtime)",
+        searched.join(", ")
+    ))
+}
+
+/// The directory of the NVRTC library this process loaded (from `/proc/self/maps`), if any.
+fn loaded_nvrtc_dir() -> Option<PathBuf> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.find('/').map(|at| Path::new(&line[at..])))
+        .find(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libnvrtc.so"))
+        })
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+}
+
 /// FNV-1a, 64 bits: a stable hash for the cache file name and key (not for security: the file
 /// holds the whole key and is checked against it).
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -469,16 +701,53 @@ pub(crate) fn nvrtc_version() -> std::result::Result<String, String> {
     Ok(format!("{major}.{minor}"))
 }
 
-/// Compiles [`SOURCE`] for `arch`: a CUBIN for a real architecture (`sm_90`), PTX text for a
+/// NVRTC's options for `arch`, with the include directory of the half program's headers.
+fn options(arch: &str, include: Option<&Path>) -> Vec<String> {
+    let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
+    if let Some(dir) = include {
+        options.push(format!("--include-path={}", dir.display()));
+    }
+    options.push(format!("--gpu-architecture={arch}"));
+    options
+}
+
+/// A hash of the half-precision headers in `dir` (those present), for the cache key: another
+/// toolkit's headers in the same place compile anew.
+fn headers_hash(dir: &Path) -> u64 {
+    let mut all = Vec::new();
+    for name in HEADERS {
+        all.extend_from_slice(name.as_bytes());
+        if let Ok(bytes) = std::fs::read(dir.join(name)) {
+            all.extend_from_slice(&bytes);
+        }
+    }
+    fnv1a(&all)
+}
+
+/// The headers of the half program (and the `.hpp` files they include).
+const HEADERS: [&str; 4] = [
+    "cuda_fp16.h",
+    "cuda_fp16.hpp",
+    "cuda_bf16.h",
+    "cuda_bf16.hpp",
+];
+
+/// Compiles `which` program for `arch`: a CUBIN for a real architecture (`sm_90`), PTX text for a
 /// virtual one (`compute_90`); or returns the compiler's log.
-pub(crate) fn compile(arch: &str) -> std::result::Result<Vec<u8>, String> {
-    let source =
-        CString::new(SOURCE).map_err(|_| "the kernel source holds a NUL byte".to_string())?;
-    let name = c"ndscope_kernels.cu";
+fn compile(
+    which: Program,
+    arch: &str,
+    include: Option<&Path>,
+) -> std::result::Result<Vec<u8>, String> {
+    let source = CString::new(which.source())
+        .map_err(|_| "the kernel source holds a NUL byte".to_string())?;
+    let name = match which {
+        Program::Main => c"ndscope_kernels.cu",
+        Program::Half => c"ndscope_half_kernels.cu",
+    };
     let program = nvrtc::create_program(&source, Some(name))
         .map_err(|e| format!("nvrtcCreateProgram failed: {e:?}"))?;
-    let mut options: Vec<String> = OPTIONS.iter().map(|s| s.to_string()).collect();
-    options.push(format!("--gpu-architecture={arch}"));
+    let options = options(arch, include);
     // SAFETY: `program` is live until the destroy below; the options hold no NUL bytes.
     let result = unsafe {
         match nvrtc::compile_program(program, &options) {
@@ -554,7 +823,7 @@ pub(crate) fn checking_launches() -> bool {
 }
 
 /// Checks a launch of the kernel `name` passing arguments of `sizes` bytes against the
-/// kernel's parameter list in [`SOURCE`]: the same count, each of the size its parameter
+/// kernel's parameter list in [`SOURCE`] or [`HALF_SOURCE`]: the same count, each of the size its parameter
 /// declares. The error names the kernel, the parameter and both sizes.
 pub(crate) fn check_launch(ctx: &Ctx, name: &str, sizes: &[usize]) -> Result<()> {
     let signatures = signatures().as_ref().map_err(|why| {
@@ -589,11 +858,19 @@ pub(crate) fn check_launch(ctx: &Ctx, name: &str, sizes: &[usize]) -> Result<()>
     Ok(())
 }
 
-/// The parameter sizes of every kernel of [`SOURCE`], parsed once.
+/// The parameter sizes of every kernel of both programs, parsed once.
 fn signatures() -> &'static std::result::Result<HashMap<String, Vec<usize>>, String> {
     static SIGNATURES: OnceLock<std::result::Result<HashMap<String, Vec<usize>>, String>> =
         OnceLock::new();
-    SIGNATURES.get_or_init(|| parse_signatures(SOURCE))
+    SIGNATURES.get_or_init(|| {
+        let mut all = parse_signatures(SOURCE)?;
+        for (name, sizes) in parse_signatures(HALF_SOURCE)? {
+            if all.insert(name.clone(), sizes).is_some() {
+                return Err(format!("kernel `{name}` is defined in both programs"));
+            }
+        }
+        Ok(all)
+    })
 }
 
 /// The byte size of each parameter of each `__global__` function of CUDA `source`, by name:
@@ -850,14 +1127,17 @@ impl CTypes {
             ("unsigned long long", 8),
             ("size_t", 8),
             ("double", 8),
+            ("__half", 2),
+            ("__nv_bfloat16", 2),
         ]
         .into_iter()
         .map(|(t, size)| (t.to_string(), (size, size)))
         .collect();
         for statement in code.split(';') {
+            // The statement starts at the last `;`: a function body's `}` may come first.
             let words: Vec<&str> = statement.split_whitespace().collect();
-            if let Some((&"typedef", rest)) = words.split_first() {
-                if let Some((alias, base)) = rest.split_last() {
+            if let Some(at) = words.iter().rposition(|w| *w == "typedef") {
+                if let Some((alias, base)) = words[at + 1..].split_last() {
                     if let Some(&layout) = known.get(&base.join(" ")) {
                         known.insert(alias.to_string(), layout);
                     }
@@ -940,77 +1220,214 @@ mod tests {
         std::env::var_os(name).is_some_and(|v| v == "1")
     }
 
-    /// Compiles every kernel for sm_80 and sm_90 with NVRTC (no GPU needed), printing the
-    /// compiler's log on failure. Skips, saying why, where NVRTC cannot be loaded: `.ci/run`
-    /// installs it from PyPI (`nvidia-cuda-nvrtc`) and puts it on the library path. With
-    /// `NDSCOPE_REQUIRE_NVRTC=1` or `NDSCOPE_REQUIRE_GPU=1` a missing NVRTC fails instead.
+    /// Compiles every kernel of both programs for sm_80 and sm_90 with NVRTC (no GPU needed),
+    /// printing the compiler's log on failure. Skips, saying why, where NVRTC cannot be loaded:
+    /// `.ci/run` installs it from PyPI (`nvidia-cuda-nvrtc`) and puts it on the library path.
+    /// With `NDSCOPE_REQUIRE_NVRTC=1` or `NDSCOPE_REQUIRE_GPU=1` a missing NVRTC fails instead,
+    /// and so do missing half-precision headers ([`find_cuda_include`]; `.ci/run` installs PyPI's
+    /// `nvidia-cuda-runtime` for them and sets `NDSCOPE_CUDA_INCLUDE`).
     #[test]
     fn kernel_source_compiles_for_ampere_and_hopper() {
+        let require = required("NDSCOPE_REQUIRE_NVRTC") || required("NDSCOPE_REQUIRE_GPU");
         // SAFETY: only tries to open the library.
         if !unsafe { nvrtc_sys::is_culib_present() } {
             let why = "NVRTC (libnvrtc.so.13) is not on the library path; .ci/run installs it";
-            if required("NDSCOPE_REQUIRE_NVRTC") || required("NDSCOPE_REQUIRE_GPU") {
+            if require {
                 panic!("NDSCOPE_REQUIRE_NVRTC=1 or NDSCOPE_REQUIRE_GPU=1, but {why}");
             }
             eprintln!("skipped: {why}");
             return;
         }
-        for arch in ["sm_80", "sm_90"] {
-            let cubin = match compile(arch) {
-                Ok(cubin) => cubin,
-                Err(log) => panic!("the kernel source does not compile for {arch}:\n{log}"),
-            };
-            // Every kernel the backend looks up is a symbol of the binary (its names are
-            // NUL-terminated strings of the ELF string table).
-            let symbols: std::collections::HashSet<&[u8]> = cubin.split(|&b| b == 0).collect();
-            let missing: Vec<String> = expected()
-                .into_iter()
-                .map(|(_, name)| name)
-                .filter(|name| !symbols.contains(name.as_bytes()))
-                .collect();
-            assert!(
-                missing.is_empty(),
-                "{arch}: kernels missing from the CUBIN: {missing:?}"
-            );
+        // Loads the library (the include search looks beside it).
+        let version = nvrtc_version().unwrap_or_else(|why| panic!("{why}"));
+        let include = match find_cuda_include() {
+            Ok(dir) => Some(dir),
+            Err(why) if require => panic!("NVRTC {version} is here, but {why}"),
+            Err(why) => {
+                eprintln!("the half-precision program is skipped: {why}");
+                None
+            }
+        };
+        let mut programs = vec![(Program::Main, None)];
+        programs.extend(include.as_deref().map(|dir| (Program::Half, Some(dir))));
+        for (program, include) in programs {
+            for arch in ["sm_80", "sm_90"] {
+                let cubin = match compile(program, arch, include) {
+                    Ok(cubin) => cubin,
+                    Err(log) => {
+                        panic!("the {program:?} program does not compile for {arch}:\n{log}")
+                    }
+                };
+                // Every kernel the backend looks up is a symbol of the binary (its names are
+                // NUL-terminated strings of the ELF string table).
+                let symbols: std::collections::HashSet<&[u8]> = cubin.split(|&b| b == 0).collect();
+                let missing: Vec<String> = expected()
+                    .into_iter()
+                    .filter(|(_, _, p)| *p == program)
+                    .map(|(_, name, _)| name)
+                    .filter(|name| !symbols.contains(name.as_bytes()))
+                    .collect();
+                assert!(
+                    missing.is_empty(),
+                    "{program:?}, {arch}: kernels missing from the CUBIN: {missing:?}"
+                );
+            }
         }
     }
 
-    /// Every kernel the backend may launch has a parameter list read from the kernel source, and
-    /// the lists are what the source declares.
+    /// Every kernel the backend may launch has a parameter list read from the kernel source of
+    /// its program, and the lists are what the source declares.
     #[test]
     fn every_kernel_has_a_parsed_parameter_list() {
-        let signatures = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
-        let templates = SOURCE.matches("__global__ void").count();
-        assert_eq!(templates, 36, "kernel templates in the kernel source");
-        let missing: Vec<String> = expected()
-            .into_iter()
-            .map(|(_, name)| name)
-            .filter(|name| !signatures.contains_key(name))
-            .collect();
-        assert!(
-            missing.is_empty(),
-            "kernels without a parsed signature: {missing:?}"
+        let main = parse_signatures(SOURCE).unwrap_or_else(|why| panic!("{why}"));
+        let half = parse_signatures(HALF_SOURCE).unwrap_or_else(|why| panic!("{why}"));
+        assert_eq!(
+            SOURCE.matches("__global__ void").count(),
+            36,
+            "kernel templates in the kernel source"
         );
-        assert_eq!(signatures.len(), expected().len(), "parsed kernels");
-        let sizes = |name: &str| signatures[name].clone();
+        assert_eq!(
+            HALF_SOURCE.matches("__global__ void").count(),
+            HALF_TEMPLATES,
+            "kernel templates in the half-precision source"
+        );
+        for (program, signatures) in [(Program::Main, &main), (Program::Half, &half)] {
+            let names: Vec<String> = expected()
+                .into_iter()
+                .filter(|(_, _, p)| *p == program)
+                .map(|(_, name, _)| name)
+                .collect();
+            let missing: Vec<&String> = names
+                .iter()
+                .filter(|name| !signatures.contains_key(*name))
+                .collect();
+            assert!(
+                missing.is_empty(),
+                "{program:?}: kernels without a parsed signature: {missing:?}"
+            );
+            assert_eq!(signatures.len(), names.len(), "{program:?}: parsed kernels");
+        }
+        let all = signatures().as_ref().unwrap_or_else(|why| panic!("{why}"));
+        assert_eq!(all.len(), expected().len());
+        let sizes = |name: &str| all[name].clone();
         assert_eq!(sizes("fill_f32"), [8, 8, 4]);
         assert_eq!(sizes("fill_u8"), [8, 8, 1]);
         assert_eq!(sizes("fill_f64"), [8, 8, 8]);
+        assert_eq!(sizes("fill_f16"), [8, 8, 2]);
+        assert_eq!(sizes("add_scalar_bf16"), [8, 8, 8, 2]);
         assert_eq!(sizes("cast_u8_f64"), [8, 8, 8]);
+        assert_eq!(sizes("cast_bf16_f16"), [8, 8, 8]);
         assert_eq!(sizes("add_i32"), [8, 8, 8, 8, 4, 200]);
+        assert_eq!(sizes("add_f16"), [8, 8, 8, 8, 4, 200]);
         assert_eq!(sizes("gt_scalar_u8"), [8, 8, 8, 8]);
         assert_eq!(sizes("axpy_f32"), [8, 8, 8, 4, 4, 200]);
+        assert_eq!(sizes("axpy_bf16"), [8, 8, 8, 2, 4, 200]);
         assert_eq!(sizes("gather_b1"), [8, 8, 8, 4, 200]);
+        assert_eq!(sizes("gather_b2"), [8, 8, 8, 4, 200]);
         assert_eq!(sizes("sgd_update_f32"), [8, 8, 8, 8, 4, 4, 4, 4]);
+        // The half steps take f32 coefficients.
+        assert_eq!(sizes("sgd_update_f16"), [8, 8, 8, 8, 4, 4, 4, 4]);
         let mut adam = vec![8; 14];
         adam.push(4);
         assert_eq!(sizes("adam_update_f64"), adam);
         // The tensor list by value: 4·64 pointers, 64 sizes, 64 block ends, the count.
         assert_eq!(sizes("sgd_multi_f32"), [2824, 4, 4, 4, 4]);
+        assert_eq!(sizes("sgd_multi_bf16"), [2824, 4, 4, 4, 4]);
         let mut adam = vec![2824];
         adam.extend([8; 9]);
         adam.push(4);
         assert_eq!(sizes("adam_multi_f64"), adam);
+    }
+
+    /// Kernel templates (`__global__` functions in macros) of the half-precision source.
+    const HALF_TEMPLATES: usize = 32;
+
+    /// The include search: the override alone when set (a directory without the headers is an
+    /// error naming it, nothing else is tried), else the variables, the directory beside the
+    /// loaded NVRTC and the usual places, in order; nothing found is an error listing them.
+    #[test]
+    fn the_include_directory_is_searched_in_order() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| OsString::from(v))
+            }
+        };
+        let at =
+            |dirs: &'static [&'static str]| move |d: &Path| dirs.iter().any(|x| Path::new(x) == d);
+        // The override wins, even over a toolkit elsewhere.
+        let found = search_include(
+            &env(&[(INCLUDE_VAR, "/x/inc"), ("CUDA_HOME", "/cuda")]),
+            None,
+            &at(&["/x/inc", "/cuda/include"]),
+        );
+        assert_eq!(found.unwrap(), Path::new("/x/inc"));
+        // An override without the headers is an error, not a fall-back to the others.
+        let why = search_include(
+            &env(&[(INCLUDE_VAR, "/empty"), ("CUDA_HOME", "/cuda")]),
+            None,
+            &at(&["/cuda/include", "/usr/local/cuda/include"]),
+        )
+        .unwrap_err();
+        assert!(
+            why.contains("NDSCOPE_CUDA_INCLUDE=/empty holds no cuda_fp16.h"),
+            "{why}"
+        );
+        // An empty override counts as unset.
+        let found = search_include(
+            &env(&[(INCLUDE_VAR, ""), ("CUDA_HOME", "/cuda")]),
+            None,
+            &at(&["/cuda/include"]),
+        );
+        assert_eq!(found.unwrap(), Path::new("/cuda/include"));
+        // CUDA_PATH before CUDA_HOME before the NVRTC's directory before the fixed places.
+        let all = &[
+            "/p/include",
+            "/h/include",
+            "/pip/nvidia/cu13/include",
+            "/usr/local/cuda/include",
+        ];
+        let vars: &[(&str, &str)] = &[("CUDA_PATH", "/p"), ("CUDA_HOME", "/h")];
+        let nvrtc = Path::new("/pip/nvidia/cu13/lib");
+        assert_eq!(
+            search_include(&env(vars), Some(nvrtc), &at(all)).unwrap(),
+            Path::new("/p/include")
+        );
+        assert_eq!(
+            search_include(&env(vars), Some(nvrtc), &at(&all[1..])).unwrap(),
+            Path::new("/h/include")
+        );
+        assert_eq!(
+            search_include(&env(vars), Some(nvrtc), &at(&all[2..])).unwrap(),
+            Path::new("/pip/nvidia/cu13/include")
+        );
+        assert_eq!(
+            search_include(&env(&[]), None, &at(&["/opt/cuda/include", "/usr/include"])).unwrap(),
+            Path::new("/opt/cuda/include")
+        );
+        // Nothing found: every place searched is named, and the variable to set.
+        let why = search_include(&env(&[("CUDA_ROOT", "/r")]), Some(nvrtc), &at(&[])).unwrap_err();
+        for place in [
+            "$CUDA_ROOT/include (/r/include)",
+            "beside the loaded NVRTC (/pip/nvidia/cu13/include)",
+            "/usr/local/cuda/include",
+            "/opt/cuda/include",
+            "/usr/include",
+            "set NDSCOPE_CUDA_INCLUDE",
+        ] {
+            assert!(why.contains(place), "{place}: {why}");
+        }
+    }
+
+    /// Half-precision lookup keys go to the half program, everything else stays in the main one
+    /// (element sizes of the moving kernels never read as half dtype codes).
+    #[test]
+    fn half_keys_are_those_with_a_half_dtype() {
+        for (key, name, program) in expected() {
+            assert_eq!(is_half_key(key), program == Program::Half, "{name}");
+            assert_eq!(program == Program::Half, name.contains("f16"), "{name}");
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use cudarc::cublaslt::sys;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use crate::error::Ctx;
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 /// Most plans kept; the oldest goes first (a model has a handful of layer shapes).
 const MAX_PLANS: usize = 64;
@@ -24,8 +24,9 @@ const MAX_PLANS: usize = 64;
 /// What a plan is made for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Shape {
-    /// f64 (else f32).
-    pub f64: bool,
+    /// The element type of every operand: f32, f64, or f16/bf16 (computed in f32, with f32
+    /// alpha and beta, each output rounded once).
+    pub dtype: DType,
     /// Row-major `[m, k] · [k, n]`.
     pub m: usize,
     pub k: usize,
@@ -128,7 +129,7 @@ impl Lt {
             .map_err(|e| failed(ctx, "setting the bias", e))?;
         }
         let (one32, zero32, one64, zero64) = (1.0f32, 0.0f32, 1.0f64, 0.0f64);
-        let (alpha, beta): (*const c_void, *const c_void) = if shape.f64 {
+        let (alpha, beta): (*const c_void, *const c_void) = if shape.dtype == DType::F64 {
             (
                 (&one64 as *const f64).cast(),
                 (&zero64 as *const f64).cast(),
@@ -185,10 +186,36 @@ impl Lt {
     fn make(&self, ctx: &Ctx, shape: Shape, workspace: usize) -> Result<Plan> {
         use sys::cublasComputeType_t as Compute;
         use sys::cudaDataType_t as Type;
-        let (compute, ty) = match (shape.f64, shape.tf32) {
-            (true, _) => (Compute::CUBLAS_COMPUTE_64F, Type::CUDA_R_64F),
-            (false, true) => (Compute::CUBLAS_COMPUTE_32F_FAST_TF32, Type::CUDA_R_32F),
-            (false, false) => (Compute::CUBLAS_COMPUTE_32F, Type::CUDA_R_32F),
+        // (compute type, scale type of alpha and beta, operand type)
+        let (compute, scale, ty) = match (shape.dtype, shape.tf32) {
+            (DType::F64, _) => (
+                Compute::CUBLAS_COMPUTE_64F,
+                Type::CUDA_R_64F,
+                Type::CUDA_R_64F,
+            ),
+            (DType::F16, _) => (
+                Compute::CUBLAS_COMPUTE_32F,
+                Type::CUDA_R_32F,
+                Type::CUDA_R_16F,
+            ),
+            (DType::BF16, _) => (
+                Compute::CUBLAS_COMPUTE_32F,
+                Type::CUDA_R_32F,
+                Type::CUDA_R_16BF,
+            ),
+            (DType::F32, true) => (
+                Compute::CUBLAS_COMPUTE_32F_FAST_TF32,
+                Type::CUDA_R_32F,
+                Type::CUDA_R_32F,
+            ),
+            (DType::F32, false) => (
+                Compute::CUBLAS_COMPUTE_32F,
+                Type::CUDA_R_32F,
+                Type::CUDA_R_32F,
+            ),
+            (other, _) => {
+                return Err(ctx.unsupported(format!("cuBLASLt products of {other}")));
+            }
         };
         let epilogue = match (shape.bias, shape.relu) {
             (false, false) => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
@@ -203,7 +230,7 @@ impl Lt {
         };
         let ((m, _), (k, ldk), (n, ldn)) = (dim(shape.m)?, dim(shape.k)?, dim(shape.n)?);
         let desc =
-            lt::create_matmul_desc(compute, ty).map_err(|e| failed(ctx, "a descriptor", e))?;
+            lt::create_matmul_desc(compute, scale).map_err(|e| failed(ctx, "a descriptor", e))?;
         let mut plan = Plan {
             shape,
             desc,

@@ -1,11 +1,14 @@
 // ndscope's CUDA kernels, the shared part: element types, operand addressing, the check report,
 // element arithmetic and conversions, block reductions, the dtype lists. NVRTC compiles the
-// kernel files at run time as one program (this file first, then transfer, elementwise, shape,
-// reduce, nn and matmul: the order of `SOURCE` in kernels.rs) for the device's own architecture,
+// kernel files at run time as one program (this file first, then device.cu, transfer,
+// elementwise, shape, reduce, nn, matmul and optim: the order of `SOURCE` in kernels.rs) for the
+// device's own architecture,
 // with --fmad=false: additions and multiplications are never fused, so elementwise float
 // arithmetic rounds exactly as on the CPU. Every kernel is `extern "C"` and named `<op>_<dtype>`
 // (`<op>_<dtype>_<dtype>` for two element types), with the dtype names of ndscope's `DType`
-// (f32, f64, i32, i64, u8). Loops are grid-stride loops, so any grid size covers any length.
+// (f32, f64, i32, i64, u8; f16 and bf16 in the second program, half.cu, which needs the CUDA
+// toolkit's cuda_fp16.h and cuda_bf16.h). Loops are grid-stride loops, so any grid size covers
+// any length.
 //
 // Semantics follow the CPU backend: integer arithmetic wraps (done in unsigned types, where C++
 // defines it), integer division by zero gives 0 (and is reported: `report_bad`), MIN / -1 wraps
@@ -14,6 +17,7 @@
 
 typedef unsigned char u8;
 typedef int i32;
+typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;

@@ -1,90 +1,6 @@
 // Kernels of the elementwise family: fill and random numbers, binary ops (and the checked
 // integer division), comparisons, unary ops, `pow`, and the in-place `scale` and `axpy`.
 
-// ---- random numbers (the same functions as src/backend/cpu/random.rs, operation for operation,
-// so every device draws the same numbers) ----
-
-__device__ __forceinline__ u64 mix(u64 z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-__device__ __forceinline__ u64 random_bits(u64 seed, u64 counter) {
-    return mix(mix(seed ^ 0x9E3779B97F4A7C15ull) + counter * 0x9E3779B97F4A7C15ull);
-}
-
-__device__ __forceinline__ f64 uniform(u64 seed, u64 counter) {
-    return (f64)(random_bits(seed, counter) >> 11) * (1.0 / 9007199254740992.0);
-}
-
-// ln(x) for a positive normal x: x = 2^e·m with m in [√½, √2), ln m = 2·atanh(s) with
-// s = (m − 1)/(m + 1), summed as a series in s².
-__device__ f64 portable_ln(f64 x) {
-    u64 bits = (u64)__double_as_longlong(x);
-    i64 e = (i64)((bits >> 52) & 0x7ff) - 1023;
-    f64 m = __longlong_as_double((i64)((bits & 0x000fffffffffffffull) | 0x3ff0000000000000ull));
-    if (m > 1.4142135623730951) {
-        m = m * 0.5;
-        e = e + 1;
-    }
-    f64 s = (m - 1.0) / (m + 1.0);
-    f64 s2 = s * s;
-    f64 p = 1.0 / 23.0;
-    p = p * s2 + 1.0 / 21.0;
-    p = p * s2 + 1.0 / 19.0;
-    p = p * s2 + 1.0 / 17.0;
-    p = p * s2 + 1.0 / 15.0;
-    p = p * s2 + 1.0 / 13.0;
-    p = p * s2 + 1.0 / 11.0;
-    p = p * s2 + 1.0 / 9.0;
-    p = p * s2 + 1.0 / 7.0;
-    p = p * s2 + 1.0 / 5.0;
-    p = p * s2 + 1.0 / 3.0;
-    p = p * s2 + 1.0;
-    return (f64)e * 0.6931471805599453 + 2.0 * s * p;
-}
-
-// cos(2π·u) for u in [0, 1): u = (q + r)/4 with q a whole quadrant and r in [−½, ½], then a
-// Taylor series of sin or cos of r·π/2 (|r·π/2| ≤ π/4).
-__device__ f64 portable_cos_turn(f64 u) {
-    f64 t = 4.0 * u;
-    f64 q = floor(t + 0.5);
-    f64 r = t - q;
-    f64 a = r * 1.5707963267948966;
-    f64 a2 = a * a;
-    f64 c = 1.0 / 20922789888000.0;             // 1/16!
-    c = c * -a2 + 1.0 / 87178291200.0;          // 1/14!
-    c = c * -a2 + 1.0 / 479001600.0;            // 1/12!
-    c = c * -a2 + 1.0 / 3628800.0;              // 1/10!
-    c = c * -a2 + 1.0 / 40320.0;                // 1/8!
-    c = c * -a2 + 1.0 / 720.0;                  // 1/6!
-    c = c * -a2 + 1.0 / 24.0;                   // 1/4!
-    c = c * -a2 + 1.0 / 2.0;                    // 1/2!
-    c = c * -a2 + 1.0;
-    f64 s = 1.0 / 355687428096000.0;            // 1/17!
-    s = s * -a2 + 1.0 / 1307674368000.0;        // 1/15!
-    s = s * -a2 + 1.0 / 6227020800.0;           // 1/13!
-    s = s * -a2 + 1.0 / 39916800.0;             // 1/11!
-    s = s * -a2 + 1.0 / 362880.0;               // 1/9!
-    s = s * -a2 + 1.0 / 5040.0;                 // 1/7!
-    s = s * -a2 + 1.0 / 120.0;                  // 1/5!
-    s = s * -a2 + 1.0 / 6.0;                    // 1/3!
-    s = s * -a2 + 1.0;
-    s = s * a;
-    int quadrant = ((int)q) & 3;
-    if (quadrant == 0) return c;
-    if (quadrant == 1) return -s;
-    if (quadrant == 2) return -c;
-    return s;
-}
-
-__device__ __forceinline__ f64 normal(u64 seed, u64 counter) {
-    f64 u1 = 1.0 - uniform(seed, counter * 2);
-    f64 u2 = uniform(seed, counter * 2 + 1);
-    return sqrt(-2.0 * portable_ln(u1)) * portable_cos_turn(u2);
-}
-
 #define FILL(T)                                                                                   \
     extern "C" __global__ void fill_##T(T* out, u64 n, T v) { GRID_STRIDE(i, n) out[i] = v; }    \
     extern "C" __global__ void arange_##T(T* out, u64 n, f64 start, f64 step) {                  \
@@ -109,11 +25,6 @@ __device__ __forceinline__ f64 normal(u64 seed, u64 counter) {
             out[i] = from_f64<T>(v);                                                              \
         }                                                                                         \
     }
-__device__ __forceinline__ bool is_float_type(f32) { return true; }
-__device__ __forceinline__ bool is_float_type(f64) { return true; }
-__device__ __forceinline__ bool is_float_type(i32) { return false; }
-__device__ __forceinline__ bool is_float_type(i64) { return false; }
-__device__ __forceinline__ bool is_float_type(u8) { return false; }
 FOR_ALL(FILL)
 
 #define BINARY_OP(NAME, FN, T)                                                                 \
@@ -248,24 +159,6 @@ __device__ __forceinline__ i64 pow_elem(i64 x, f64 e) { return from_f64<i64>(pow
 __device__ __forceinline__ u8 pow_elem(u8 x, f64 e) { return from_f64<u8>(pow_whole((f64)x, e)); }
 FOR_ALL(UNARY_ALL)
 
-__device__ __forceinline__ f32 sigmoid_elem(f32 x) {
-    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-    f32 e = expf(x);
-    return e / (1.0f + e);
-}
-__device__ __forceinline__ f64 sigmoid_elem(f64 x) {
-    if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
-    f64 e = exp(x);
-    return e / (1.0 + e);
-}
-// The exact GELU, 0.5·x·(1 + erf(x/√2)) (PyTorch's default form), in the element's own
-// precision: the operations of the CPU's `Float::gelu`.
-__device__ __forceinline__ f32 gelu_elem(f32 x) {
-    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
-}
-__device__ __forceinline__ f64 gelu_elem(f64 x) {
-    return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440));
-}
 #define FLOAT_UNARY(T)                         \
     UNARY_OP(exp, e_exp(x), T)                 \
     UNARY_OP(log, e_log(x), T)                 \

@@ -6,9 +6,6 @@
 // Softmax (log-softmax with `log`) along the middle axis of [outer, n, inner], with the launch
 // shapes of `fold` (no chunks): `tpr` threads per row for inner == 1, 32 columns per block
 // otherwise. As the CPU: subtract the maximum (NaN wins), sum exp in f64.
-template <typename T> struct MaxOf {
-    __device__ T operator()(T a, T b) const { return op_max(a, b); }
-};
 template <typename T, typename Reduce>
 __device__ __forceinline__ void softmax_line(const T* p, T* q, u64 n, u64 stride, u64 first,
                                              u64 step, bool live, int log_, T* smax, f64* ssum,
@@ -34,17 +31,6 @@ __device__ __forceinline__ void softmax_line(const T* p, T* q, u64 n, u64 stride
         for (u64 i = first; i < n; i += step) q[i * stride] = q[i * stride] * scale;
     }
 }
-struct GroupReduce {
-    u32 width;
-    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
-        return group_reduce(v, shared, width, comb);
-    }
-};
-struct ColumnReduce {
-    template <typename A, typename F> __device__ A operator()(A v, A* shared, F comb) const {
-        return column_reduce(v, shared, comb);
-    }
-};
 #define SOFTMAX(T)                                                                                 \
     extern "C" __global__ void softmax_##T(const T* x, T* out, u64 outer, u64 n, u64 inner,       \
                                            int log_, u32 tpr) {                                    \

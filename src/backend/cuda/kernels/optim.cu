@@ -3,52 +3,8 @@
 // Each comes as a kernel over one tensor and a multi-tensor kernel over up to MT_TENSORS
 // tensors in one launch; both run the same per-element device function.
 
-#define SGD_WEIGHT_DECAY 1 // g = grad + wd·p
-#define SGD_VELOCITY 2     // vel is a velocity to update
-#define SGD_NESTEROV 4     // d = g + mu·v instead of v
-#define SGD_ZERO_GRAD 8    // grad[i] = 0 once read
-
-#define ADAM_COUPLED 1   // g = grad + wd·p
-#define ADAM_DECOUPLED 2 // p = p·decay first
-#define ADAM_ZERO_GRAD 4 // grad[i] = 0 once read
-
-// A multi-tensor launch: the tensors of one step, passed by value (no copy to the device, so
-// the launch may be captured into a graph). Block b works on elements
-// [(b - first) · MT_CHUNK, +MT_CHUNK) of the tensor t with first = block_end[t - 1] (0 for
-// t = 0) ≤ b < block_end[t]. `TensorList` of `cuda/ops/optim.rs`, field for field.
-#define MT_TENSORS 64 // tensors per launch: the parameter block stays within 4 KiB
-#define MT_DEPTH 4    // buffers per tensor: grad, p, state 0, state 1
-#define MT_CHUNK 4096 // elements per block
-
-struct TensorList {
-    void* ptr[MT_DEPTH][MT_TENSORS];
-    u64 n[MT_TENSORS];
-    u32 block_end[MT_TENSORS];
-    int count;
-};
-
-// The tensor block `b` works on: the first t with b < block_end[t] (binary search).
-__device__ __forceinline__ int mt_tensor(const TensorList& l, u32 b) {
-    int lo = 0;
-    int hi = l.count - 1;
-    while (lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (b < l.block_end[mid]) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    return lo;
-}
-
-// Runs the body for each element i of this block's part of tensor t, with `l` the list.
-#define MT_FOR(l, t, i)                                                                            \
-    int t = mt_tensor(l, blockIdx.x);                                                              \
-    u32 mt_first = t == 0 ? 0u : l.block_end[t - 1];                                               \
-    u64 mt_start = (u64)(blockIdx.x - mt_first) * MT_CHUNK;                                        \
-    u64 mt_end = mt_start + MT_CHUNK < l.n[t] ? mt_start + MT_CHUNK : l.n[t];                      \
-    for (u64 i = mt_start + threadIdx.x; i < mt_end; i += blockDim.x)
+// The flags, `TensorList` and `MT_FOR` are in device.cu (the half-precision program uses them
+// too).
 
 #define OPTIM(T)                                                                                   \
     __device__ __forceinline__ void sgd_element_##T(T* p, T* grad, T* vel, u64 i, T lr, T mu,     \

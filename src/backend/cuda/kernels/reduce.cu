@@ -11,50 +11,6 @@
 // b % chunks of the reduced axis, its 8 rows of threads splitting the slice; chunks > 1 writes
 // partial results [outer, chunks, inner].
 
-template <typename In, typename Acc, typename Out, typename Conv, typename Comb, typename Fin>
-__device__ void fold(const In* x, Out* out, u64 outer, u64 n, u64 inner, u64 chunks, u32 tpr,
-                     Acc zero, Conv conv, Comb comb, Fin fin) {
-    __shared__ Acc shared[256];
-    u64 len = (n + chunks - 1) / chunks;
-    if (inner == 1) {
-        u32 per = blockDim.x / tpr, lane = threadIdx.x & (tpr - 1), slot = threadIdx.x / tpr;
-        u64 segments = outer * chunks;
-        for (u64 base = (u64)blockIdx.x * per; base < segments; base += (u64)gridDim.x * per) {
-            u64 b = base + slot;
-            Acc acc = zero;
-            if (b < segments) {
-                u64 row = b / chunks, c = b % chunks;
-                u64 begin = c * len, end = begin + len < n ? begin + len : n;
-                const In* p = x + row * n;
-                for (u64 i = begin + lane; i < end; i += tpr) acc = comb(acc, conv(p[i]));
-            }
-            acc = group_reduce(acc, shared, tpr, comb);
-            if (lane == 0 && b < segments) out[b] = fin(acc);
-        }
-    } else {
-        u64 columns = outer * inner, groups = (columns + 31) / 32;
-        for (u64 b = blockIdx.x; b < groups * chunks; b += gridDim.x) {
-            u64 g = b / chunks, c = b % chunks;
-            u64 col = g * 32 + threadIdx.x;
-            u64 begin = c * len, end = begin + len < n ? begin + len : n;
-            Acc acc = zero;
-            if (col < columns) {
-                u64 o = col / inner, j = col % inner;
-                const In* p = x + o * n * inner + j;
-                for (u64 i = begin + threadIdx.y; i < end; i += blockDim.y) acc = comb(acc, conv(p[i * inner]));
-            }
-            acc = column_reduce(acc, shared, comb);
-            if (threadIdx.y == 0 && col < columns) {
-                u64 o = col / inner, j = col % inner;
-                out[(o * chunks + c) * inner + j] = fin(acc);
-            }
-        }
-    }
-}
-
-struct AddF { __device__ f64 operator()(f64 a, f64 b) const { return a + b; } };
-struct AddI { __device__ u64 operator()(u64 a, u64 b) const { return a + b; } };
-
 // sum_<in>_<out>: floats accumulate in f64, integers in wrapping 64 bits; `mean` divides by
 // `count` at the end.
 #define SUM(IN, OUT, ACC, ADD)                                                                    \
@@ -91,32 +47,8 @@ SUM(u8, f64, u64, AddI)
             [](T a, T b) { return op_max(a, b); },                                     \
             [](T a) { return a; });                                                    \
     }
-__device__ __forceinline__ f32 lowest(f32) { return __int_as_float(0xff800000); }
-__device__ __forceinline__ f64 lowest(f64) { return __longlong_as_double((i64)0xfff0000000000000ull); }
-__device__ __forceinline__ i32 lowest(i32) { return (i32)0x80000000u; }
-__device__ __forceinline__ i64 lowest(i64) { return (i64)0x8000000000000000ull; }
-__device__ __forceinline__ u8 lowest(u8) { return 0; }
 FOR_ALL(MAX)
 
-// argmax: (value, index) pairs; NaN beats everything, larger beats smaller, ties keep the
-// smaller index, so the order of combination does not matter.
-template <typename T> struct Best {
-    T v;
-    i64 i;
-};
-template <typename T> __device__ __forceinline__ Best<T> better(Best<T> a, Best<T> b) {
-    if (b.i < 0) return a;
-    if (a.i < 0) return b;
-    bool an = is_nan(a.v), bn = is_nan(b.v);
-    if (bn && !an) return b;
-    if (an && !bn) return a;
-    if (!an && b.v > a.v) return b;
-    if (!an && a.v > b.v) return a;
-    return b.i < a.i ? b : a;
-}
-template <typename T> struct Better {
-    __device__ Best<T> operator()(Best<T> a, Best<T> b) const { return better(a, b); }
-};
 // argmax along the middle axis of [outer, n, inner], with the launch shapes of `fold`: `tpr`
 // threads per row segment for inner == 1, 32 columns per block otherwise. With chunks > 1
 // (inner == 1, few long rows) segment b = (row, slice) writes its best value and index to

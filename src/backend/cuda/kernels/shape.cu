@@ -39,8 +39,10 @@
         }                                                                                        \
     }
 COPY_ROWS(b1, u8)
+COPY_ROWS(b2, u16)
 COPY_ROWS(b4, u32)
 COPY_ROWS(b8, u64)
 GATHER(b1, u8)
+GATHER(b2, u16)
 GATHER(b4, u32)
 GATHER(b8, u64)

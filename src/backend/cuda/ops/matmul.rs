@@ -2,6 +2,8 @@
 //! integers, and the dense SGD update with momentum (a product `xᵀ·g` into the velocity, then
 //! an `axpy` into the weights).
 
+use std::ffi::c_void;
+
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
@@ -54,9 +56,6 @@ const MAX_BLAS_BATCH: usize = 65_535;
 
 /// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
 fn blas_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
-    if dtype.is_half() {
-        return Err(ctx.unsupported(format!("`{}` on {dtype} on a CUDA device", ctx.op)));
-    }
     let elem = dtype.size_in_bytes() as u64;
     let mut done = 0;
     while done < p.batch {
@@ -90,6 +89,26 @@ fn blas_batch(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
     blas_batch_on(ctx, gpu, dtype, p, None)
 }
 
+/// A float dtype as the code of a recorded call's words (2 bits).
+fn float_code(dtype: DType) -> u64 {
+    match dtype {
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        _ => 0,
+    }
+}
+
+/// The dtype of [`float_code`]'s code (the low 2 bits of `code`).
+fn float_of(code: u64) -> DType {
+    match code & 3 {
+        1 => DType::F64,
+        2 => DType::F16,
+        3 => DType::BF16,
+        _ => DType::F32,
+    }
+}
+
 /// Kind of a recorded cuBLAS product ([`LibCall::kind`]).
 const GEMM: u8 = 1;
 /// Kind of a recorded cuBLASLt product with an epilogue.
@@ -103,7 +122,7 @@ impl Products {
         let flags = u64::from(self.spec.trans_a)
             | u64::from(self.spec.trans_b) << 1
             | u64::from(acc.is_some()) << 2
-            | u64::from(dtype == DType::F64) << 3;
+            | float_code(dtype) << 3;
         let (alpha, beta) = acc.map_or((0, 0), |a| (a.alpha.to_bits(), a.beta.to_bits()));
         let mut w = [0u64; LIB_WORDS];
         w[..15].copy_from_slice(&[
@@ -129,11 +148,7 @@ impl Products {
     /// The product and dtype of [`encode`](Self::encode)'s words.
     fn decode(w: &[u64; LIB_WORDS]) -> (DType, Products) {
         let flags = w[0];
-        let dtype = if flags & 8 != 0 {
-            DType::F64
-        } else {
-            DType::F32
-        };
+        let dtype = float_of(flags >> 3);
         let accumulate = (flags & 4 != 0).then(|| Accumulate {
             alpha: f64::from_bits(w[4]),
             beta: f64::from_bits(w[5]),
@@ -252,6 +267,70 @@ fn blas_batch_on(
                     )
                 }
             }
+            DType::F16 | DType::BF16 => {
+                // Tensor-core products of halves: f32 accumulation, f32 alpha and beta, each
+                // result rounded once to the half type.
+                let ty = if dtype == DType::F16 {
+                    blas::cudaDataType::CUDA_R_16F
+                } else {
+                    blas::cudaDataType::CUDA_R_16BF
+                };
+                let (alpha, beta) = (alpha as f32, beta as f32);
+                let alpha = (&alpha as *const f32).cast::<c_void>();
+                let beta = (&beta as *const f32).cast::<c_void>();
+                let compute = blas::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+                let algo = blas::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT;
+                let (a, b, c) = (a as *const c_void, b as *const c_void, c as *mut c_void);
+                if batch == 1 {
+                    blas::cublasGemmEx(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        alpha,
+                        b,
+                        ty,
+                        ldb,
+                        a,
+                        ty,
+                        lda,
+                        beta,
+                        c,
+                        ty,
+                        ldc,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    blas::cublasGemmStridedBatchedEx(
+                        h,
+                        op(tb),
+                        op(ta),
+                        bm,
+                        bn,
+                        bk,
+                        alpha,
+                        b,
+                        ty,
+                        ldb,
+                        sb,
+                        a,
+                        ty,
+                        lda,
+                        sa,
+                        beta,
+                        c,
+                        ty,
+                        ldc,
+                        sc,
+                        count,
+                        compute,
+                        algo,
+                    )
+                }
+            }
             _ => {
                 if batch == 1 {
                     blas::cublasDgemm_v2(
@@ -356,7 +435,7 @@ impl LtCall {
         let Mnk { m, k, n } = self.dims;
         let mut words = [0u64; LIB_WORDS];
         words[..8].copy_from_slice(&[
-            u64::from(self.dtype == DType::F64) | u64::from(self.relu) << 1,
+            float_code(self.dtype) | u64::from(self.relu) << 2,
             m as u64,
             k as u64,
             n as u64,
@@ -371,11 +450,7 @@ impl LtCall {
     /// The product of [`encode`](Self::encode)'s words.
     fn decode(w: &[u64; LIB_WORDS]) -> LtCall {
         LtCall {
-            dtype: if w[0] & 1 != 0 {
-                DType::F64
-            } else {
-                DType::F32
-            },
+            dtype: float_of(w[0]),
             dims: Mnk {
                 m: w[1] as usize,
                 k: w[2] as usize,
@@ -384,7 +459,7 @@ impl LtCall {
             x: w[4],
             w: w[5],
             bias: w[6],
-            relu: w[0] & 2 != 0,
+            relu: w[0] & 4 != 0,
             out: w[7],
         }
     }
@@ -393,9 +468,6 @@ impl LtCall {
 /// `out = act(x · w + bias)` through a cuBLASLt epilogue, one launch. `false` (nothing done)
 /// where cuBLASLt cannot be loaded.
 fn lt_linear(ctx: &Ctx, gpu: &Gpu, call: LtCall) -> Result<bool> {
-    if call.dtype.is_half() {
-        return Ok(false);
-    }
     gpu.bind(ctx)?;
     if capture::watching(gpu.ordinal) {
         let available = {
@@ -445,7 +517,7 @@ fn lt_linear_on(ctx: &Ctx, gpu: &Gpu, call: LtCall, stream: Option<CUstream>) ->
         return Ok(false);
     };
     let shape = LtShape {
-        f64: dtype == DType::F64,
+        dtype,
         m,
         k,
         n,
@@ -671,5 +743,52 @@ impl MatmulOps for Cuda {
             -lr,
             (v.ptr(), MODE_SAME, Strided::none()),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A recorded product keeps its dtype, the half types too (a replay issues the same call).
+    #[test]
+    fn recorded_products_keep_their_dtype() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let p = Products {
+                spec: Gemm {
+                    dims: Mnk { m: 3, k: 5, n: 7 },
+                    trans_a: true,
+                    trans_b: false,
+                    accumulate: Some(Accumulate {
+                        alpha: 2.0,
+                        beta: 0.5,
+                    }),
+                },
+                a: 0x1000,
+                b: 0x2000,
+                c: 0x3000,
+                c_len: 21,
+                batch: 4,
+                steps: (15, 35, 21),
+            };
+            let (back, q) = Products::decode(&p.encode(dtype));
+            assert_eq!(back, dtype);
+            assert_eq!(q.encode(back), p.encode(dtype));
+            assert!(q.spec.trans_a && !q.spec.trans_b);
+            for relu in [false, true] {
+                let call = LtCall {
+                    dtype,
+                    dims: Mnk { m: 3, k: 5, n: 7 },
+                    x: 1,
+                    w: 2,
+                    bias: 3,
+                    relu,
+                    out: 4,
+                };
+                let back = LtCall::decode(&call.encode());
+                assert_eq!((back.dtype, back.relu), (dtype, relu));
+                assert_eq!(back.encode(), call.encode());
+            }
+        }
     }
 }

@@ -201,6 +201,16 @@ fn adam_mode(step: AdamCoeffs) -> i32 {
     mode
 }
 
+/// The dtype of a step's coefficients: the arrays' own, or f32 for the half types, whose steps
+/// compute in f32 (as on the CPU; the kernels of `kernels/half.cu` take f32 coefficients).
+fn coefficients(dtype: DType) -> DType {
+    if dtype.is_half() {
+        DType::F32
+    } else {
+        dtype
+    }
+}
+
 /// `flags` bits of `sgd_update_<T>` (the `SGD_*` defines of `kernels/optim.cu`).
 const SGD_WEIGHT_DECAY: i32 = 1;
 const SGD_VELOCITY: i32 = 2;
@@ -240,8 +250,8 @@ impl OptimOps for Cuda {
         unsafe {
             launch!(ctx, gpu, f, linear(gpu, n);
                 pp = p.ptr(), pg = grad.ptr(), pv = vel, count = n,
-                lr = scalar(dtype, step.lr), mu = scalar(dtype, step.momentum),
-                wd = scalar(dtype, step.weight_decay), fl = flags)
+                lr = scalar(coefficients(dtype), step.lr), mu = scalar(coefficients(dtype), step.momentum),
+                wd = scalar(coefficients(dtype), step.weight_decay), fl = flags)
         }
     }
 
@@ -259,7 +269,7 @@ impl OptimOps for Cuda {
             return Ok(());
         }
         let mode = adam_mode(step);
-        let s = |value: f64| scalar(dtype, value);
+        let s = |value: f64| scalar(coefficients(dtype), value);
         let f = gpu.kernels.one(ctx, "adam_update", dtype)?;
         // SAFETY: adam_update_<T>(T* p, T* grad, T* m1, T* m2, u64 n, T b1, T c1, T b2, T c2,
         // T eps, T wd, T decay, T step_size, T bias2, int mode); the four buffers are locked
@@ -299,8 +309,8 @@ impl OptimOps for Cuda {
             unsafe {
                 launch!(ctx, gpu, f, multi_config(blocks);
                     l = *list,
-                    lr = scalar(dtype, step.lr), mu = scalar(dtype, step.momentum),
-                    wd = scalar(dtype, step.weight_decay), fl = flags)
+                    lr = scalar(coefficients(dtype), step.lr), mu = scalar(coefficients(dtype), step.momentum),
+                    wd = scalar(coefficients(dtype), step.weight_decay), fl = flags)
             }
         })
     }
@@ -315,7 +325,7 @@ impl OptimOps for Cuda {
             return Err(ctx.unsupported("a flagged multi-tensor step on a CUDA device"));
         }
         let mode = adam_mode(step);
-        let s = |value: f64| scalar(dtype, value);
+        let s = |value: f64| scalar(coefficients(dtype), value);
         each_launch(ctx, dtype, tensors, 4, |gpu, list, blocks| {
             let f = gpu.kernels.one(ctx, "adam_multi", dtype)?;
             // SAFETY: adam_multi_<T>(TensorList l, T b1, T c1, T b2, T c2, T eps, T wd,
