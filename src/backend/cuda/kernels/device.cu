@@ -221,7 +221,15 @@ struct TensorList {
     u64 n[MT_TENSORS];
     u32 block_end[MT_TENSORS];
     int count;
+    // The step's skip flag (one f32; null: none): anything but 0 (NaN included) skips the
+    // step, which then only zeroes the gradients it zeroes.
+    const float* skip;
 };
+
+// Whether the list's step is skipped by its flag (read on the device: no host round trip).
+__device__ __forceinline__ bool mt_skipped(const TensorList& l) {
+    return l.skip != 0 && *l.skip != 0.0f;
+}
 
 // The tensor block `b` works on: the first t with b < block_end[t] (binary search).
 __device__ __forceinline__ int mt_tensor(const TensorList& l, u32 b) {

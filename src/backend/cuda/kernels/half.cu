@@ -140,6 +140,15 @@ FOR_HALF(HFILL)
 
 // ---- binary ops, comparisons, unary ops ----
 
+// The f32 arithmetic of an array op with a scalar: the scalar is an f32 (PyTorch's opmath, as
+// the CPU computes `x op s` for halves), the result rounded once.
+__device__ __forceinline__ f32 fop_add(f32 a, f32 b) { return a + b; }
+__device__ __forceinline__ f32 fop_sub(f32 a, f32 b) { return a - b; }
+__device__ __forceinline__ f32 fop_mul(f32 a, f32 b) { return a * b; }
+__device__ __forceinline__ f32 fop_div(f32 a, f32 b) { return a / b; }
+__device__ __forceinline__ f32 fop_max(f32 a, f32 b) { return (a > b || a != a) ? a : b; }
+__device__ __forceinline__ f32 fop_min(f32 a, f32 b) { return (a < b || a != a) ? a : b; }
+
 #define HBINARY_OP(NAME, FN, H)                                                                    \
     extern "C" __global__ void NAME##_##H(const H* a, const H* b, H* out, u64 n, int mode,         \
                                           Strided s) {                                             \
@@ -149,8 +158,8 @@ FOR_HALF(HFILL)
             out[i] = FN(a[oa], b[ob]);                                                             \
         }                                                                                          \
     }                                                                                              \
-    extern "C" __global__ void NAME##_scalar_##H(const H* a, H* out, u64 n, H v) {                 \
-        GRID_STRIDE(i, n) out[i] = FN(a[i], v);                                                    \
+    extern "C" __global__ void NAME##_scalar_##H(const H* a, H* out, u64 n, f32 v) {               \
+        GRID_STRIDE(i, n) out[i] = from_f<H>(f##FN(to_f(a[i]), v));                                \
     }                                                                                              \
     extern "C" __global__ void NAME##_inplace_##H(H* x, const H* b, u64 n, int mode, Strided s) {  \
         GRID_STRIDE(i, n) {                                                                        \
@@ -214,15 +223,15 @@ FOR_HALF(HCOMPARE_ALL)
     extern "C" __global__ void pow_##H(const H* a, H* out, u64 n, f64 e) {                         \
         GRID_STRIDE(i, n) out[i] = pow_elem(a[i], e);                                              \
     }                                                                                              \
-    extern "C" __global__ void scale_##H(H* x, u64 n, H v) {                                       \
-        GRID_STRIDE(i, n) x[i] = op_mul(x[i], v);                                                  \
+    extern "C" __global__ void scale_##H(H* x, u64 n, f32 v) {                                     \
+        GRID_STRIDE(i, n) x[i] = from_f<H>(to_f(x[i]) * v);                                        \
     }                                                                                              \
-    extern "C" __global__ void axpy_##H(H* x, const H* b, u64 n, H alpha, int mode, Strided s) {   \
+    extern "C" __global__ void axpy_##H(H* x, const H* b, u64 n, f32 alpha, int mode, Strided s) { \
         GRID_STRIDE(i, n) {                                                                        \
             u64 oa, ob;                                                                            \
-            if (mode == MODE_SELF) { x[i] = op_add(x[i], op_mul(alpha, x[i])); continue; }         \
+            if (mode == MODE_SELF) { x[i] = from_f<H>(to_f(x[i]) + alpha * to_f(x[i])); continue; } \
             operand_offsets(mode, s, i, oa, ob);                                                   \
-            x[i] = op_add(x[i], op_mul(alpha, b[ob]));                                             \
+            x[i] = from_f<H>(to_f(x[i]) + alpha * to_f(b[ob]));                                    \
         }                                                                                          \
     }
 FOR_HALF(HUNARY_ALL)
@@ -559,7 +568,12 @@ __device__ __forceinline__ void half_adam_element(H* p, H* grad, H* m1, H* m2, u
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void sgd_multi_##H(TensorList l, f32 lr, f32 mu, f32 wd, int flags) {   \
+        bool skip = mt_skipped(l);                                                                 \
         MT_FOR(l, t, i) {                                                                          \
+            if (skip) {                                                                            \
+                if (flags & SGD_ZERO_GRAD) ((H*)l.ptr[0][t])[i] = from_f<H>(0.0f);                 \
+                continue;                                                                          \
+            }                                                                                      \
             half_sgd_element((H*)l.ptr[1][t], (H*)l.ptr[0][t], (H*)l.ptr[2][t], i, lr, mu, wd,     \
                              flags);                                                               \
         }                                                                                          \
@@ -567,7 +581,12 @@ __device__ __forceinline__ void half_adam_element(H* p, H* grad, H* m1, H* m2, u
     extern "C" __global__ void adam_multi_##H(TensorList l, f32 b1, f32 c1, f32 b2, f32 c2,       \
                                               f32 eps, f32 wd, f32 decay, f32 step_size,           \
                                               f32 bias2, int mode) {                               \
+        bool skip = mt_skipped(l);                                                                 \
         MT_FOR(l, t, i) {                                                                          \
+            if (skip) {                                                                            \
+                if (mode & ADAM_ZERO_GRAD) ((H*)l.ptr[0][t])[i] = from_f<H>(0.0f);                 \
+                continue;                                                                          \
+            }                                                                                      \
             half_adam_element((H*)l.ptr[1][t], (H*)l.ptr[0][t], (H*)l.ptr[2][t],                   \
                               (H*)l.ptr[3][t], i, b1, c1, b2, c2, eps, wd, decay, step_size,       \
                               bias2, mode);                                                        \

@@ -49,14 +49,24 @@
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void sgd_multi_##T(TensorList l, T lr, T mu, T wd, int flags) {         \
+        bool skip = mt_skipped(l);                                                                 \
         MT_FOR(l, t, i) {                                                                          \
+            if (skip) {                                                                            \
+                if (flags & SGD_ZERO_GRAD) ((T*)l.ptr[0][t])[i] = (T)0;                            \
+                continue;                                                                          \
+            }                                                                                      \
             sgd_element_##T((T*)l.ptr[1][t], (T*)l.ptr[0][t], (T*)l.ptr[2][t], i, lr, mu, wd,      \
                             flags);                                                                \
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void adam_multi_##T(TensorList l, T b1, T c1, T b2, T c2, T eps, T wd,  \
                                               T decay, T step_size, T bias2, int mode) {           \
+        bool skip = mt_skipped(l);                                                                 \
         MT_FOR(l, t, i) {                                                                          \
+            if (skip) {                                                                            \
+                if (mode & ADAM_ZERO_GRAD) ((T*)l.ptr[0][t])[i] = (T)0;                            \
+                continue;                                                                          \
+            }                                                                                      \
             adam_element_##T((T*)l.ptr[1][t], (T*)l.ptr[0][t], (T*)l.ptr[2][t],                   \
                              (T*)l.ptr[3][t], i, b1, c1, b2, c2, eps, wd, decay, step_size, bias2, \
                              mode);                                                                \

@@ -6,8 +6,8 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use super::error::{checked_launch, Refusal};
 use super::launch::{
-    addressing, broadcast, elements, inplace_source, linear, same_gpu, scalar, size, Arg, Dst, Src,
-    Strided, MODE_SELF,
+    addressing, broadcast, elements, inplace_source, linear, opmath_scalar, same_gpu, scalar, size,
+    Arg, Dst, Src, Strided, MODE_SELF,
 };
 use super::transfer::copy_bytes;
 use super::Cuda;
@@ -97,7 +97,7 @@ pub(super) fn axpy_raw(
     // size.
     unsafe {
         launch!(ctx, gpu, f, linear(gpu, n);
-            px = x, pb = b, count = n, a = scalar(dtype, alpha), m = mode, s = strided)
+            px = x, pb = b, count = n, a = opmath_scalar(dtype, alpha), m = mode, s = strided)
     }
 }
 
@@ -267,7 +267,7 @@ impl ElementwiseOps for Cuda {
             return Ok(());
         }
         let f = gpu.kernels.one(ctx, op.kernel_names().1, dtype)?;
-        launch_map(ctx, gpu, f, (a, out), n, scalar(dtype, value))
+        launch_map(ctx, gpu, f, (a, out), n, opmath_scalar(dtype, value))
     }
 
     fn compare(
@@ -386,9 +386,10 @@ impl ElementwiseOps for Cuda {
             return Ok(());
         }
         let f = gpu.kernels.one(ctx, "scale", dtype)?;
-        // SAFETY: scale_<T>(T* x, u64 n, T v); locked storage of `gpu`.
+        // SAFETY: scale_<T>(T* x, u64 n, T v) (an f32 `v` for the half types); locked storage
+        // of `gpu`.
         unsafe {
-            launch!(ctx, gpu, f, linear(gpu, n); px = x.ptr(), count = n, v = scalar(dtype, value))
+            launch!(ctx, gpu, f, linear(gpu, n); px = x.ptr(), count = n, v = opmath_scalar(dtype, value))
         }
     }
 

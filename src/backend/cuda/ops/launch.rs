@@ -150,6 +150,17 @@ pub(super) fn scalar(dtype: DType, value: f64) -> Scalar {
     scalar
 }
 
+/// The scalar operand of an arithmetic kernel (`<op>_scalar`, `scale`, `axpy`): an f32 for the
+/// half types, which compute in f32 with the scalar unrounded (PyTorch's opmath, as the CPU
+/// does), else the element type.
+pub(super) fn opmath_scalar(dtype: DType, value: f64) -> Scalar {
+    if dtype.is_half() {
+        scalar(DType::F32, value)
+    } else {
+        scalar(dtype, value)
+    }
+}
+
 /// `struct Strided` of kernels/common.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]

@@ -9,7 +9,9 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 
 use super::capture::{self, Call, LibCall, LIB_WORDS};
 use super::elementwise::axpy_raw;
-use super::launch::{elements, linear, memset, same_gpu, scalar, Strided, MODE_SAME};
+use super::launch::{
+    elements, linear, memset, opmath_scalar, same_gpu, scalar, Strided, MODE_SAME,
+};
 use super::Cuda;
 use crate::backend::contract::{Accumulate, Gemm, MatmulOps, Mnk, SgdStep};
 use crate::backend::cuda::buffer::DeviceBuffer;
@@ -579,11 +581,11 @@ fn product(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
             // `beta = 0` does not read `c` (a NaN there must not survive as 0·NaN).
             Some(Accumulate { beta, .. }) if beta != 0.0 => {
                 let f = gpu.kernels.one(ctx, "scale", dtype)?;
-                // SAFETY: scale_<T>(T* x, u64 n, T v); `c` is locked storage of `gpu` with
-                // `c_len` elements.
+                // SAFETY: scale_<T>(T* x, u64 n, T v) (an f32 `v` for the half types);
+                // `c` is locked storage of `gpu` with `c_len` elements.
                 unsafe {
                     launch!(ctx, gpu, f, linear(gpu, c_len as u64);
-                        px = c, count = c_len as u64, v = scalar(dtype, beta))
+                        px = c, count = c_len as u64, v = opmath_scalar(dtype, beta))
                 }
             }
             _ => memset(ctx, gpu, c, 0, c_len * dtype.size_in_bytes()),

@@ -37,9 +37,11 @@ pub(super) struct TensorList {
     block_end: [u32; MT_TENSORS],
     /// How many tensors are in the list.
     count: i32,
-    /// The padding C puts at the end, spelled out so that its bytes are set (0): a recorded
-    /// launch is compared byte for byte (`capture.rs`).
+    /// The padding C puts before `skip`, spelled out so that its bytes are set (0): a
+    /// recorded launch is compared byte for byte (`capture.rs`).
     pad: i32,
+    /// The device address of the step's skip flag (one f32), or 0 for none.
+    skip: u64,
 }
 
 // The largest multi-tensor parameter block (Adam's: the list, nine 8-byte scalars, the mode)
@@ -62,6 +64,7 @@ impl TensorList {
             block_end: [0; MT_TENSORS],
             count: 0,
             pad: 0,
+            skip: 0,
         }
     }
 }
@@ -119,7 +122,18 @@ fn each_launch(
     let Some(gpu) = gpu else {
         return Ok(());
     };
-    let mut list = TensorList::empty();
+    let skip = match tensors.skip_flag() {
+        Some(flag) => {
+            same_gpu(ctx, &[gpu, flag.gpu()])?;
+            flag.ptr()
+        }
+        None => 0,
+    };
+    let empty = || TensorList {
+        skip,
+        ..TensorList::empty()
+    };
+    let mut list = empty();
     let mut blocks = 0u64;
     for i in 0..tensors.len() {
         let t = tensors.tensor(i).ok_or_else(|| not_device(ctx, i))?;
@@ -137,7 +151,7 @@ fn each_launch(
         }
         if list.count as usize == MT_TENSORS || blocks + need > MAX_BLOCKS {
             launch(gpu, &list, blocks as u32)?;
-            list = TensorList::empty();
+            list = empty();
             blocks = 0;
         }
         let c = list.count as usize;
@@ -290,9 +304,6 @@ impl OptimOps for Cuda {
         tensors: &mut dyn StepTensors<DeviceBuffer>,
         step: SgdCoeffs,
     ) -> Result<()> {
-        if tensors.skip_flag().is_some() {
-            return Err(ctx.unsupported("a flagged multi-tensor step on a CUDA device"));
-        }
         let velocity = match tensors.tensor(0) {
             Some(t) => t.state[0].is_some(),
             None => return Ok(()),
@@ -305,7 +316,8 @@ impl OptimOps for Cuda {
             // of `list` is locked storage of `gpu` (checked by `each_launch`) holding the
             // `list.n` elements of its tensor (its buffers are of one length), `blocks` is the
             // list's last block end, the velocity addresses are set (and read) only with
-            // SGD_VELOCITY, gradients written only with SGD_ZERO_GRAD.
+            // SGD_VELOCITY, gradients written only with SGD_ZERO_GRAD; `list.skip` is 0 or the
+            // locked one-f32 flag of the step on `gpu` (checked by `each_launch`), only read.
             unsafe {
                 launch!(ctx, gpu, f, multi_config(blocks);
                     l = *list,
@@ -321,9 +333,6 @@ impl OptimOps for Cuda {
         tensors: &mut dyn StepTensors<DeviceBuffer>,
         step: AdamCoeffs,
     ) -> Result<()> {
-        if tensors.skip_flag().is_some() {
-            return Err(ctx.unsupported("a flagged multi-tensor step on a CUDA device"));
-        }
         let mode = adam_mode(step);
         let s = |value: f64| scalar(coefficients(dtype), value);
         each_launch(ctx, dtype, tensors, 4, |gpu, list, blocks| {
@@ -332,7 +341,8 @@ impl OptimOps for Cuda {
             // T decay, T step_size, T bias2, int mode); every address of `list` is locked
             // storage of `gpu` (checked by `each_launch`, the four of each tensor set) holding
             // the `list.n` elements of its tensor, `blocks` is the list's last block end,
-            // gradients written only with ADAM_ZERO_GRAD.
+            // gradients written only with ADAM_ZERO_GRAD; `list.skip` is 0 or the step's locked
+            // one-f32 flag on `gpu`, only read.
             unsafe {
                 launch!(ctx, gpu, f, multi_config(blocks);
                     l = *list,
