@@ -15,7 +15,12 @@
 //! cargo run --release --example mlp_step -- --batch 16 --steps 300 --manual-backward
 //! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda
 //! cargo run --release --features cuda --example mlp_step -- --batch 16 --device cuda --no-graph
+//! cargo run --release --features cuda --example mlp_step -- --batch 1024 --device cuda \
+//!     --dtype bf16 --sizes 4096,4096,4096,10
 //! ```
+//!
+//! `--dtype bf16|f16` runs the autograd step in mixed precision (autocast in the half type,
+//! f32 parameters and optimizer, a `GradScaler` for f16); `--sizes` sets the layer widths.
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -34,6 +39,8 @@ fn main() -> ExitCode {
     let mut device = Device::Cpu;
     let mut manual = false;
     let mut graph = true;
+    let mut dtype = DType::F32;
+    let mut sizes = vec![784, 1024, 1024, 10];
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         if flag == "--manual-backward" {
@@ -51,17 +58,32 @@ fn main() -> ExitCode {
             ("--steps", Some(v), _) if v > 0 => steps = v,
             ("--device", _, Some("cpu")) => device = Device::Cpu,
             ("--device", _, Some("cuda")) => device = Device::Cuda(0),
+            ("--dtype", _, Some("f32")) => dtype = DType::F32,
+            ("--dtype", _, Some("bf16")) => dtype = DType::BF16,
+            ("--dtype", _, Some("f16")) => dtype = DType::F16,
+            ("--sizes", _, Some(list))
+                if list.split(',').count() >= 2
+                    && list
+                        .split(',')
+                        .all(|w| w.parse::<usize>().is_ok_and(|w| w > 0)) =>
+            {
+                sizes = list.split(',').filter_map(|w| w.parse().ok()).collect();
+            }
             _ => {
                 eprintln!(
                     "usage: mlp_step [--batch N] [--steps N] [--device cpu|cuda] [--manual-backward] \
-                     [--no-graph] (positive numbers)"
+                     [--no-graph] [--dtype f32|bf16|f16] [--sizes A,B,...] (positive numbers)"
                 );
                 return ExitCode::from(2);
             }
         }
     }
     let graph = graph && !device.is_cpu();
-    match run(batch, steps, device, manual, graph) {
+    if manual && dtype != DType::F32 {
+        eprintln!("mlp_step: --manual-backward computes in f32: it takes no --dtype bf16 or f16");
+        return ExitCode::from(2);
+    }
+    match run(batch, steps, device, manual, graph, dtype, &sizes) {
         Ok((ms, replay)) => {
             let how = if manual {
                 "hand-written backward"
@@ -73,8 +95,13 @@ fn main() -> ExitCode {
             } else {
                 ""
             };
+            let precision = match dtype {
+                DType::F32 => String::new(),
+                low => format!(", {low} mixed precision"),
+            };
             println!(
-                "batch {batch}: {ms:.4} ms/step (median of {steps} steps, {how}{replayed}) on {device}"
+                "batch {batch}: {ms:.4} ms/step (median of {steps} steps, {how}{replayed}{precision}, \
+                 sizes {sizes:?}) on {device}"
             );
             if graph {
                 println!(
@@ -107,6 +134,8 @@ fn run(
     device: Device,
     manual: bool,
     graph: bool,
+    dtype: DType,
+    sizes: &[usize],
 ) -> Result<(f64, GraphReplayStats)> {
     let trainer = Manager::new_base_on(device)?.with_name("trainer");
     let config = WorkspaceConfig::builder().graph_replay(graph).build()?;
@@ -114,11 +143,10 @@ fn run(
     let layers = LayerWorkspaceMgr::training(&trainer)?;
     manual_seed(2);
     let model = Manager::new_base_on(device)?.with_name("model");
-    let sizes = [784, 1024, 1024, 10];
     let net = if manual {
-        mlp::Mlp::new(&model, &sizes)?
+        mlp::Mlp::new(&model, sizes)?
     } else {
-        mlp::Mlp::with_gradients(&model, &sizes)?
+        mlp::Mlp::with_gradients(&model, sizes)?
     };
     let sgd = Sgd {
         momentum: 0.9,
@@ -129,9 +157,16 @@ fn run(
     } else {
         Some(Optimizer::new(net.parameters(), sgd)?)
     };
+    let precision = mlp::Precision::new(&model, dtype)?;
     model.cap();
-    let x = trainer.randn([batch, 784], DType::F32)?;
-    let labels: Vec<i64> = (0..batch as i64).map(|i| i % 10).collect();
+    let (inputs, classes) = (sizes[0], sizes[sizes.len() - 1]);
+    let x = trainer.randn([batch, inputs], DType::F32)?;
+    let x = if dtype == DType::F32 {
+        x
+    } else {
+        x.to_dtype(dtype)?
+    };
+    let labels: Vec<i64> = (0..batch as i64).map(|i| i % classes as i64).collect();
     let y = trainer.from_vec(labels, [batch])?;
     let group = if device.is_cpu() { 1 } else { 10 };
     let mut times = Vec::with_capacity(steps / group + 1);
@@ -139,7 +174,9 @@ fn run(
         let start = Instant::now();
         for _ in 0..group {
             match optimizer.as_mut() {
-                Some(opt) => ws.cycle(|_| net.autograd_step(opt, &x, &y).map(|_| ()))?,
+                Some(opt) => {
+                    ws.cycle(|_| net.autograd_step_in(&precision, opt, &x, &y).map(|_| ()))?
+                }
                 None => ws.cycle(|_| net.train_step(&layers, &x, &y, 0.01, 0.9).map(|_| ()))?,
             }
         }

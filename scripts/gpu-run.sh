@@ -108,9 +108,26 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
             >> "$logs/mlp_infer_cuda_graph.log" 2>&1 || echo "- mlp_infer --graph failed" >> "$report"
     done
     cat "$logs/mlp_infer_cuda_graph.log" >> "$report"
+    # Half precision: products against PyTorch's on the GPU (tensor cores) and on this
+    # machine's CPU cores.
+    for dev in cuda cpu; do
+        NDSCOPE_BIN_DIR="$bin" python3 benches/peers/half_matmul.py --device "$dev" \
+            >> "$logs/half_matmul.log" 2>&1 || echo "- half_matmul.py --device $dev failed" >> "$report"
+    done
+    cat "$logs/half_matmul.log" >> "$report"
 else
     echo "- PyTorch with CUDA is not available: no comparison with PyTorch" >> "$report"
 fi
+# Mixed-precision training steps on the GPU, each against the f32 step in the same run: the
+# wide MLP at batch 1024 and the small one at batch 256.
+for sizes_batch in "4096,4096,4096,10 1024" "784,1024,1024,10 256"; do
+    set -- $sizes_batch
+    for dtype in f32 bf16 f16; do
+        "$bin/mlp_step" --device cuda --dtype "$dtype" --sizes "$1" --batch "$2" --steps 200 \
+            >> "$logs/mlp_step_half.log" 2>&1 || echo "- mlp_step --dtype $dtype failed" >> "$report"
+    done
+done
+grep -E "ms/step" "$logs/mlp_step_half.log" | sed 's/^/    /' >> "$report"
 
 cat "$report"
 [ -f "$logs/failures.txt" ] && { echo; echo "failures:"; cat "$logs/failures.txt"; }
