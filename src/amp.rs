@@ -182,9 +182,13 @@ impl GradScaler {
                 inverse.to_dtype(g.dtype())?
             };
             g.mul_(&inv)?;
-            // 0·x is 0 for every finite x and NaN for an inf or NaN: the sum says whether any
-            // element was non-finite, exactly, without comparing on the host.
-            let mut flag = g.mul_scalar(0.0)?.sum_all()?;
+            if g.size() == 0 {
+                continue;
+            }
+            // An inf or NaN element makes the mean inf or NaN (accumulated in f64, so finite
+            // gradients cannot overflow it), and 0·mean is then NaN, else 0: the flag, made of
+            // one-element arrays only, compared nowhere on the host.
+            let mut flag = g.mean_all()?.mul_scalar(0.0)?;
             if flag.dtype() != DType::F32 {
                 flag = flag.to_dtype(DType::F32)?;
             }

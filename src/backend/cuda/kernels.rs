@@ -1314,14 +1314,15 @@ mod tests {
         assert_eq!(sizes("fill_u8"), [8, 8, 1]);
         assert_eq!(sizes("fill_f64"), [8, 8, 8]);
         assert_eq!(sizes("fill_f16"), [8, 8, 2]);
-        assert_eq!(sizes("add_scalar_bf16"), [8, 8, 8, 2]);
+        // Half arrays meet scalars in f32 (PyTorch's opmath): a 4-byte scalar.
+        assert_eq!(sizes("add_scalar_bf16"), [8, 8, 8, 4]);
         assert_eq!(sizes("cast_u8_f64"), [8, 8, 8]);
         assert_eq!(sizes("cast_bf16_f16"), [8, 8, 8]);
         assert_eq!(sizes("add_i32"), [8, 8, 8, 8, 4, 200]);
         assert_eq!(sizes("add_f16"), [8, 8, 8, 8, 4, 200]);
         assert_eq!(sizes("gt_scalar_u8"), [8, 8, 8, 8]);
         assert_eq!(sizes("axpy_f32"), [8, 8, 8, 4, 4, 200]);
-        assert_eq!(sizes("axpy_bf16"), [8, 8, 8, 2, 4, 200]);
+        assert_eq!(sizes("axpy_bf16"), [8, 8, 8, 4, 4, 200]);
         assert_eq!(sizes("gather_b1"), [8, 8, 8, 4, 200]);
         assert_eq!(sizes("gather_b2"), [8, 8, 8, 4, 200]);
         assert_eq!(sizes("sgd_update_f32"), [8, 8, 8, 8, 4, 4, 4, 4]);
@@ -1330,10 +1331,11 @@ mod tests {
         let mut adam = vec![8; 14];
         adam.push(4);
         assert_eq!(sizes("adam_update_f64"), adam);
-        // The tensor list by value: 4·64 pointers, 64 sizes, 64 block ends, the count.
-        assert_eq!(sizes("sgd_multi_f32"), [2824, 4, 4, 4, 4]);
-        assert_eq!(sizes("sgd_multi_bf16"), [2824, 4, 4, 4, 4]);
-        let mut adam = vec![2824];
+        // The tensor list by value: 4·64 pointers, 64 sizes, 64 block ends, the count (padded),
+        // the skip flag's address.
+        assert_eq!(sizes("sgd_multi_f32"), [2832, 4, 4, 4, 4]);
+        assert_eq!(sizes("sgd_multi_bf16"), [2832, 4, 4, 4, 4]);
+        let mut adam = vec![2832];
         adam.extend([8; 9]);
         adam.push(4);
         assert_eq!(sizes("adam_multi_f64"), adam);
