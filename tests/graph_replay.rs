@@ -58,11 +58,24 @@ fn train(
     adam: bool,
     steps: usize,
 ) -> (Vec<Vec<u32>>, ndscope::WorkspaceStats) {
+    train_in(dev, config, adam, steps, DType::F32)
+}
+
+/// [`train`] in `dtype`'s precision: f32, or mixed precision in a half type (autocast, and a
+/// loss scaler for f16).
+fn train_in(
+    dev: Device,
+    config: WorkspaceConfig,
+    adam: bool,
+    steps: usize,
+    dtype: DType,
+) -> (Vec<Vec<u32>>, ndscope::WorkspaceStats) {
     let trainer = Manager::new_base_on(dev).unwrap().with_name("trainer");
     let ws = trainer.workspace("batch", config).unwrap();
     manual_seed(7);
     let model = Manager::new_base_on(dev).unwrap().with_name("model");
     let net = mlp::Mlp::with_gradients(&model, &[32, 64, 64, 10]).unwrap();
+    let precision = mlp::Precision::new(&model, dtype).unwrap();
     let mut optimizer = if adam {
         Optimizer::new(net.parameters(), Adam::new(1e-3)).unwrap()
     } else {
@@ -76,8 +89,11 @@ fn train(
     let labels: Vec<i64> = (0..16).map(|i| i % 10).collect();
     let y = trainer.from_vec(labels, [16]).unwrap();
     for _ in 0..steps {
-        ws.cycle(|_| net.autograd_step(&mut optimizer, &x, &y).map(|_| ()))
-            .unwrap();
+        ws.cycle(|_| {
+            net.autograd_step_in(&precision, &mut optimizer, &x, &y)
+                .map(|_| ())
+        })
+        .unwrap();
     }
     let params: Vec<NDArray> = net.parameters().iter().cloned().collect();
     let out = (bits(&params), ws.stats());
@@ -109,6 +125,29 @@ fn replayed_training_gives_the_bits_of_eager_training() {
             eager == replayed,
             "replayed training (adam: {adam}) differs from eager training"
         );
+    }
+}
+
+/// A mixed-precision step (bf16 autocast; f16 autocast with a loss scaler, whose skip flag and
+/// scale live on the device) replays too, with the bits of eager steps.
+#[test]
+fn replayed_mixed_precision_training_gives_the_bits_of_eager_training() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let _one = serial();
+    for dtype in [DType::BF16, DType::F16] {
+        for adam in [false, true] {
+            let (eager, _) = train_in(dev, WorkspaceConfig::default(), adam, 8, dtype);
+            let (replayed, stats) = train_in(dev, replaying(), adam, 8, dtype);
+            let g = &stats.graph;
+            assert_eq!(g.state, GraphState::Captured, "{dtype} adam {adam}: {g:?}");
+            assert_eq!((g.captures, g.fallbacks, g.replays), (1, 0, 6), "{g:?}");
+            assert!(
+                eager == replayed,
+                "replayed {dtype} training (adam: {adam}) differs from eager training"
+            );
+        }
     }
 }
 
