@@ -74,6 +74,17 @@ pub(crate) trait Float: Num {
     fn gelu(self) -> Self;
 }
 
+/// `a` where `wins` or `a` is NaN, else `b`: the floats' `maximum`/`minimum`, NaN propagating
+/// as PyTorch's.
+#[inline(always)]
+fn nan_first<T: Num>(wins: bool, a: T, b: T) -> T {
+    if wins || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
 macro_rules! int_num {
     ($t:ty) => {
         impl Num for $t {
@@ -164,19 +175,11 @@ macro_rules! float_num {
             }
             #[inline(always)]
             fn maximum(self, o: Self) -> Self {
-                if self > o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
+                nan_first(self > o, self, o)
             }
             #[inline(always)]
             fn minimum(self, o: Self) -> Self {
-                if self < o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
+                nan_first(self < o, self, o)
             }
             #[inline(always)]
             fn neg(self) -> Self {
@@ -266,19 +269,11 @@ macro_rules! half_num {
             }
             #[inline(always)]
             fn maximum(self, o: Self) -> Self {
-                if self > o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
+                nan_first(self > o, self, o)
             }
             #[inline(always)]
             fn minimum(self, o: Self) -> Self {
-                if self < o || self.is_nan() {
-                    self
-                } else {
-                    o
-                }
+                nan_first(self < o, self, o)
             }
             #[inline(always)]
             fn neg(self) -> Self {
