@@ -171,11 +171,24 @@ impl GradScaler {
                 "unscale_ was already called since the last update (the gradients are unscaled)",
             ));
         }
+        // Every gradient, and where it is, checked before any is changed.
+        let grads = optimizer
+            .parameters()
+            .iter()
+            .map(NDArray::gradient)
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(g) = grads.iter().find(|g| g.device() != self.scale.device()) {
+            return Err(ctx.device_mismatch(format!(
+                "gradient {g:?} is on {}, the scaler's state on {}: make the scaler in a manager \
+                 on the parameters' device",
+                g.device(),
+                self.scale.device()
+            )));
+        }
         let _off = NoGradientGuard::new();
         let inverse = self.scale.pow_scalar(-1.0)?;
         let mut found: Option<NDArray> = None;
-        for p in optimizer.parameters() {
-            let g = p.gradient()?;
+        for g in &grads {
             let inv = if g.dtype() == DType::F32 {
                 inverse.clone()
             } else {

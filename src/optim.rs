@@ -330,7 +330,7 @@ impl Optimizer {
                 return Err(p.0.closed_error(&ctx));
             }
             if !p.dtype().is_float() {
-                return Err(p.dtype_error(&ctx, "float parameters (f32 or f64)"));
+                return Err(p.dtype_error(&ctx, "float parameters (f32, f64, f16 or bf16)"));
             }
             if let Some(first) = seen.insert(p.id(), i) {
                 return Err(ctx.invalid(format!(

@@ -397,3 +397,27 @@ fn without_a_scaler_small_f16_gradients_vanish_and_with_one_they_survive(dev: De
     }
     model.close().unwrap();
 }
+
+#[test]
+fn a_scaler_on_another_device_than_the_parameters_is_refused_before_anything_changes() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let model = Manager::new_base_on(dev).unwrap();
+    let w = model.ones([3], DType::F32).unwrap();
+    w.set_requires_gradient(true).unwrap();
+    w.gradient().unwrap().fill_(2.0).unwrap();
+    let mut opt = Optimizer::new([&w], Sgd::new(0.1)).unwrap();
+    let host = Manager::new_base();
+    let mut scaler = GradScaler::new(&host).unwrap();
+    let err = scaler.step(&mut opt).unwrap_err();
+    assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
+    assert_eq!(
+        values(&w.gradient().unwrap()),
+        vec![2.0; 3],
+        "the gradient is unchanged"
+    );
+    assert_eq!(values(&w), vec![1.0; 3], "and the parameter");
+    model.close().unwrap();
+    host.close().unwrap();
+}

@@ -218,7 +218,10 @@ impl Manager {
     pub fn randn(&self, shape: impl Into<Shape>, dtype: DType) -> Result<NDArray> {
         let ctx = Ctx::new("randn");
         if !dtype.is_float() {
-            return Err(ctx.dtype(dtype, format!("randn needs f32 or f64, got {dtype}")));
+            return Err(ctx.dtype(
+                dtype,
+                format!("randn needs a float dtype (f32, f64, f16, bf16), got {dtype}"),
+            ));
         }
         let shape = shape.into();
         let n = shape.size();

@@ -336,7 +336,7 @@ impl NDArray {
         let ctx = Ctx::new("sgd_dense_update_");
         let dtype = self.dtype();
         if !dtype.is_float() {
-            return Err(self.dtype_error(&ctx, "f32 or f64"));
+            return Err(self.dtype_error(&ctx, "a float dtype (f32, f64, f16, bf16)"));
         }
         for other in [velocity, x, g] {
             check_same(&ctx, self, other)?;
@@ -384,7 +384,7 @@ impl NDArray {
         }
         let dtype = self.dtype();
         if !dtype.is_float() {
-            return Err(self.dtype_error(&ctx, "f32 or f64"));
+            return Err(self.dtype_error(&ctx, "a float dtype (f32, f64, f16, bf16)"));
         }
         let index = normalize_axis(&ctx, axis, self.shape())?;
         let (outer, len, inner) = split_at_axis(self.dims(), index);
@@ -529,7 +529,7 @@ impl NDArray {
         Ok(out)
     }
 
-    /// The softmax cross-entropy of logits `self` (`[rows, classes]`, f32 or f64) against
+    /// The softmax cross-entropy of logits `self` (`[rows, classes]`, a float dtype) against
     /// integer `labels` (`[rows]`: `I32`, `I64` or `U8`, each the class of its row): the mean
     /// over rows of `-log_softmax(self, 1)[r, labels[r]]`, a 0-d array of `self`'s dtype: what
     /// `self.log_softmax(1)?.pick(labels, 1)?.mean_all()?.neg()` computes, in one pass (on a
@@ -568,7 +568,7 @@ impl NDArray {
         }
         let dtype = self.dtype();
         if !dtype.is_float() {
-            return Err(self.dtype_error(&ctx, "f32 or f64 logits"));
+            return Err(self.dtype_error(&ctx, "float logits (f32, f64, f16, bf16)"));
         }
         let from = labels.dtype();
         if !is_index_dtype(from) {

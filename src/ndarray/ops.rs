@@ -344,7 +344,7 @@ impl NDArray {
     fn unary(&self, ctx: Ctx, op: Unary) -> Result<NDArray> {
         let dtype = self.dtype();
         if op.float_only() && !dtype.is_float() {
-            return Err(self.dtype_error(&ctx, "f32 or f64"));
+            return Err(self.dtype_error(&ctx, "a float dtype (f32, f64, f16, bf16)"));
         }
         let out = exec::op1(&ctx, self, self.shape().clone(), dtype, |a, out| {
             AnyDevice::unary(&ctx, op, dtype, a, out)

@@ -160,7 +160,7 @@ impl NDArray {
     /// device and shape, and all of them distinct arrays.
     fn check_optim_operands(&self, ctx: &Ctx, grad: &NDArray, state: &[&NDArray]) -> Result<()> {
         if !self.dtype().is_float() {
-            return Err(self.dtype_error(ctx, "f32 or f64"));
+            return Err(self.dtype_error(ctx, "a float dtype (f32, f64, f16, bf16)"));
         }
         for other in std::iter::once(grad).chain(state.iter().copied()) {
             check_same(ctx, self, other)?;

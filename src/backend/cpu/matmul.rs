@@ -174,6 +174,13 @@ pub(crate) fn gemm_general<T: Num>(
         }
         return;
     }
+    // Half operands are widened to f32 by the caller (`cpu/wide.rs`): gemm has no bf16 kernel.
+    // Checked in release builds too, as the lengths are: gemm reads through raw pointers.
+    assert!(
+        !T::DTYPE.is_half(),
+        "gemm_general: {} operands must be widened to f32 first",
+        T::DTYPE
+    );
     if m <= super::gemv::MAX_M && !ta && !tb && accumulate.is_none() && alpha == T::ONE {
         if let Some((a, b, out)) = as_f32(a, b, out).filter(|_| super::gemv::available()) {
             return super::gemv::small_m(m, k, n, a, b, out);

@@ -27,7 +27,10 @@ impl NDArray {
             return Ok(());
         }
         if !self.dtype().is_float() {
-            return Err(self.dtype_error(&ctx, "a float dtype (f32 or f64) to have a gradient"));
+            return Err(self.dtype_error(
+                &ctx,
+                "a float dtype (f32, f64, f16, bf16) to have a gradient",
+            ));
         }
         let mut slot = self.0.grad.array.lock();
         let missing = slot.as_ref().is_none_or(|g| g.closed.get().is_some());
