@@ -171,6 +171,11 @@ fn to_dtype_rounds_to_nearest_even_once_and_keeps_nan_and_infinities() {
         values(&x.to_dtype(DType::F16).unwrap()),
         vec![1.0 + 2f64.powi(-10)]
     );
+    // An i64 just above a bf16 midpoint whose nearest f64 is the midpoint: rounded once, up
+    // (through f64 to nearest, then to even, it would go down to 2^62).
+    let big = m.from_vec(vec![(1i64 << 62) + (1 << 54) + 1], [1]).unwrap();
+    let got = big.to_dtype(DType::BF16).unwrap().to_vec::<bf16>().unwrap()[0].to_f64();
+    assert_eq!(got, 2f64.powi(62) + 2f64.powi(55));
     // Integers: into halves by rounding, out of them truncating toward zero and saturating.
     let i = m.from_vec(vec![3i64, -70000, 1 << 40, 257], [4]).unwrap();
     assert_eq!(
