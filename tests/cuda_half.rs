@@ -378,3 +378,58 @@ fn without_the_half_headers_only_half_ops_fail() {
     );
     m.close().unwrap();
 }
+
+/// Casts into a half type round once from the exact value on both devices, also for i64
+/// values that f64 cannot hold (rounding through f64 first would round twice) and for f64
+/// values just off a half midpoint.
+#[test]
+fn casts_into_halves_round_once_as_on_the_cpu() {
+    let Some((_serial, dev)) = gpu() else {
+        return;
+    };
+    let cpu = Manager::new_base();
+    let gpu_m = Manager::new_base_on(dev).unwrap();
+    let big = (1i64 << 62) + (1 << 54) + 1;
+    let ints = vec![
+        big,
+        -big,
+        (1 << 53) + 1,
+        i64::MAX,
+        i64::MIN,
+        65_519,
+        65_520,
+        257,
+    ];
+    let floats = vec![
+        1.0 + 2f64.powi(-11) + 2f64.powi(-40),
+        1.0 + 2f64.powi(-8) + 2f64.powi(-40),
+        -(1.0 + 2f64.powi(-11) - 2f64.powi(-40)),
+        65_519.99,
+        1e-8,
+        f64::NAN,
+    ];
+    for dtype in HALVES {
+        for (name, host) in [
+            ("i64", cpu.from_vec(ints.clone(), [ints.len()]).unwrap()),
+            ("f64", cpu.from_vec(floats.clone(), [floats.len()]).unwrap()),
+        ] {
+            let want = host.to_dtype(dtype).unwrap().to_dtype(DType::F64).unwrap();
+            let got = host
+                .to_device(dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap();
+            let (w, g) = (want.to_vec::<f64>().unwrap(), got.to_vec::<f64>().unwrap());
+            for (i, (a, b)) in w.iter().zip(&g).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "{name} -> {dtype}, element {i}: CPU {a}, GPU {b}"
+                );
+            }
+        }
+    }
+    cpu.close().unwrap();
+    gpu_m.close().unwrap();
+}

@@ -48,7 +48,10 @@ template <> __device__ __forceinline__ bf16 half_to<bf16>(f32 v) { return from_f
 template <typename H> __device__ __forceinline__ H to_half(f32 v) { return from_f<H>(v); }
 template <typename H> __device__ __forceinline__ H to_half(f64 v) { return from_d<H>(v); }
 template <typename H> __device__ __forceinline__ H to_half(i32 v) { return from_d<H>((f64)v); }
-template <typename H> __device__ __forceinline__ H to_half(i64 v) { return from_d<H>((f64)v); }
+// An i64 beyond 2^53 would round twice through f64: CUDA's integer conversion rounds once.
+__device__ __forceinline__ f16 i64_to_half(i64 v, f16) { return __ll2half_rn((long long)v); }
+__device__ __forceinline__ bf16 i64_to_half(i64 v, bf16) { return __ll2bfloat16_rn((long long)v); }
+template <typename H> __device__ __forceinline__ H to_half(i64 v) { return i64_to_half(v, H()); }
 template <typename H> __device__ __forceinline__ H to_half(u8 v) { return from_d<H>((f64)v); }
 
 // ---- element arithmetic: in f32, rounded once ----
