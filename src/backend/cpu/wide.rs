@@ -78,11 +78,17 @@ impl Half for half::bf16 {
 thread_local! {
     /// The calling thread's f32 buffers, kept between ops: a product of halves reuses the
     /// memory (and the pages) of the last one instead of faulting in fresh pages every call.
+    /// At most `KEEP` of at most `KEEP_ELEMENTS` each.
     static SPARE: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Most buffers a thread keeps.
-const KEEP: usize = 6;
+const KEEP: usize = 4;
+
+/// The largest buffer a thread keeps, in f32 elements (8 MiB): larger ones (a product of more
+/// than 2M-element operands) are freed when the op ends, so a thread holds at most 32 MiB of
+/// them outside the memory accounting.
+const KEEP_ELEMENTS: usize = 1 << 21;
 
 /// An f32 buffer of the calling thread's, returned to it when dropped.
 pub(crate) struct Wide(Vec<f32>);
@@ -123,6 +129,9 @@ impl std::ops::DerefMut for Wide {
 impl Drop for Wide {
     fn drop(&mut self) {
         let v = std::mem::take(&mut self.0);
+        if v.capacity() > KEEP_ELEMENTS {
+            return;
+        }
         // During thread teardown the list may be gone: the buffer is then simply freed.
         let _ = SPARE.try_with(|s| {
             let mut s = s.borrow_mut();
