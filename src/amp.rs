@@ -220,7 +220,10 @@ impl GradScaler {
 
     /// Unscales the gradients (unless [`unscale_`](Self::unscale_) already did) and steps
     /// `optimizer`, skipping the step when a gradient held an inf or NaN: then no parameter or
-    /// state changes and the gradients are zeroed (see [`Optimizer::step`]).
+    /// state changes and the gradients are zeroed (see [`Optimizer::step`]). The device decides
+    /// (the optimizer's kernels read the flag): on the CPU a skipped step is not counted in
+    /// [`Optimizer::steps`], as PyTorch's; on a GPU the host does not learn it and counts it,
+    /// so Adam's bias correction then runs one step ahead.
     #[track_caller]
     pub fn step(&mut self, optimizer: &mut Optimizer) -> Result<()> {
         let ctx = Ctx::new("GradScaler::step");
