@@ -388,6 +388,25 @@ impl Case {
         clear
     }
 
+    /// Whether the op's kinks fall on the same side in `dtype` as in `F64` (a half type's
+    /// rounded inputs can move a pre-activation near 0 across its ReLU, which changes the
+    /// gradient there by design: such a case is not compared in that dtype).
+    fn same_side_of_kinks_in(&self, dtype: DType) -> bool {
+        let Some(kink) = &self.kink else {
+            return true;
+        };
+        let m = Manager::new_base();
+        let values: Vec<Vec<f64>> = self.inputs.iter().map(|i| i.values.clone()).collect();
+        let side = |d: DType| -> Vec<bool> {
+            let leaves = self.leaves(&m, d, &values);
+            let z = kink(&m, &self.views(&leaves).unwrap()).unwrap();
+            common::as_f64(&z).iter().map(|&v| v > 0.0).collect()
+        };
+        let same = side(DType::F64) == side(dtype);
+        m.close().unwrap();
+        same
+    }
+
     /// `Σ op(x) · r` in `F64` on the CPU, without recording.
     fn loss(&self, m: &Manager, values: &[Vec<f64>]) -> f64 {
         let step = m.new_sub_manager().unwrap();
@@ -543,6 +562,9 @@ fn check(dev: Device, case: &Case) -> Result<(), TestCaseError> {
             && case.inputs.iter().map(|i| i.values.len()).sum::<usize>() <= 4096;
         if fits {
             for (dtype, tol) in [(DType::F16, F16_TOL), (DType::BF16, BF16_TOL)] {
+                if !case.same_side_of_kinks_in(dtype) {
+                    continue;
+                }
                 let half = case.analytic(Device::Cpu, dtype)?;
                 close_to(
                     case,
