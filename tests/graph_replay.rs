@@ -151,6 +151,79 @@ fn replayed_mixed_precision_training_gives_the_bits_of_eager_training() {
     }
 }
 
+/// f16 training with a loss scaler, where step `bad` sees an input of infinities: its
+/// gradients are non-finite and the step is skipped. Returns the parameters' bits after every
+/// step, the scale at the end and the workspace's figures.
+fn f16_with_a_bad_step(
+    dev: Device,
+    config: WorkspaceConfig,
+    bad: usize,
+) -> (Vec<Vec<Vec<u32>>>, f32, ndscope::WorkspaceStats) {
+    let trainer = Manager::new_base_on(dev).unwrap().with_name("trainer");
+    let ws = trainer.workspace("batch", config).unwrap();
+    manual_seed(7);
+    let model = Manager::new_base_on(dev).unwrap().with_name("model");
+    let net = mlp::Mlp::with_gradients(&model, &[32, 64, 64, 10]).unwrap();
+    let precision = mlp::Precision::new(&model, DType::F16).unwrap();
+    let sgd = Sgd {
+        momentum: 0.9,
+        ..Sgd::new(0.05)
+    };
+    let mut optimizer = Optimizer::new(net.parameters(), sgd).unwrap();
+    let good = trainer.randn([16, 32], DType::F32).unwrap();
+    let poison = trainer.full([16, 32], f64::INFINITY, DType::F32).unwrap();
+    let x = good.duplicate().unwrap();
+    let labels: Vec<i64> = (0..16).map(|i| i % 10).collect();
+    let y = trainer.from_vec(labels, [16]).unwrap();
+    let params: Vec<NDArray> = net.parameters().iter().cloned().collect();
+    let mut after = Vec::new();
+    for step in 0..8 {
+        // The same input array every step (a replayed product reads it where it is), its
+        // values changed in place for the bad step.
+        x.assign_(if step == bad { &poison } else { &good })
+            .unwrap();
+        ws.cycle(|_| {
+            net.autograd_step_in(&precision, &mut optimizer, &x, &y)
+                .map(|_| ())
+        })
+        .unwrap();
+        after.push(bits(&params));
+    }
+    let scale = precision
+        .scaler
+        .as_ref()
+        .map(|s| s.borrow().scale_value().unwrap())
+        .unwrap_or(0.0);
+    let out = (after, scale, ws.stats());
+    model.close().unwrap();
+    trainer.close().unwrap();
+    out
+}
+
+/// A replayed f16 step whose gradients are non-finite is skipped on the device (the scaler's
+/// flag read by the optimizer's kernels inside the graph): the parameters stay as they were,
+/// the scale backs off, and the run keeps the bits of an eager one, without falling back.
+#[test]
+fn a_replayed_step_the_loss_scaler_skips_changes_nothing() {
+    let Some(dev) = common::cuda_device() else {
+        return;
+    };
+    let _one = serial();
+    let bad = 5;
+    let (eager, eager_scale, _) = f16_with_a_bad_step(dev, WorkspaceConfig::default(), bad);
+    let (replayed, scale, stats) = f16_with_a_bad_step(dev, replaying(), bad);
+    let g = &stats.graph;
+    assert_eq!((g.captures, g.fallbacks, g.replays), (1, 0, 6), "{g:?}");
+    assert_eq!(
+        replayed[bad],
+        replayed[bad - 1],
+        "the skipped step changed a parameter"
+    );
+    assert_ne!(replayed[bad + 1], replayed[bad], "the next step is taken");
+    assert_eq!((scale, eager_scale), (32768.0, 32768.0));
+    assert!(eager == replayed, "replayed steps differ from eager ones");
+}
+
 /// The MLP step of `examples/mlp_step.rs` (784→1024→1024→10, batch 16), replayed.
 #[test]
 fn a_replayed_mlp_step_is_one_graph_launch_from_the_host() {
