@@ -12,20 +12,28 @@ where
     T: Copy + Send + Sync,
     U: Send,
 {
-    debug_assert_eq!(a.len(), out.len());
-    if out.len() < PAR_MIN {
-        for (o, &x) in out.iter_mut().zip(a) {
-            *o = f(x);
-        }
-        return;
-    }
-    let chunk = chunk_len(out.len());
-    let work = Work::Bytes(out.len() * (size_of::<T>() + size_of::<U>()));
-    pool::for_each_chunk_zip(out, chunk, a, chunk, work, |o, a| {
+    map_chunks(a, out, |a, o| {
         for (o, &x) in o.iter_mut().zip(a) {
             *o = f(x);
         }
     });
+}
+
+/// `f(a[r], out[r])` over ranges `r` that together cover both slices (of one length): one range
+/// below `PAR_MIN` elements, else chunks split across the pool. For loops that convert a whole
+/// slice at once (`cpu/wide.rs`).
+pub(crate) fn map_chunks<T, U>(a: &[T], out: &mut [U], f: impl Fn(&[T], &mut [U]) + Sync)
+where
+    T: Sync,
+    U: Send,
+{
+    debug_assert_eq!(a.len(), out.len());
+    if out.len() < PAR_MIN {
+        return f(a, out);
+    }
+    let chunk = chunk_len(out.len());
+    let work = Work::Bytes(out.len() * (size_of::<T>() + size_of::<U>()));
+    pool::for_each_chunk_zip(out, chunk, a, chunk, work, |o, a| f(a, o));
 }
 
 /// `out[i] = f(a[i], b[i])`.

@@ -765,24 +765,9 @@ impl NnOps for Cpu {
             let mut wide_out = wide::Wide::zeros(out.len());
             nn::softmax(&a, outer, len, inner, &mut wide_out, log);
             wide::narrow(&wide_out, out);
-        }, _ => match dtype {
-            DType::F32 => nn::softmax(
-                a.as_slice::<f32>(),
-                outer,
-                len,
-                inner,
-                out.as_mut_slice(),
-                log,
-            ),
-            _ => nn::softmax(
-                a.as_slice::<f64>(),
-                outer,
-                len,
-                inner,
-                out.as_mut_slice(),
-                log,
-            ),
-        });
+        }, _ => dispatch_float!(dtype, T => nn::softmax(
+            a.as_slice::<T>(), outer, len, inner, out.as_mut_slice::<T>(), log
+        ), _ => {}));
         Ok(())
     }
 

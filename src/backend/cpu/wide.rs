@@ -8,7 +8,7 @@ use std::cell::RefCell;
 
 use half::slice::HalfFloatSliceExt;
 
-use super::{chunk_len, pool, Work, PAR_MIN};
+use super::elementwise::map_chunks;
 use crate::backend::cpu::num::Float;
 
 /// A 16-bit float: converts to f32 exactly and back with one rounding to nearest even, one
@@ -149,24 +149,13 @@ impl Drop for Wide {
 /// `x` as f32 (exact), in a buffer of the calling thread's.
 pub(crate) fn widen<H: Half>(x: &[H]) -> Wide {
     let mut out = Wide::zeros(x.len());
-    if x.len() < PAR_MIN {
-        H::widen_slice(x, &mut out);
-        return out;
-    }
-    let chunk = chunk_len(x.len());
-    let work = Work::Bytes(x.len() * 6);
-    pool::for_each_chunk_zip(&mut out, chunk, x, chunk, work, |o, s| H::widen_slice(s, o));
+    map_chunks(x, &mut out, H::widen_slice);
     out
 }
 
 /// `out[i] = x[i]` rounded to nearest even.
 pub(crate) fn narrow<H: Half>(x: &[f32], out: &mut [H]) {
-    if x.len() < PAR_MIN {
-        return H::narrow_slice(x, out);
-    }
-    let chunk = chunk_len(x.len());
-    let work = Work::Bytes(x.len() * 6);
-    pool::for_each_chunk_zip(out, chunk, x, chunk, work, |o, s| H::narrow_slice(s, o));
+    map_chunks(x, out, H::narrow_slice);
 }
 
 /// Runs `$body` with `$h` bound to the Rust type of a half-precision `$dtype` (`F16`, `BF16`);
