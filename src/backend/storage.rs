@@ -29,13 +29,15 @@ pub(crate) enum Storage {
 
 impl Storage {
     /// Notes, for graph replay, that the calling thread's op holds these bytes locked (for
-    /// writing or reading) until the guard drops; nothing for host memory, nor while no cycle
-    /// replays.
+    /// writing or reading) until the guard drops; nothing for host memory, and only that device
+    /// bytes are locked (not which) while no cycle replays.
     #[inline(always)]
     pub fn note_locked(&self, write: bool) -> Option<crate::backend::cuda::Noted> {
         match self {
             Storage::Host(_) => None,
-            Storage::Cuda(_) if !crate::backend::cuda::any_replaying() => None,
+            Storage::Cuda(_) if !crate::backend::cuda::any_replaying() => {
+                Some(crate::backend::cuda::note_unreplayed())
+            }
             Storage::Cuda(buffer) => Some(crate::backend::cuda::note(
                 buffer.address(),
                 buffer.bytes(),

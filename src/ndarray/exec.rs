@@ -872,3 +872,89 @@ mod lock_order_tests {
         }
     }
 }
+
+#[cfg(all(test, feature = "cuda"))]
+mod replay_tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::backend::contract::TransferOps;
+    use crate::backend::AnyDevice;
+    use crate::WorkspaceConfig;
+
+    /// A thread whose op locked its device array before another thread's cycle began replaying,
+    /// and copies into it while that cycle holds calls back, touches nothing they touch: the
+    /// cycle goes on replaying (it used to fall back, taking the op's footprint for unknown).
+    #[test]
+    fn an_op_that_locked_its_array_before_a_cycle_replayed_does_not_make_it_fall_back() {
+        let dev = Device::Cuda(0);
+        let m = match Manager::new_base_on(dev) {
+            Ok(m) => m,
+            Err(e) => {
+                if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+                    panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
+                }
+                println!("skipped on cuda: {e}");
+                return;
+            }
+        };
+        let replay = WorkspaceConfig::builder()
+            .graph_replay(true)
+            .build()
+            .expect("a valid config");
+        let ws = m.workspace("steps", replay).expect("a workspace");
+        let x = m.randn([32, 32], DType::F32).expect("x");
+        let out = m.zeros([32, 32], DType::F32).expect("out");
+        let theirs = m
+            .zeros([256], DType::F32)
+            .expect("the other thread's array");
+        let data: Vec<f32> = (0..256).map(|i| i as f32).collect();
+        let step = |between: &dyn Fn()| {
+            ws.cycle(|_| {
+                let y = x.matmul(&x)?;
+                between();
+                out.assign_(&y.relu()?)
+            })
+            .expect("a cycle")
+        };
+        // Learned, then recorded.
+        step(&|| ());
+        step(&|| ());
+        let (locked_tx, locked_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        let (theirs_ref, data_ref) = (&theirs, &data);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let ctx = Ctx::new("from_slice");
+                let result = (|| {
+                    let mut guard = write(&ctx, &theirs_ref.0)?;
+                    locked_tx.send(()).expect("the cycle's thread waits");
+                    go_rx.recv().expect("the cycle's thread says when");
+                    AnyDevice::write(&ctx, &mut guard, data_ref)
+                })();
+                done_tx.send(result).expect("the cycle's thread waits");
+            });
+            locked_rx
+                .recv()
+                .expect("the copying thread locked its array");
+            // Replayed: the product is held back when the other thread copies.
+            step(&|| {
+                go_tx.send(()).expect("the copying thread waits");
+                done_rx
+                    .recv()
+                    .expect("the copying thread is done")
+                    .expect("the copy succeeds");
+            });
+        });
+        let g = ws.stats().graph;
+        assert_eq!((g.replays, g.fallbacks), (1, 0), "{g:?}");
+        assert_eq!(theirs.to_vec::<f32>().expect("read back"), data);
+        let want = x.matmul(&x).and_then(|y| y.relu()).expect("eager");
+        assert_eq!(
+            out.to_vec::<f32>().expect("read back"),
+            want.to_vec::<f32>().expect("read back")
+        );
+        m.close().expect("closes");
+    }
+}

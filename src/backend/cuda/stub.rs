@@ -64,6 +64,11 @@ pub(crate) fn note(_ptr: u64, _len: usize, _write: bool) -> Noted {
     Noted
 }
 
+/// Nothing to note: no device memory exists in this build.
+pub(crate) fn note_unreplayed() -> Noted {
+    Noted
+}
+
 const WHY: &str = "ndscope was built without the `cuda` feature";
 
 pub(crate) fn device_count() -> usize {

@@ -421,9 +421,27 @@ thread_local! {
     };
 }
 
-/// An array's device bytes locked by this thread's op (see [`note`]); dropping it (with the
-/// lock) forgets them.
-pub(crate) struct Noted(std::num::NonZeroU64);
+thread_local! {
+    /// Device arrays this thread's op holds locked that were locked while no cycle replayed
+    /// (see [`note_unreplayed`]): known, and touched by no held call.
+    static UNREPLAYED: Cell<u32> = const { Cell::new(0) };
+}
+
+/// An array's device bytes locked by this thread's op (see [`note`] and [`note_unreplayed`]);
+/// dropping it (with the lock) forgets them. Id 0: locked while no cycle replayed.
+pub(crate) struct Noted(u64);
+
+/// Notes that this thread's op holds a device array locked that it locked while no cycle
+/// replayed on any device, until the returned guard drops. Its ranges are not kept: a cycle
+/// that began replaying since holds no call that touches the array and conflicts with this op
+/// (such a call's op would have needed the array's lock after this op took it, which only a
+/// reader beside a reader gets). What matters is that this op's footprint is known: an op
+/// that locked nothing may touch anything.
+#[inline]
+pub(crate) fn note_unreplayed() -> Noted {
+    UNREPLAYED.with(|n| n.set(n.get().saturating_add(1)));
+    Noted(0)
+}
 
 /// Notes that this thread's op has `len` bytes at `ptr` locked, for writing or reading, until
 /// the returned guard drops. Another thread's replayed cycle holds calls back only as long as
@@ -439,14 +457,18 @@ pub(crate) fn note(ptr: CUdeviceptr, len: usize, write: bool) -> Noted {
             write,
             id,
         });
-        Noted(std::num::NonZeroU64::MIN.saturating_add(id - 1))
+        Noted(id)
     })
 }
 
 impl Drop for Noted {
     #[inline]
     fn drop(&mut self) {
-        forget(self.0.get());
+        if self.0 == 0 {
+            UNREPLAYED.with(|n| n.set(n.get().saturating_sub(1)));
+        } else {
+            forget(self.0);
+        }
     }
 }
 
@@ -500,7 +522,7 @@ impl Held {
         }
         FOOTPRINT.with(|f| {
             let f = &f.borrow().accesses;
-            f.is_empty()
+            (f.is_empty() && UNREPLAYED.with(Cell::get) == 0)
                 || f.iter().any(|a| {
                     self.ranges
                         .iter()
@@ -510,9 +532,10 @@ impl Held {
     }
 }
 
-/// Cycles replaying on any device: while none does, no op's locked arrays are noted. (An op
-/// that locked an array before a cycle began replaying cannot conflict with that cycle's held
-/// calls through it: they would need the same array, whose lock the op holds.)
+/// Cycles replaying on any device: while none does, an op's locked arrays are only counted
+/// ([`note_unreplayed`]), not noted. (An op that locked an array before a cycle began replaying
+/// cannot conflict with that cycle's held calls through it: they would need the same array,
+/// whose lock the op holds.)
 static ANY_REPLAYING: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether any cycle replays now (ops note their locked device arrays only then).

@@ -34,7 +34,7 @@ mod reduce;
 mod shape;
 mod transfer;
 
-pub(crate) use capture::{any_replaying, note, CycleGraph, Noted};
+pub(crate) use capture::{any_replaying, note, note_unreplayed, CycleGraph, Noted};
 pub(crate) use error::synchronize;
 
 /// The CUDA backend: the backend contract (`backend/contract.rs`) on device memory, one op
