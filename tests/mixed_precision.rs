@@ -421,3 +421,95 @@ fn a_scaler_on_another_device_than_the_parameters_is_refused_before_anything_cha
     model.close().unwrap();
     host.close().unwrap();
 }
+
+device_tests!(addmm_multiplies_halves_into_f32);
+/// An f32 target takes a product of halves (`addmm_`): accumulated and kept in f32, never
+/// rounded to the half type; other dtype mixes are refused and change nothing.
+fn addmm_multiplies_halves_into_f32(dev: Device) {
+    let m = Manager::new_base_on(dev).unwrap();
+    // 256 + 1 = 257 needs 9 significant bits: bf16 has 8, f16 11.
+    let a = m.from_slice(&[256.0f32, 1.0], [2, 1]).unwrap();
+    let b = m.from_slice(&[1.0f32, 1.0], [2, 1]).unwrap();
+    for low in [DType::BF16, DType::F16] {
+        let (a, b) = (a.to_dtype(low).unwrap(), b.to_dtype(low).unwrap());
+        let target = m.full([1, 1], 5.0, DType::F32).unwrap();
+        target
+            .addmm_(&a, &b, ndscope::Transpose::Left, 1.0, 1.0)
+            .unwrap();
+        assert_eq!(target.to_vec::<f32>().unwrap(), vec![262.0], "{low}");
+        target
+            .addmm_(&a, &b, ndscope::Transpose::Left, 0.0, 2.0)
+            .unwrap();
+        assert_eq!(target.to_vec::<f32>().unwrap(), vec![514.0], "{low}");
+        // The same product rounded to the half type, for contrast: bf16 loses the 1.
+        let rounded = a.matmul_t(&b, ndscope::Transpose::Left).unwrap();
+        let want = if low == DType::BF16 { 256.0 } else { 257.0 };
+        assert_eq!(values(&rounded), vec![want], "{low}");
+    }
+    // Refused: a half target with f32 operands, operands of two half types, an f64 target.
+    let (a16, bbf) = (
+        a.to_dtype(DType::F16).unwrap(),
+        b.to_dtype(DType::BF16).unwrap(),
+    );
+    let half_target = m.zeros([1, 1], DType::BF16).unwrap();
+    let f32_target = m.zeros([1, 1], DType::F32).unwrap();
+    let f64_target = m.zeros([1, 1], DType::F64).unwrap();
+    let t = ndscope::Transpose::Left;
+    for err in [
+        half_target.addmm_(&a, &b, t, 1.0, 1.0).unwrap_err(),
+        f32_target.addmm_(&a16, &bbf, t, 1.0, 1.0).unwrap_err(),
+        f32_target.addmm_(&a16, &b, t, 1.0, 1.0).unwrap_err(),
+        f64_target.addmm_(&a16, &a16, t, 1.0, 1.0).unwrap_err(),
+    ] {
+        assert!(matches!(err, Error::DTypeMismatch { .. }), "{err}");
+    }
+    assert_eq!(values(&f32_target), vec![0.0]);
+    assert_eq!(values(&half_target), vec![0.0]);
+    m.close().unwrap();
+}
+
+device_tests!(a_weight_gradient_under_autocast_is_not_rounded_to_the_half_type);
+/// The weight gradient of an autocast product goes into the f32 parameter's gradient straight
+/// from the halves: not rounded to the half type on the way (so no half copy of it is made).
+fn a_weight_gradient_under_autocast_is_not_rounded_to_the_half_type(dev: Device) {
+    let model = Manager::new_base_on(dev).unwrap();
+    let w = model.ones([1, 1], DType::F32).unwrap();
+    w.set_requires_gradient(true).unwrap();
+    // d(sum(x · w))/dw = 256 + 1 = 257: a bf16 product would give 256.
+    let x = model.from_slice(&[256.0f32, 1.0], [2, 1]).unwrap();
+    for (dense, stepped) in [(false, false), (true, false), (true, true)] {
+        let step = model.sub_scope().unwrap();
+        {
+            let _active = step.activate();
+            let collector = step.gradient_collector().unwrap();
+            let loss = {
+                let _guard = autocast(DType::BF16).unwrap();
+                let y = if dense {
+                    x.linear(&w, None, Activation::Identity).unwrap()
+                } else {
+                    x.matmul(&w).unwrap()
+                };
+                assert_eq!(y.dtype(), DType::BF16);
+                y.sum_all().unwrap()
+            };
+            collector.backward(&loss).unwrap();
+            if stepped {
+                // The optimizer takes the product (and leaves the gradient zeroed): w ← 1 −
+                // 257/1024, exact in f32 (a bf16 gradient would give 0.75).
+                let mut opt = Optimizer::new([w.clone()], Sgd::new(1.0 / 1024.0)).unwrap();
+                opt.step().unwrap();
+            }
+        }
+        step.close().unwrap();
+        let g = w.gradient().unwrap();
+        assert_eq!(g.dtype(), DType::F32);
+        if stepped {
+            assert_eq!(values(&w), vec![1.0 - 257.0 / 1024.0], "dense {dense}");
+            assert_eq!(values(&g), vec![0.0], "the step zeroes the gradient");
+        } else {
+            assert_eq!(values(&g), vec![257.0], "dense {dense}");
+        }
+        g.fill_(0.0).unwrap();
+    }
+    model.close().unwrap();
+}

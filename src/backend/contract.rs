@@ -60,6 +60,10 @@ pub(crate) struct Gemm {
     pub trans_b: bool,
     /// Accumulate into `out` instead of overwriting it.
     pub accumulate: Option<Accumulate>,
+    /// `a` and `b` hold this half type while `out` is f32: a product of halves accumulated and
+    /// kept in f32 (a weight gradient of an autocast step, written into the f32 parameter's
+    /// gradient). `None`: all three hold the product's dtype.
+    pub operands: Option<DType>,
 }
 
 /// An array seen as `[outer, len, inner]`, the op running along the middle axis (reductions

@@ -174,6 +174,7 @@ impl NDArray {
                     trans_a: ta,
                     trans_b: tb,
                     accumulate: None,
+                    operands: None,
                 };
                 AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
             },
@@ -201,6 +202,7 @@ impl NDArray {
                     trans_a: false,
                     trans_b: !ta,
                     accumulate: None,
+                    operands: None,
                 };
                 AnyDevice::gemm(ctx, dtype, spec, b, a, out)
             })?;
@@ -225,6 +227,7 @@ impl NDArray {
                 trans_a: ta,
                 trans_b: false,
                 accumulate: None,
+                operands: None,
             };
             AnyDevice::gemm(ctx, dtype, spec, a, b, out)
         });
@@ -236,7 +239,10 @@ impl NDArray {
     /// of the matrix kernel: no temporary for the product. With `Transpose::Left` this
     /// accumulates a weight gradient `xᵀ · g` straight into a momentum buffer. `self` must be
     /// `[m, n]` for `op(a)` `[m, k]` and `op(b)` `[k, n]` (`ShapeMismatch`); all three share one
-    /// dtype and device; for integer arrays `beta` and `alpha` must be whole numbers that fit.
+    /// dtype and device, except that an f32 `self` takes `a` and `b` in one half type (`F16` or
+    /// `BF16`: the product accumulated and kept in f32, never rounded to the half type, as a
+    /// mixed-precision step writes a weight gradient into its f32 parameter's gradient); for
+    /// integer arrays `beta` and `alpha` must be whole numbers that fit.
     /// `a` or `b` may not be `self` (`InvalidArgument`). Allocates nothing; on error nothing
     /// changes.
     ///
@@ -260,8 +266,15 @@ impl NDArray {
         alpha: f64,
     ) -> Result<()> {
         let ctx = Ctx::new("addmm_");
-        check_same(&ctx, self, a)?;
-        check_same(&ctx, self, b)?;
+        // Halves multiplied into an f32 target: accumulated and kept in f32.
+        let operands = (self.dtype() == DType::F32 && a.dtype().is_half()).then(|| a.dtype());
+        if operands.is_some() {
+            check_same(&ctx, a, b)?;
+            check_device(&ctx, self, a)?;
+        } else {
+            check_same(&ctx, self, a)?;
+            check_same(&ctx, self, b)?;
+        }
         if *a == *self || *b == *self {
             return Err(ctx.invalid(format!(
                 "the target {} of addmm_ cannot also be an operand of the product",
@@ -288,6 +301,7 @@ impl NDArray {
                 trans_a: ta,
                 trans_b: tb,
                 accumulate: Some(Accumulate { alpha, beta }),
+                operands,
             };
             AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
         })

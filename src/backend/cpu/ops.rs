@@ -517,6 +517,20 @@ impl MatmulOps for Cpu {
         out: &mut HostBuffer,
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
+        if let Some(operands) = spec.operands {
+            // Halves multiplied into f32 (`dtype`): widened exactly, accumulated in f32, no
+            // rounding to the half type.
+            debug_assert_eq!(dtype, DType::F32);
+            dispatch_half!(operands, H => {
+                let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
+                matmul::gemm_general(
+                    (m, k, n), (&a, spec.trans_a), (&b, spec.trans_b),
+                    out.as_mut_slice::<f32>(),
+                    spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32)),
+                );
+                return Ok(());
+            }, _ => {});
+        }
         dispatch_half!(dtype, H => {
             let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
             let out = out.as_mut_slice::<H>();

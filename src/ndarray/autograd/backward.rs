@@ -113,11 +113,32 @@ fn walk(
     // materialised.
     nodes[start].grad = seed.cloned();
     let mut leaves: Vec<(NDArray, Grad)> = Vec::with_capacity(16);
+    // Output gradients of records that are matrix products not computed yet: an autocast copy
+    // of an f32 parameter whose only gradient is a product of halves (see `product_into_leaf`).
+    let mut products: Vec<(usize, Grad)> = Vec::new();
     for i in (0..=start).rev() {
         let (before, rest) = nodes.split_at_mut(i);
         let node = &mut rest[0];
         if !node.reached {
             continue;
+        }
+        if let Some(at) = products.iter().position(|(k, _)| *k == i) {
+            let (_, product) = products.swap_remove(at);
+            match node.input(0) {
+                // The product goes into the parameter's f32 gradient as it is (halves
+                // multiplied into f32): no product in the half type, no conversion.
+                Some((leaf, Track::Leaf)) if node.grad.is_none() => {
+                    leaves.push((leaf.clone(), product));
+                    continue;
+                }
+                _ => {
+                    let g = product.into_array()?;
+                    node.grad = Some(match node.grad.take() {
+                        None => g,
+                        Some(sum) => sum.add(&g)?,
+                    });
+                }
+            }
         }
         let g = match node.grad.take() {
             Some(g) => Some(g),
@@ -151,10 +172,24 @@ fn walk(
                 Track::No => {}
                 Track::Leaf => leaves.push((input.clone(), grad)),
                 Track::Node(j) => {
-                    let Some(source) = before.get_mut(j as usize) else {
+                    let j = j as usize;
+                    let Some(source) = before.get_mut(j) else {
                         continue;
                     };
-                    let grad = grad.into_array()?;
+                    let earlier = products.iter().position(|(k, _)| *k == j);
+                    if earlier.is_none()
+                        && source.grad.is_none()
+                        && product_into_leaf(source, &grad)
+                    {
+                        products.push((j, grad));
+                        continue;
+                    }
+                    let mut grad = grad.into_array()?;
+                    if let Some(at) = earlier {
+                        // A second gradient: the product is computed after all.
+                        let (_, product) = products.swap_remove(at);
+                        grad = product.into_array()?.add(&grad)?;
+                    }
                     source.grad = Some(match source.grad.take() {
                         None => grad,
                         Some(sum) => sum.add(&grad)?,
@@ -164,6 +199,24 @@ fn walk(
         }
     }
     accumulate(ctx, &leaves)
+}
+
+/// Whether `grad`, the first output gradient reaching record `node`, may stay a product: it
+/// multiplies halves, and `node` converts an f32 leaf (an autocast copy of a parameter) on the
+/// same device to that half type, so the leaf's f32 gradient can take the product straight
+/// from the halves (`addmm_` into f32: no product rounded to the half type, none kept in the
+/// step's workspace, no conversion pass).
+fn product_into_leaf(node: &Node, grad: &Grad) -> bool {
+    let Grad::Product(a, b, _) = grad else {
+        return false;
+    };
+    matches!(node.backward, Backward::Convert)
+        && !node.output.requires_gradient()
+        && a.dtype().is_half()
+        && b.dtype() == a.dtype()
+        && node.input(0).is_some_and(|(leaf, track)| {
+            track == Track::Leaf && leaf.dtype() == DType::F32 && leaf.device() == a.device()
+        })
 }
 
 /// The checks of one record the gradient reaches: it has a gradient, the arrays it saved are

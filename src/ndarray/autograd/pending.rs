@@ -189,7 +189,9 @@ pub(crate) fn fused_sgd_step(
     let Some(p) = slot.as_ref() else {
         return Ok(false);
     };
-    if !p.trans_a || p.trans_b {
+    // The fused kernels take operands of the parameter's dtype; a product of halves into an
+    // f32 gradient (an autocast step's) is settled by `addmm_` instead.
+    if !p.trans_a || p.trans_b || p.a.dtype != param.dtype() {
         return Ok(false);
     }
     let (x, g) = (NDArray(Arc::clone(&p.a)), NDArray(Arc::clone(&p.b)));

@@ -59,14 +59,15 @@ const MAX_BLAS_BATCH: usize = 65_535;
 /// `blas_batch` over any number of products: at most [`MAX_BLAS_BATCH`] per cuBLAS call.
 fn blas_gemm(ctx: &Ctx, gpu: &Gpu, dtype: DType, p: Products) -> Result<()> {
     let elem = dtype.size_in_bytes() as u64;
+    let operand = p.spec.operands.unwrap_or(dtype).size_in_bytes() as u64;
     let mut done = 0;
     while done < p.batch {
         let count = (p.batch - done).min(MAX_BLAS_BATCH);
-        let at = |base: CUdeviceptr, step: usize| base + (done * step) as u64 * elem;
+        let at = |base: CUdeviceptr, step: usize, elem: u64| base + (done * step) as u64 * elem;
         let part = Products {
-            a: at(p.a, p.steps.0),
-            b: at(p.b, p.steps.1),
-            c: at(p.c, p.steps.2),
+            a: at(p.a, p.steps.0, operand),
+            b: at(p.b, p.steps.1, operand),
+            c: at(p.c, p.steps.2, elem),
             batch: count,
             ..p
         };
@@ -124,7 +125,8 @@ impl Products {
         let flags = u64::from(self.spec.trans_a)
             | u64::from(self.spec.trans_b) << 1
             | u64::from(acc.is_some()) << 2
-            | float_code(dtype) << 3;
+            | float_code(dtype) << 3
+            | self.spec.operands.map_or(0, float_code) << 5;
         let (alpha, beta) = acc.map_or((0, 0), |a| (a.alpha.to_bits(), a.beta.to_bits()));
         let mut w = [0u64; LIB_WORDS];
         w[..15].copy_from_slice(&[
@@ -165,6 +167,10 @@ impl Products {
                 trans_a: flags & 1 != 0,
                 trans_b: flags & 2 != 0,
                 accumulate,
+                operands: match (flags >> 5) & 3 {
+                    0 => None,
+                    code => Some(float_of(code)),
+                },
             },
             a: w[6],
             b: w[7],
@@ -226,8 +232,8 @@ fn blas_batch_on(
     // the leading dimensions and strides given); alpha and beta are host values that outlive
     // the call (cuBLAS reads them before returning, in host pointer mode).
     let status = unsafe {
-        match dtype {
-            DType::F32 => {
+        match (dtype, p.spec.operands) {
+            (DType::F32, None) => {
                 let (alpha, beta) = (alpha as f32, beta as f32);
                 if batch == 1 {
                     blas::cublasSgemm_v2(
@@ -269,13 +275,20 @@ fn blas_batch_on(
                     )
                 }
             }
-            DType::F16 | DType::BF16 => {
+            (DType::F16 | DType::BF16, _) | (_, Some(_)) => {
                 // Tensor-core products of halves: f32 accumulation, f32 alpha and beta, each
-                // result rounded once to the half type.
-                let ty = if dtype == DType::F16 {
-                    blas::cudaDataType::CUDA_R_16F
-                } else {
-                    blas::cudaDataType::CUDA_R_16BF
+                // result rounded once to the half type, or kept in f32 (`operands`: halves
+                // multiplied into an f32 `c`).
+                let half = |t: DType| {
+                    if t == DType::F16 {
+                        blas::cudaDataType::CUDA_R_16F
+                    } else {
+                        blas::cudaDataType::CUDA_R_16BF
+                    }
+                };
+                let (ty, c_ty) = match p.spec.operands {
+                    Some(operands) => (half(operands), blas::cudaDataType::CUDA_R_32F),
+                    None => (half(dtype), half(dtype)),
                 };
                 let (alpha, beta) = (alpha as f32, beta as f32);
                 let alpha = (&alpha as *const f32).cast::<c_void>();
@@ -300,7 +313,7 @@ fn blas_batch_on(
                         lda,
                         beta,
                         c,
-                        ty,
+                        c_ty,
                         ldc,
                         compute,
                         algo,
@@ -324,7 +337,7 @@ fn blas_batch_on(
                         sa,
                         beta,
                         c,
-                        ty,
+                        c_ty,
                         ldc,
                         sc,
                         count,
@@ -621,6 +634,7 @@ impl MatmulOps for Cuda {
             trans_a: false,
             trans_b: false,
             accumulate: None,
+            operands: None,
         };
         let products = Products {
             spec,
@@ -726,6 +740,7 @@ impl MatmulOps for Cuda {
                 alpha: 1.0,
                 beta: momentum,
             }),
+            operands: None,
         };
         let products = Products {
             spec,
@@ -755,7 +770,15 @@ mod tests {
     /// A recorded product keeps its dtype, the half types too (a replay issues the same call).
     #[test]
     fn recorded_products_keep_their_dtype() {
-        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let mixes = [
+            (DType::F32, None),
+            (DType::F64, None),
+            (DType::F16, None),
+            (DType::BF16, None),
+            (DType::F32, Some(DType::F16)),
+            (DType::F32, Some(DType::BF16)),
+        ];
+        for (dtype, operands) in mixes {
             let p = Products {
                 spec: Gemm {
                     dims: Mnk { m: 3, k: 5, n: 7 },
@@ -765,6 +788,7 @@ mod tests {
                         alpha: 2.0,
                         beta: 0.5,
                     }),
+                    operands,
                 },
                 a: 0x1000,
                 b: 0x2000,
@@ -774,7 +798,7 @@ mod tests {
                 steps: (15, 35, 21),
             };
             let (back, q) = Products::decode(&p.encode(dtype));
-            assert_eq!(back, dtype);
+            assert_eq!((back, q.spec.operands), (dtype, operands));
             assert_eq!(q.encode(back), p.encode(dtype));
             assert!(q.spec.trans_a && !q.spec.trans_b);
             for relu in [false, true] {
