@@ -46,12 +46,11 @@ use half::bf16;
 /// `op(b)` is 24 KiB, which stays in L1 while the micro-kernel runs down the rows of `op(a)`.
 const KC: usize = 128;
 
-/// Rows of the micro-kernel's tile. A multiple of the row split's alignment (8): a tile never
-/// straddles two blocks, nor two strips of a packed `op(a)`.
-const MR: usize = 8;
+/// Rows of the micro-kernel's tile.
+const MR: usize = 6;
 
-/// Strips of 16 columns in the micro-kernel's tile (48 columns).
-const NS: usize = 3;
+/// Strips of 16 columns in the micro-kernel's tile (64 columns).
+const NS: usize = 4;
 
 /// Columns (rows of a transposed `op(a)`) per packed strip: one zmm of f32 lanes.
 const STRIP: usize = 16;
@@ -142,23 +141,20 @@ mod x86 {
     ) {
         let kp = k.div_ceil(2);
         let strips = n.div_ceil(STRIP);
-        let mut packed_b = Packed::zeros(strips * kp * STRIP);
-        if tb {
-            pack_pairs(b, n, k, packed_b.as_mut_slice());
-        } else {
-            // SAFETY: `available` said the CPU has AVX-512 F and BW (`gemm_bf16` checked it).
-            unsafe { interleave(b, k, n, packed_b.as_mut_slice()) };
-        }
+        // Written entirely by the packing (`pack_b`) before it is read.
+        let mut packed_b = Packed::scratch(strips * kp * STRIP);
         let mut packed_a = None;
         let left = if ta {
-            let buf = packed_a.insert(Packed::zeros(m.div_ceil(STRIP) * kp * STRIP));
-            // SAFETY: as above.
-            unsafe { interleave(a, k, m, buf.as_mut_slice()) };
+            let buf = packed_a.insert(Packed::scratch(m.div_ceil(STRIP) * kp * STRIP));
+            let dst = buf.as_mut_slice();
+            // SAFETY: `available` said the CPU has AVX-512 F and BW (`gemm_bf16` checked it);
+            // `a` is `[k, m]` and `dst` holds the strips of its `m` columns (op(a)'s rows).
+            unsafe { interleave(a, k, m, 0..m, dst.as_mut_ptr(), dst.len()) };
             Left::Strips(buf.as_ptr())
         } else if k % 2 == 0 {
             Left::Rows(a.as_ptr().cast::<u32>(), kp)
         } else {
-            let buf = packed_a.insert(Packed::zeros(m * kp));
+            let buf = packed_a.insert(Packed::scratch(m * kp));
             let rows = buf.as_mut_slice();
             for (dst, src) in rows.chunks_exact_mut(kp).zip(a.chunks_exact(k)) {
                 for (d, s) in dst.iter_mut().zip(src.chunks(2)) {
@@ -168,30 +164,47 @@ mod x86 {
             }
             Left::Rows(buf.as_ptr(), kp)
         };
-        let job = Job {
-            n,
-            kp,
-            left,
-            b: packed_b.as_ptr(),
-            out: SendPtr(out.as_mut_ptr()),
-            beta,
-            alpha,
-        };
         let Split {
             by_cols,
             block: size,
             tasks,
         } = split(m, n, k);
+        let dst = packed_b.as_mut_slice();
+        let job = Job {
+            n,
+            k,
+            kp,
+            left,
+            src_b: (b, tb),
+            b: SendPtr(dst.as_mut_ptr()),
+            b_len: dst.len(),
+            // A block of whole columns packs the strips of op(b) it reads (they are its own);
+            // blocks of rows share all of them, packed first.
+            pack_in_blocks: by_cols || tasks < 2,
+            out: SendPtr(out.as_mut_ptr()),
+            beta,
+            alpha,
+        };
+        let work = super::super::Work::product(m, k, n);
+        if !job.pack_in_blocks {
+            let chunk = (STRIP * 16).max(n.div_ceil(STRIP * super::super::MAX_TASKS) * STRIP);
+            let work = super::super::Work::pass::<bf16>(k * n, 3);
+            // SAFETY: the CPU has the features (checked by `gemm_bf16`); the tasks pack disjoint
+            // strips (chunks of whole strips) of `packed_b`, which nothing else touches yet.
+            pool::run(n.div_ceil(chunk), work, &|t| unsafe {
+                job.pack_b(t * chunk..((t + 1) * chunk).min(n))
+            });
+        }
         // For each `run` below: the CPU has the features (checked by `gemm_bf16`); the blocks'
-        // ranges lie inside `0..m` × `0..n`, start at multiples of 16 columns or 8 rows (`split`
-        // aligns its blocks so), and are disjoint, so concurrent blocks write disjoint parts of
-        // `out`, which outlives the pool's run; the packed operands are only read.
+        // ranges lie inside `0..m` × `0..n`, columns start at multiples of 16 (`split` aligns
+        // its blocks so), and are disjoint, so concurrent blocks write disjoint parts of `out`
+        // (and of `packed_b` when they pack), which outlive the pool's run; op(b) is packed
+        // before it is read (by the block that reads it, or above), op(a) only read.
         if tasks < 2 {
             // SAFETY: see above; one block, the whole result.
             return unsafe { job.run(0..m, 0..n) };
         }
         let part = |t: usize| t * size..((t + 1) * size).min(if by_cols { n } else { m });
-        let work = super::super::Work::product(m, k, n);
         if by_cols {
             // SAFETY: see above; task t computes block t of whole columns.
             pool::run(tasks, work, &|t| unsafe { job.run(0..m, part(t)) });
@@ -201,17 +214,28 @@ mod x86 {
         }
     }
 
-    /// Packs `src`, `k` rows of `width` bf16 (row-major), into strips of 16 columns of pairs:
-    /// `dst[((j / 16)·kp + p)·16 + j % 16] = src[2p][j] | src[2p + 1][j] << 16`, a missing row
-    /// `k` (odd `k`) and the columns past `width` zero. `dst` holds `width.div_ceil(16)·kp·16`.
+    /// Packs the columns `cols` of `src`, `k` rows of `width` bf16 (row-major), into strips of
+    /// 16 columns of pairs: `dst[((j / 16)·kp + p)·16 + j % 16] = src[2p][j] | src[2p + 1][j]
+    /// << 16`, a missing row `k` (odd `k`) and the columns past `width` zero. Writes every
+    /// element of the strips `cols` covers, and nothing else.
     ///
     /// # Safety
     ///
-    /// The CPU must have AVX-512 F and BW.
+    /// The CPU must have AVX-512 F and BW. `dst` points to `dst_len =
+    /// width.div_ceil(16)·kp·16` u32 writable; `cols` ⊂ `0..width` starts at a multiple of 16,
+    /// and ends at one or at `width`.
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn interleave(src: &[bf16], k: usize, width: usize, dst: &mut [u32]) {
+    unsafe fn interleave(
+        src: &[bf16],
+        k: usize,
+        width: usize,
+        cols: std::ops::Range<usize>,
+        dst: *mut u32,
+        dst_len: usize,
+    ) {
         let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
-        assert!(src.len() == k * width && dst.len() == strips * kp * STRIP);
+        assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
+        assert!(cols.start % STRIP == 0 && cols.end <= width);
         // permutex2var indices: 0..32 pick from the first operand, 32..64 from the second.
         let lo: [i16; 32] = std::array::from_fn(|i| (i / 2 + (i % 2) * 32) as i16);
         let hi: [i16; 32] = std::array::from_fn(|i| (16 + i / 2 + (i % 2) * 32) as i16);
@@ -223,13 +247,12 @@ mod x86 {
             )
         };
         let src = src.as_ptr().cast::<i16>();
-        let dst = dst.as_mut_ptr();
         for p in 0..kp {
-            for c in (0..width).step_by(2 * STRIP) {
-                let left = width - c;
+            for c in cols.clone().step_by(2 * STRIP) {
+                let left = cols.end - c;
                 let mask: u32 = if left >= 32 { !0 } else { (1 << left) - 1 };
                 // SAFETY: rows 2p (< k) and 2p + 1 (when < k) exist; the mask limits the loads
-                // to columns c.. < width of the row (masked lanes are not read).
+                // to columns c.. < cols.end ≤ width of the row (masked lanes are not read).
                 let (x, y) = unsafe {
                     let x = _mm512_maskz_loadu_epi16(mask, src.add(2 * p * width + c));
                     let y = if 2 * p + 1 < k {
@@ -241,13 +264,13 @@ mod x86 {
                 };
                 let s = c / STRIP;
                 // SAFETY: strip s < strips (c < width) and p < kp: 16 u32 inside `dst`; strip
-                // s + 1 only when it exists.
+                // s + 1 only when `cols` covers it.
                 unsafe {
                     _mm512_storeu_si512(
                         dst.add((s * kp + p) * STRIP).cast(),
                         _mm512_permutex2var_epi16(x, lo, y),
                     );
-                    if s + 1 < strips {
+                    if c + STRIP < cols.end {
                         _mm512_storeu_si512(
                             dst.add(((s + 1) * kp + p) * STRIP).cast(),
                             _mm512_permutex2var_epi16(x, hi, y),
@@ -258,34 +281,71 @@ mod x86 {
         }
     }
 
-    /// The blocks' shared, read-only description of a product.
-    struct Job {
+    /// The blocks' shared description of a product.
+    struct Job<'a> {
         n: usize,
+        k: usize,
         kp: usize,
         left: Left,
-        /// Packed `op(b)` (see `interleave`), `n.div_ceil(16)·kp·16` u32.
-        b: *const u32,
+        /// `b` as stored, and whether transposed (`[n, k]`).
+        src_b: (&'a [bf16], bool),
+        /// Packed `op(b)` (see `interleave`), `b_len = n.div_ceil(16)·kp·16` u32.
+        b: SendPtr<u32>,
+        b_len: usize,
+        /// Whether each block packs its own columns of `op(b)` (else they are packed first).
+        pack_in_blocks: bool,
         out: SendPtr<f32>,
         beta: Option<f32>,
         alpha: f32,
     }
 
-    // SAFETY: the pointers are read only (`a`, `b`) or written in disjoint blocks (`out`, see
+    // SAFETY: the pointers are read only (`left`) or written in disjoint blocks (`b`, `out`, see
     // `product`), and the buffers they point to outlive the pool's run.
-    unsafe impl Sync for Job {}
+    unsafe impl Sync for Job<'_> {}
 
-    impl Job {
+    impl Job<'_> {
+        /// Packs the strips of `op(b)` that cover the columns `cols`.
+        ///
+        /// # Safety
+        ///
+        /// The CPU has AVX-512 F and BW; `cols` ⊂ `0..n` starts at a multiple of 16 and ends at
+        /// one or at `n`; no other thread touches those strips meanwhile.
+        unsafe fn pack_b(&self, cols: std::ops::Range<usize>) {
+            let (b, tb) = self.src_b;
+            if tb {
+                // SAFETY: the caller's promises.
+                unsafe { pack_pairs(b, self.n, self.k, cols, self.b.get(), self.b_len) };
+            } else {
+                // SAFETY: the caller's promises.
+                unsafe { interleave(b, self.k, self.n, cols, self.b.get(), self.b_len) };
+            }
+        }
+
         /// Computes `out[rows, cols]`.
         ///
         /// # Safety
         ///
-        /// The CPU has AVX512-BF16, F and BW; `rows` ⊂ `0..m` starts at a multiple of 8, `cols`
-        /// ⊂ `0..n` at a multiple of 16; no other thread touches `out[rows, cols]` meanwhile.
+        /// The CPU has AVX512-BF16, F and BW; `rows` ⊂ `0..m`, `cols` ⊂ `0..n` starts at a
+        /// multiple of 16; no other thread touches `out[rows, cols]` meanwhile.
         unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
-            assert!(rows.start % MR == 0 && cols.start % STRIP == 0);
+            assert!(cols.start % STRIP == 0);
+            if self.pack_in_blocks {
+                // SAFETY: the block's columns are its own (the caller's promise).
+                unsafe { self.pack_b(cols.clone()) };
+            }
             let (n, kp) = (self.n, self.kp);
-            for pc in (0..kp).step_by(KC) {
-                let kc = KC.min(kp - pc);
+            // Depth blocks of at most KC pairs, of equal size (the last may be shorter by less
+            // than one per block): they depend on `k` only.
+            let blocks = kp.div_ceil(KC);
+            let kc_max = kp.div_ceil(blocks);
+            // Pair `p` of row `i` of op(a): `a + i·row_step + p·pair_step`, where strips of 16
+            // rows are `kp·16 − 16` further apart (`Strips`).
+            let (a, row_step, pair_step, strip_gap) = match self.left {
+                Left::Rows(p, stride) => (p, stride, 1, 0),
+                Left::Strips(p) => (p, 1, STRIP, kp * STRIP - STRIP),
+            };
+            for pc in (0..kp).step_by(kc_max) {
+                let kc = kc_max.min(kp - pc);
                 let store = match (pc, self.beta) {
                     (0, None) => Store::Write,
                     (0, Some(beta)) => Store::Scale(beta),
@@ -300,22 +360,22 @@ mod x86 {
                         *m = ((1u32 << left) - 1) as u16;
                     }
                     // SAFETY: strip c / 16 exists (c < n) and pc < kp.
-                    let b = unsafe { self.b.add((c / STRIP * kp + pc) * STRIP) };
+                    let b = unsafe { self.b.get().add((c / STRIP * kp + pc) * STRIP).cast_const() };
                     let mut i = rows.start;
                     while i < rows.end {
                         let r = (rows.end - i).min(MR);
-                        // SAFETY: row i < m, pair pc < kp of the operand's layout.
-                        let a = unsafe {
-                            match self.left {
-                                Left::Rows(p, stride) => Left::Rows(p.add(i * stride + pc), stride),
-                                Left::Strips(p) => {
-                                    Left::Strips(p.add((i / STRIP * kp + pc) * STRIP + i % STRIP))
-                                }
-                            }
-                        };
+                        let mut rows_a = [a; MR];
+                        for (t, row) in rows_a.iter_mut().enumerate().take(r) {
+                            let i = i + t;
+                            // SAFETY: row i < m and pair pc < kp exist in the operand's layout.
+                            *row = unsafe {
+                                a.add(i * row_step + (i / STRIP) * strip_gap + pc * pair_step)
+                            };
+                        }
                         let tile = Tile {
                             kc,
-                            a,
+                            a: rows_a,
+                            pair_step,
                             b,
                             b_stride: kp * STRIP,
                             // SAFETY: (i, c) lies inside the m × n result.
@@ -349,8 +409,9 @@ mod x86 {
     /// over `kc` pairs.
     struct Tile {
         kc: usize,
-        /// The tile's first row's pair.
-        a: Left,
+        /// Each row's first pair; a row's next pairs `pair_step` u32 apart.
+        a: [*const u32; MR],
+        pair_step: usize,
         /// The tile's first strip's first pair; the next strips `b_stride` u32 further.
         b: *const u32,
         b_stride: usize,
@@ -364,7 +425,7 @@ mod x86 {
     }
 
     impl Tile {
-        /// Runs the kernel for `r` rows (1..=8) and `s` strips (1..=3).
+        /// Runs the kernel for `r` rows (1..=MR) and `s` strips (1..=NS).
         ///
         /// # Safety
         ///
@@ -372,42 +433,33 @@ mod x86 {
         unsafe fn dispatch(&self, r: usize, s: usize) {
             macro_rules! go {
                 ($($r:literal)*) => {
-                    match (r, s, self.a) {
+                    match (r, s) {
                         $(
-                            ($r, 1, Left::Rows(..)) => kernel::<$r, 1, false>(self),
-                            ($r, 2, Left::Rows(..)) => kernel::<$r, 2, false>(self),
-                            ($r, 3, Left::Rows(..)) => kernel::<$r, 3, false>(self),
-                            ($r, 1, Left::Strips(..)) => kernel::<$r, 1, true>(self),
-                            ($r, 2, Left::Strips(..)) => kernel::<$r, 2, true>(self),
-                            ($r, 3, Left::Strips(..)) => kernel::<$r, 3, true>(self),
+                            ($r, 1) => kernel::<$r, 1>(self),
+                            ($r, 2) => kernel::<$r, 2>(self),
+                            ($r, 3) => kernel::<$r, 3>(self),
+                            ($r, 4) => kernel::<$r, 4>(self),
                         )*
                         _ => unreachable!("bf16 tile of {r} rows and {s} strips"),
                     }
                 };
             }
+            const _: () = assert!(MR <= 8 && NS <= 4);
             // SAFETY: the caller's promises are the kernel's.
             unsafe { go!(1 2 3 4 5 6 7 8) }
         }
     }
 
-    /// The micro-kernel: `R` rows × `S` strips of 16 columns of the result from `t.kc` pairs
-    /// (`STRIPS`: `t.a` is `Left::Strips`, else `Left::Rows`).
+    /// The micro-kernel: `R` rows × `S` strips of 16 columns of the result from `t.kc` pairs.
     ///
     /// # Safety
     ///
-    /// The CPU has AVX512-BF16, F and BW. For `p < kc`, `r < R`, `s < S`: the pair of row `r`
-    /// at `t.a` (rows `stride` apart, or 1 apart in a strip the `R` rows do not leave), and
-    /// `t.b[s·b_stride + p·16 .. +16]` are readable; the tile's elements `c[r·ldc + s·16 + j]`
-    /// for the columns `j` set in `masks[s]` are writable (and readable with `Store::Scale`),
-    /// touched by no other thread.
+    /// The CPU has AVX512-BF16, F and BW. For `p < kc`, `r < R`, `s < S`: the pairs
+    /// `t.a[r] + p·pair_step` and `t.b[s·b_stride + p·16 .. +16]` are readable; the tile's
+    /// elements `c[r·ldc + s·16 + j]` for the columns `j` set in `masks[s]` are writable (and
+    /// readable with `Store::Scale`), touched by no other thread.
     #[target_feature(enable = "avx512f,avx512bf16,avx512bw")]
-    unsafe fn kernel<const R: usize, const S: usize, const STRIPS: bool>(t: &Tile) {
-        let (a, stride) = match t.a {
-            Left::Rows(p, stride) => (p, stride),
-            Left::Strips(p) => (p, 0),
-        };
-        // Offset of pair p of row r: r·stride + p, or r + 16·p in a strip.
-        let (row_step, pair_step) = if STRIPS { (1, STRIP) } else { (stride, 1) };
+    unsafe fn kernel<const R: usize, const S: usize>(t: &Tile) {
         let mut acc = [[_mm512_setzero_ps(); S]; R];
         for p in 0..t.kc {
             let mut b = [_mm512_setzero_si512(); S];
@@ -418,7 +470,7 @@ mod x86 {
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: pair p of row r (the caller's promise); read unaligned (a bf16 array
                 // is only 2-aligned).
-                let pair = unsafe { a.add(r * row_step + p * pair_step).read_unaligned() };
+                let pair = unsafe { t.a[r].add(p * t.pair_step).read_unaligned() };
                 let x = _mm512_set1_epi32(pair as i32);
                 for (acc, &y) in acc.iter_mut().zip(&b) {
                     // SAFETY: __m512i and __m512bh are both 64 bytes of plain bits.
@@ -453,12 +505,13 @@ mod x86 {
         }
     }
 
-    /// A buffer of `len` zeroed `u32` (the thread's reusable f32 buffers of `wide.rs`, reinterpreted).
+    /// A buffer of `u32` (the thread's reusable f32 buffers of `wide.rs`, reinterpreted).
     struct Packed(Wide);
 
     impl Packed {
-        fn zeros(len: usize) -> Packed {
-            Packed(Wide::zeros(len))
+        /// `len` u32 of unspecified value, to be written before they are read.
+        fn scratch(len: usize) -> Packed {
+            Packed(Wide::scratch(len))
         }
 
         fn as_mut_slice(&mut self) -> &mut [u32] {
@@ -482,18 +535,41 @@ mod x86 {
         Strips(*const u32),
     }
 
-    /// Packs `src`, `width` rows of `k` bf16 (row-major: `op(b)` stored transposed, `[n, k]`), into
-    /// the strips of `interleave`: `dst[((j / 16)·kp + p)·16 + j % 16] = src[j][2p] | src[j][2p+1]
-    /// << 16`, the missing value past an odd `k` and the columns past `width` zero (`dst` zeroed).
-    fn pack_pairs(src: &[bf16], width: usize, k: usize, dst: &mut [u32]) {
+    /// Packs the rows `cols` of `src`, `width` rows of `k` bf16 (row-major: `op(b)` stored
+    /// transposed, `[n, k]`), into the strips of `interleave`: `dst[((j / 16)·kp + p)·16 + j %
+    /// 16] = src[j][2p] | src[j][2p+1] << 16`, the missing value past an odd `k` and the
+    /// columns past `width` zero. Writes every element of the strips `cols` covers, and nothing
+    /// else.
+    ///
+    /// # Safety
+    ///
+    /// As `interleave`, but for the CPU features (none needed).
+    unsafe fn pack_pairs(
+        src: &[bf16],
+        width: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+        dst: *mut u32,
+        dst_len: usize,
+    ) {
         let kp = k.div_ceil(2);
-        assert!(src.len() == width * k && dst.len() == width.div_ceil(STRIP) * kp * STRIP);
-        for (j, row) in src.chunks_exact(k).enumerate() {
-            let (s, lane) = (j / STRIP, j % STRIP);
-            let strip = &mut dst[s * kp * STRIP..(s + 1) * kp * STRIP];
-            for (p, pair) in row.chunks(2).enumerate() {
-                let hi = pair.get(1).map_or(0, |h| u32::from(h.to_bits()));
-                strip[p * STRIP + lane] = u32::from(pair[0].to_bits()) | (hi << 16);
+        assert!(src.len() == width * k && dst_len == width.div_ceil(STRIP) * kp * STRIP);
+        assert!(cols.start % STRIP == 0 && cols.end <= width);
+        for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
+            // SAFETY: strip s < width.div_ceil(16) lies inside `dst`, and is the caller's to
+            // write (it covers columns of `cols`).
+            let strip =
+                unsafe { std::slice::from_raw_parts_mut(dst.add(s * kp * STRIP), kp * STRIP) };
+            for lane in 0..STRIP {
+                let j = s * STRIP + lane;
+                if j >= width {
+                    (0..kp).for_each(|p| strip[p * STRIP + lane] = 0);
+                    continue;
+                }
+                for (p, pair) in src[j * k..(j + 1) * k].chunks(2).enumerate() {
+                    let hi = pair.get(1).map_or(0, |h| u32::from(h.to_bits()));
+                    strip[p * STRIP + lane] = u32::from(pair[0].to_bits()) | (hi << 16);
+                }
             }
         }
     }
@@ -697,4 +773,63 @@ mod tests {
             }
         }
     }
+}
+
+#[cfg(test)]
+mod tune {
+    use super::*;
+    use crate::backend::cpu::{matmul, pool, wide};
+
+    #[test]
+    #[ignore]
+    fn tune() {
+        let a = vec![bf16::from_f32(0.5); 1024 * 1024];
+        let b = vec![bf16::from_f32(0.25); 1024 * 1024];
+        let mut out = vec![0f32; 1024 * 1024];
+        let shapes = [
+            (1, 784, 1024, false, false),
+            (4, 784, 1024, false, false),
+            (16, 784, 1024, false, false),
+            (64, 64, 64, false, false),
+            (1024, 1024, 1024, false, false),
+            (128, 784, 1024, false, false),
+            (512, 1024, 512, false, false),
+            (512, 1024, 512, true, false),
+            (512, 1024, 512, false, true),
+            (784, 128, 1024, true, false),
+        ];
+        for &(m, k, n, ta, tb) in &shapes {
+            for inline in [true, false] {
+                pool::set_inline(inline);
+                let reps = (2e9 / (m * k * n) as f64).clamp(3.0, 3000.0) as usize;
+                let time = |f: &dyn Fn()| {
+                    f();
+                    let t = std::time::Instant::now();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    t.elapsed().as_secs_f64() / reps as f64
+                };
+                let (a, b) = (&a[..m * k], &b[..k * n]);
+                let outp = SendPtr(out.as_mut_ptr());
+                let o = || unsafe { std::slice::from_raw_parts_mut(outp.get(), m * n) };
+                let s = time(&|| {
+                    gemm_bf16((m, k, n), (a, ta), (b, tb), o(), None);
+                });
+                let w = time(&|| {
+                    let (a, b) = (wide::widen(a), wide::widen(b));
+                    matmul::gemm_general((m, k, n), (&a, ta), (&b, tb), o(), None);
+                });
+                println!(
+                    "{m}x{k}x{n} ta {ta} tb {tb} inline {inline}: bf16 {:.3} ms ({:.1} GMAC/s), widen {:.3} ms: ratio {:.2}",
+                    s * 1e3,
+                    (m * k * n) as f64 / s / 1e9,
+                    w * 1e3,
+                    s / w
+                );
+            }
+        }
+        pool::set_inline(false);
+    }
+    use crate::backend::cpu::pool::SendPtr;
 }
