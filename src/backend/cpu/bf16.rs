@@ -102,7 +102,7 @@ pub(crate) fn gemm_bf16(
     }
     // `β = 0` does not read `out` (as in `gemm_general`): a NaN there must not survive as 0·NaN.
     let (beta, alpha) = match accumulate {
-        Some((s, q)) if s == 0.0 => (None, q),
+        Some((0.0, q)) => (None, q),
         Some((s, q)) => (Some(s), q),
         None => (None, 1.0),
     };
@@ -151,7 +151,7 @@ mod x86 {
             // `a` is `[k, m]` and `dst` holds the strips of its `m` columns (op(a)'s rows).
             unsafe { interleave(a, k, m, 0..m, dst.as_mut_ptr(), dst.len()) };
             Left::Strips(buf.as_ptr())
-        } else if k % 2 == 0 {
+        } else if k.is_multiple_of(2) {
             Left::Rows(a.as_ptr().cast::<u32>(), kp)
         } else {
             let buf = packed_a.insert(Packed::scratch(m * kp));
@@ -235,7 +235,7 @@ mod x86 {
     ) {
         let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
         assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
-        assert!(cols.start % STRIP == 0 && cols.end <= width);
+        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
         // permutex2var indices: 0..32 pick from the first operand, 32..64 from the second.
         let lo: [i16; 32] = std::array::from_fn(|i| (i / 2 + (i % 2) * 32) as i16);
         let hi: [i16; 32] = std::array::from_fn(|i| (16 + i / 2 + (i % 2) * 32) as i16);
@@ -328,7 +328,7 @@ mod x86 {
         /// The CPU has AVX512-BF16, F and BW; `rows` ⊂ `0..m`, `cols` ⊂ `0..n` starts at a
         /// multiple of 16; no other thread touches `out[rows, cols]` meanwhile.
         unsafe fn run(&self, rows: std::ops::Range<usize>, cols: std::ops::Range<usize>) {
-            assert!(cols.start % STRIP == 0);
+            assert!(cols.start.is_multiple_of(STRIP));
             if self.pack_in_blocks {
                 // SAFETY: the block's columns are its own (the caller's promise).
                 unsafe { self.pack_b(cols.clone()) };
@@ -554,7 +554,7 @@ mod x86 {
     ) {
         let kp = k.div_ceil(2);
         assert!(src.len() == width * k && dst_len == width.div_ceil(STRIP) * kp * STRIP);
-        assert!(cols.start % STRIP == 0 && cols.end <= width);
+        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
         for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
             // SAFETY: strip s < width.div_ceil(16) lies inside `dst`, and is the caller's to
             // write (it covers columns of `cols`).
@@ -812,6 +812,7 @@ mod tune {
                 };
                 let (a, b) = (&a[..m * k], &b[..k * n]);
                 let outp = SendPtr(out.as_mut_ptr());
+                // SAFETY: `out` outlives the closure, and one call at a time uses it.
                 let o = || unsafe { std::slice::from_raw_parts_mut(outp.get(), m * n) };
                 let s = time(&|| {
                     gemm_bf16((m, k, n), (a, ta), (b, tb), o(), None);

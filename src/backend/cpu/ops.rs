@@ -492,7 +492,7 @@ impl MatmulOps for Cpu {
             // bf16 products on AVX512-BF16: f32 accumulation, the result rounded once.
             let (a, b) = (a.as_slice::<half::bf16>(), b.as_slice::<half::bf16>());
             let out = out.as_mut_slice::<half::bf16>();
-            let mut wide_out = wide::Wide::zeros(out.len());
+            let mut wide_out = wide::Wide::scratch(out.len()); // written entirely by the kernel
             let product = |dims: (usize, usize, usize),
                            a: &[half::bf16],
                            b: &[half::bf16],
@@ -543,7 +543,7 @@ impl MatmulOps for Cpu {
             let out = out.as_mut_slice::<half::bf16>();
             let mut wide_out = match spec.accumulate {
                 Some(_) => wide::widen(out),
-                None => wide::Wide::zeros(out.len()),
+                None => wide::Wide::scratch(out.len()), // written, not read
             };
             let done = bf16::gemm_bf16(
                 (m, k, n),
@@ -592,7 +592,7 @@ impl MatmulOps for Cpu {
             let (x, w) = (x.as_slice::<half::bf16>(), w.as_slice::<half::bf16>());
             let bias = bias.map(|b| wide::widen(b.as_slice::<half::bf16>()));
             let out = out.as_mut_slice::<half::bf16>();
-            let mut wide_out = wide::Wide::zeros(out.len());
+            let mut wide_out = wide::Wide::scratch(out.len()); // written entirely by the kernel
             let done = bf16::gemm_bf16(
                 (dims.m, dims.k, dims.n),
                 (x, false),
