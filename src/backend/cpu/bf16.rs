@@ -11,17 +11,24 @@
 //! `2p + 1` (a *pair*), the lower one in the lower half of the 32-bit lane. So the operands are
 //! read as pairs (a `u32` each), an odd depth `k` padded with a zero at depth `k`:
 //!
-//! - `op(b)` is packed, once per product, into *strips* of 16 columns: for each pair `p`, the
-//!   16 columns' pairs (one zmm), strip after strip, the last strip's missing columns zero;
+//! - `op(b)` is packed into *strips* of 16 columns: for each pair `p`, the 16 columns' pairs
+//!   (one zmm), strip after strip, the last strip's missing columns zero. A product split into
+//!   blocks of columns packs each block's strips in the task that computes the block (in
+//!   parallel, and while they are in cache); one split into blocks of rows packs all strips
+//!   first (on the pool), as every block reads all of them;
 //! - `op(a)` is read in place when it is stored `[m, k]` with `k` even (a row's pairs are
 //!   adjacent); with `k` odd its rows are copied with the zero after them; stored transposed
 //!   (`[k, m]`), it is packed into strips of 16 rows as `op(b)` is into strips of columns.
 //!
-//! The micro-kernel keeps an `8 × 48` tile of the result in 24 zmm accumulators (fewer at the
-//! edges), and for each pair loads three vectors of `op(b)` and broadcasts one pair of each of
-//! the 8 rows of `op(a)`. The depth is cut into blocks of [`KC`] pairs (a `KC × 48` panel of
-//! `op(b)`, 24 KiB, stays in L1 while the rows of `op(a)` stream past it); the first block
-//! writes the tile (`α·acc`, or `β·out + α·acc`), the next ones add theirs (`out + α·acc`).
+//! The micro-kernel keeps a `6 × 64` tile of the result in 24 zmm accumulators (fewer at the
+//! edges), and for each pair loads four vectors of `op(b)` and broadcasts one pair of each of
+//! the 6 rows of `op(a)`: 24 `vdpbf16ps` for 10 loads. 64 columns are also the narrowest block
+//! of a split by columns, so blocks are mostly whole tiles. The depth is cut into blocks of
+//! equal size, at most [`KC`] pairs (a `KC × 64` panel of `op(b)`, 32 KiB, stays in L1 or L2
+//! while the rows of `op(a)` stream past it); the first block writes the tile (`α·acc`, or
+//! `β·out + α·acc`), the next ones add theirs (`out + α·acc`). On the project's 2-core AMD
+//! EPYC (Zen 4) one core ran 100–105 G multiply-adds/s in large products, about twice what the
+//! widening path (gemm's f32 kernel) gets.
 //!
 //! # Determinism
 //!
@@ -32,18 +39,21 @@
 //!
 //! # Rounding
 //!
-//! `vdpbf16ps` does not compute exactly what the widening path does: it treats denormal inputs
-//! as zero and flushes denormal results to zero (whatever MXCSR says), and it rounds the sum of
-//! each pair's two products (and the accumulator) once in f32 where an f32 FMA chain rounds after
-//! each product. Products of bf16 are exact in f32, so results usually agree with the widening
-//! path to the last few bits of f32 (far below bf16's precision, once the result is rounded to
-//! bf16), but they are not bit-identical to it, and subnormal operands or results become zero.
-//! Infinities and NaN propagate as in f32 arithmetic.
+//! `vdpbf16ps` does not compute exactly what the widening path does: it treats denormal
+//! (subnormal) inputs as zero and flushes denormal results to zero, whatever MXCSR says, and it
+//! adds each pair's two products into the f32 accumulator with its own rounding to f32 (round
+//! to nearest even), not in the order nor with the roundings of the widening path's f32 FMA
+//! chain. Products of bf16 are exact in f32, so results agree with the widening path to the
+//! last bits of f32 (far below bf16's precision), but they are not bit-identical to it: once
+//! rounded to bf16, a result can differ from the widening path's by one unit in the last place,
+//! and subnormal operands or results become zero. This is accepted. Infinities and NaN
+//! propagate as in f32 arithmetic. Results do not depend on the thread count (see above).
 
 use half::bf16;
 
-/// Pairs of depth per block of the depth (512 values of `k`): a `KC × 48` panel of packed
-/// `op(b)` is 24 KiB, which stays in L1 while the micro-kernel runs down the rows of `op(a)`.
+/// The most pairs of depth per block of the depth (256 values of `k`): a `KC × 64` panel of
+/// packed `op(b)` is 32 KiB, which stays in cache while the micro-kernel runs down the rows of
+/// `op(a)`. (96 and 192 ran as fast, within the noise, on the project's machine.)
 const KC: usize = 128;
 
 /// Rows of the micro-kernel's tile.
