@@ -2,7 +2,9 @@
 //! (exactly), computed on by the f32 kernel, and each result is rounded once, to nearest even.
 //! The composite kernels (products, softmax, losses, the optimizers' steps, a dense layer's
 //! backward) run this way, so their sums and intermediate values stay in f32 as PyTorch's CPU
-//! kernels keep them; the elementwise kernels convert per element instead (`num.rs`).
+//! kernels keep them; the elementwise kernels convert per element instead (`num.rs`). bf16
+//! products (`matmul`, `gemm`, `linear`) skip the widening of their operands where the CPU has
+//! AVX512-BF16: `bf16.rs` computes them into an f32 buffer of this module's, rounded as here.
 
 use std::cell::RefCell;
 
