@@ -18,7 +18,7 @@ const RESULT_PREFIX: &str = "pool-results:";
 const THREAD_COUNTS: [usize; 5] = [1, 2, 3, 7, 16];
 
 /// Names of the kernels [`large_kernels`] runs, in order, for messages.
-const KERNELS: [&str; 21] = [
+const KERNELS: [&str; 23] = [
     "add + relu (1M)",
     "sum_all f32 (1M)",
     "sum_all i64 (1M)",
@@ -40,6 +40,8 @@ const KERNELS: [&str; 21] = [
     "matmul [16, 784] · [784, 1024] (MLP layer, batch 16)",
     "Dense (packed weights) 784→1024 with bias and ReLU, batch 1",
     "Dense (packed weights) 784→1024 with bias and ReLU, batch 64",
+    "matmul bf16 [256, 784] · [784, 1024]",
+    "addmm_ bf16 with a transposed left operand, [300, 700]",
 ];
 
 /// Runs kernels that take their parallel paths (each input is past the split threshold) and
@@ -79,6 +81,15 @@ fn large_kernels() -> Result<Vec<Vec<f64>>> {
         let dense = Dense::new(&w1, Some(&bias), Activation::Relu)?;
         let x1 = s.randn([1, 784], DType::F32)?;
         let x64 = s.randn([64, 784], DType::F32)?;
+        let (x256h, w1h) = (x256.to_dtype(DType::BF16)?, w1.to_dtype(DType::BF16)?);
+        let ch = s.randn([300, 700], DType::F32)?.to_dtype(DType::BF16)?;
+        ch.addmm_(
+            &at.to_dtype(DType::BF16)?,
+            &bt.to_dtype(DType::BF16)?,
+            Transpose::Left,
+            0.5,
+            2.0,
+        )?;
         Ok(vec![
             as_f64(&big.add(&big)?.relu()?)?,
             as_f64(&big.sum_all()?)?,
@@ -101,6 +112,8 @@ fn large_kernels() -> Result<Vec<Vec<f64>>> {
             as_f64(&x16.matmul(&w1)?)?,
             as_f64(&dense.forward(&x1)?)?,
             as_f64(&dense.forward(&x64)?)?,
+            as_f64(&x256h.matmul(&w1h)?)?,
+            as_f64(&ch)?,
         ])
     });
     m.close()?;

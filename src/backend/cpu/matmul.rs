@@ -89,24 +89,42 @@ pub(crate) fn matmul<T: Num>(m: usize, k: usize, n: usize, a: &[T], b: &[T], out
 /// products run in parallel across the batch; large ones one after the other, each split across
 /// the pool.
 pub(crate) fn matmul_batched<T: Num>(
-    (which, batch): (Batched, usize),
+    batch: (Batched, usize),
     (m, k, n): (usize, usize, usize),
     a: &[T],
     b: &[T],
     out: &mut [T],
 ) {
+    batched_with(batch, (m, k, n), a, b, out, &|(m, k, n), a, b, out| {
+        matmul(m, k, n, a, b, out)
+    });
+}
+
+/// The batching of [`matmul_batched`] around any product `product((m, k, n), a, b, out)` of
+/// row-major operands (`out = a · b`, `a` `[m, k]`, `b` `[k, n]`), whatever the element types
+/// of the operands (`A`) and of the result (`O`): the bf16 kernel (`bf16.rs`) batches its
+/// products with it into an f32 result.
+#[allow(clippy::type_complexity)]
+pub(crate) fn batched_with<A: Sync, O: Send>(
+    (which, batch): (Batched, usize),
+    (m, k, n): (usize, usize, usize),
+    a: &[A],
+    b: &[A],
+    out: &mut [O],
+    product: &(dyn Fn((usize, usize, usize), &[A], &[A], &mut [O]) + Sync),
+) {
     if which == Batched::Left {
-        return matmul(batch * m, k, n, a, b, out);
+        return product((batch * m, k, n), a, b, out);
     }
     if batch == 0 || m == 0 || n == 0 {
         return;
     }
     let a_step = if which == Batched::Both { m * k } else { 0 };
     let b_step = k * n;
-    let one = |i: usize, out: &mut [T]| {
+    let one = |i: usize, out: &mut [O]| {
         let a = &a[i * a_step..i * a_step + m * k];
         let b = &b[i * b_step..(i + 1) * b_step];
-        matmul(m, k, n, a, b, out);
+        product((m, k, n), a, b, out);
     };
     let small = m * n * k < PAR_PRODUCT;
     if small && batch > 1 && batch * m * n * k >= 1 << 18 {
@@ -174,7 +192,8 @@ pub(crate) fn gemm_general<T: Num>(
         }
         return;
     }
-    // Half operands are widened to f32 by the caller (`cpu/wide.rs`): gemm has no bf16 kernel.
+    // Half operands are widened to f32 by the caller (`cpu/wide.rs`), or bf16 ones computed by
+    // `cpu/bf16.rs` where the CPU has AVX512-BF16: gemm has no bf16 kernel.
     // Checked in release builds too, as the lengths are: gemm reads through raw pointers.
     assert!(
         !T::DTYPE.is_half(),

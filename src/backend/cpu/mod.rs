@@ -1,6 +1,7 @@
 //! CPU kernels over slices. Large inputs are split across the worker pool (`pool`); `ops`
 //! runs the op families on host buffers.
 
+pub(crate) mod bf16;
 pub(crate) mod buffer;
 pub(crate) mod elementwise;
 pub(crate) mod gemv;

@@ -8,7 +8,7 @@ use super::buffer::HostBuffer;
 use super::elementwise::{self, broadcast_zip, broadcast_zip_inplace};
 use super::num::{CastTo, Float, Num};
 use super::wide::{self, dispatch_half, Half};
-use super::{matmul, nn, optim, packed, random, reduce, sgd, shape};
+use super::{bf16, matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
     AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
     OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, StepTensors, SumOf, TransferOps,
@@ -488,6 +488,27 @@ impl MatmulOps for Cpu {
         b: &HostBuffer,
         out: &mut HostBuffer,
     ) -> Result<()> {
+        if dtype == DType::BF16 && bf16::available() {
+            // bf16 products on AVX512-BF16: f32 accumulation, the result rounded once.
+            let (a, b) = (a.as_slice::<half::bf16>(), b.as_slice::<half::bf16>());
+            let out = out.as_mut_slice::<half::bf16>();
+            let mut wide_out = wide::Wide::scratch(out.len()); // written entirely by the kernel
+            let product = |dims: (usize, usize, usize),
+                           a: &[half::bf16],
+                           b: &[half::bf16],
+                           out: &mut [f32]| {
+                let done = bf16::gemm_bf16(dims, (a, false), (b, false), out, None);
+                assert!(done, "bf16 kernel refused after `available`");
+            };
+            match batch {
+                None => product((m, k, n), a, b, &mut wide_out),
+                Some(batch) => {
+                    matmul::batched_with(batch, (m, k, n), a, b, &mut wide_out, &product)
+                }
+            }
+            wide::narrow(&wide_out, out);
+            return Ok(());
+        }
         dispatch_half!(dtype, H => {
             // Products of halves: f32 operands, f32 accumulation, the result rounded once.
             let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
@@ -517,19 +538,45 @@ impl MatmulOps for Cpu {
         out: &mut HostBuffer,
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
+        let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
         if let Some(operands) = spec.operands {
-            // Halves multiplied into f32 (`dtype`): widened exactly, accumulated in f32, no
-            // rounding to the half type.
+            // Halves multiplied into f32 (`dtype`): accumulated in f32, no rounding to the half
+            // type; bf16 on the AVX512-BF16 kernel where the CPU has it, else widened exactly.
             debug_assert_eq!(dtype, DType::F32);
+            if operands == DType::BF16 && bf16::available() {
+                let (a, b) = (a.as_slice::<half::bf16>(), b.as_slice::<half::bf16>());
+                let out = out.as_mut_slice::<f32>();
+                if bf16::gemm_bf16(
+                    (m, k, n),
+                    (a, spec.trans_a),
+                    (b, spec.trans_b),
+                    out,
+                    accumulate,
+                ) {
+                    return Ok(());
+                }
+            }
             dispatch_half!(operands, H => {
                 let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
                 matmul::gemm_general(
                     (m, k, n), (&a, spec.trans_a), (&b, spec.trans_b),
-                    out.as_mut_slice::<f32>(),
-                    spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32)),
+                    out.as_mut_slice::<f32>(), accumulate,
                 );
                 return Ok(());
             }, _ => {});
+        }
+        if dtype == DType::BF16 && bf16::available() {
+            let (a, b) = (a.as_slice::<half::bf16>(), b.as_slice::<half::bf16>());
+            let out = out.as_mut_slice::<half::bf16>();
+            let mut wide_out = match spec.accumulate {
+                Some(_) => wide::widen(out),
+                None => wide::Wide::scratch(out.len()), // written, not read
+            };
+            let ops = ((a, spec.trans_a), (b, spec.trans_b));
+            if bf16::gemm_bf16((m, k, n), ops.0, ops.1, &mut wide_out, accumulate) {
+                wide::narrow(&wide_out, out);
+                return Ok(());
+            }
         }
         dispatch_half!(dtype, H => {
             let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
@@ -562,6 +609,24 @@ impl MatmulOps for Cpu {
         relu: bool,
         out: &mut HostBuffer,
     ) -> Result<()> {
+        if dtype == DType::BF16 && bf16::available() {
+            // The product (AVX512-BF16) and its epilogue in f32, rounded once.
+            let (x, w) = (x.as_slice::<half::bf16>(), w.as_slice::<half::bf16>());
+            let bias = bias.map(|b| wide::widen(b.as_slice::<half::bf16>()));
+            let out = out.as_mut_slice::<half::bf16>();
+            let mut wide_out = wide::Wide::scratch(out.len()); // written entirely by the kernel
+            let done = bf16::gemm_bf16(
+                (dims.m, dims.k, dims.n),
+                (x, false),
+                (w, false),
+                &mut wide_out,
+                None,
+            );
+            assert!(done, "bf16 kernel refused after `available`");
+            nn::bias_act(&mut wide_out, dims.n, bias.as_deref(), relu);
+            wide::narrow(&wide_out, out);
+            return Ok(());
+        }
         dispatch_half!(dtype, H => {
             // The product and its epilogue in f32, rounded once.
             let (x, w) = (wide::widen(x.as_slice::<H>()), wide::widen(w.as_slice::<H>()));

@@ -2,7 +2,9 @@
 //! (exactly), computed on by the f32 kernel, and each result is rounded once, to nearest even.
 //! The composite kernels (products, softmax, losses, the optimizers' steps, a dense layer's
 //! backward) run this way, so their sums and intermediate values stay in f32 as PyTorch's CPU
-//! kernels keep them; the elementwise kernels convert per element instead (`num.rs`).
+//! kernels keep them; the elementwise kernels convert per element instead (`num.rs`). bf16
+//! products (`matmul`, `gemm`, `linear`) skip the widening of their operands where the CPU has
+//! AVX512-BF16: `bf16.rs` computes them into an f32 buffer of this module's, rounded as here.
 
 use std::cell::RefCell;
 
@@ -96,20 +98,35 @@ pub(crate) struct Wide(Vec<f32>);
 impl Wide {
     /// `len` zeros.
     pub(crate) fn zeros(len: usize) -> Wide {
-        let mut v = SPARE
+        let mut v = Wide::kept(len);
+        v.clear();
+        v.resize(len, 0.0);
+        Wide(v)
+    }
+
+    /// `len` elements of unspecified value (those left in the buffer by its last use, zeros
+    /// past them): for a buffer the caller writes entirely before reading it, which spares
+    /// the zeroing pass of [`Wide::zeros`] over the elements a kept buffer already has.
+    pub(crate) fn scratch(len: usize) -> Wide {
+        let mut v = Wide::kept(len);
+        v.truncate(len);
+        v.resize(len, 0.0);
+        Wide(v)
+    }
+
+    /// The smallest kept buffer that holds `len`, else the largest (it grows), else a new one;
+    /// with the elements it had.
+    fn kept(len: usize) -> Vec<f32> {
+        SPARE
             .with(|s| {
                 let mut s = s.borrow_mut();
-                // The smallest kept buffer that holds `len`, else the largest (it grows).
                 let fit = (0..s.len())
                     .filter(|&i| s[i].capacity() >= len)
                     .min_by_key(|&i| s[i].capacity())
                     .or_else(|| (0..s.len()).max_by_key(|&i| s[i].capacity()));
                 fit.map(|i| s.swap_remove(i))
             })
-            .unwrap_or_default();
-        v.clear();
-        v.resize(len, 0.0);
-        Wide(v)
+            .unwrap_or_default()
     }
 }
 
