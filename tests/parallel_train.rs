@@ -2,7 +2,8 @@
 //! bit-identical; N devices give what 1 device gives on the whole batch; a failing replica gives
 //! an error naming it and changes nothing; learned steps allocate nothing on any device; bad
 //! input is refused. The GPU tests need at least 2 devices (the simulator: `CUDASIM_DEVICES=4`)
-//! and skip with the reason otherwise (a failure under `NDSCOPE_REQUIRE_GPU=1`).
+//! and skip with the reason otherwise (a failure under `NDSCOPE_REQUIRE_DEVICES=N` for a test
+//! that needs N or fewer; no GPU at all fails under `NDSCOPE_REQUIRE_GPU=1`).
 
 mod common;
 #[path = "../examples/mlp/mod.rs"]
@@ -25,15 +26,22 @@ fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The first `n` CUDA devices, or `None` after printing why the test skips (a failure under
-/// `NDSCOPE_REQUIRE_GPU=1`).
+/// The first `n` CUDA devices, or `None` after printing why the test skips. No GPU at all under
+/// `NDSCOPE_REQUIRE_GPU=1` fails (`common::cuda_device`); fewer than `n` devices fails when
+/// `NDSCOPE_REQUIRE_DEVICES` is `n` or more (the GPU suite runs with one device by default, where
+/// these tests skip).
 fn devices(n: usize) -> Option<Vec<Device>> {
     common::cuda_device()?;
     let count = Device::cuda_count();
     if count < n {
-        if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
+        let required: usize = std::env::var("NDSCOPE_REQUIRE_DEVICES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if required >= n {
             panic!(
-                "NDSCOPE_REQUIRE_GPU=1, but this test needs {n} CUDA devices and there are {count}"
+                "NDSCOPE_REQUIRE_DEVICES={required}, but this test needs {n} CUDA devices and \
+                 there are {count}"
             );
         }
         println!("skipped: needs {n} CUDA devices, this machine has {count}");
