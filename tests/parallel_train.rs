@@ -314,6 +314,17 @@ fn a_failing_replica_is_named_and_changes_nothing() {
             other => panic!("expected ReplicaFailed on cuda:1, got {other:?}"),
         }
         assert!(snapshot(&t, 0) == params, "a failed step changed replica 0");
+        // Every replica dropped the failed step's gradients (the next step starts from zero).
+        for rank in 0..t.replicas() {
+            for p in t.parameters(rank).expect("rank") {
+                let g = p
+                    .gradient()
+                    .expect("gradient")
+                    .to_vec::<f32>()
+                    .expect("read");
+                assert!(g.iter().all(|&v| v == 0.0), "rank {rank} kept a gradient");
+            }
+        }
         assert_identical(&t);
         // The trainer goes on.
         t.step(&data[1].0, &data[1].1)
