@@ -19,6 +19,9 @@ use crate::{
 /// The default bucket size of the gradients' all-reduce (PyTorch DDP's `bucket_cap_mb`).
 const BUCKET_BYTES: usize = 25 << 20;
 
+/// The op name of a step's errors.
+const STEP: &str = "ParallelTrainer::step";
+
 /// Builds a replica's model from that device's copies of the source parameters.
 type MakeModel<M> = dyn Fn(&[NDArray]) -> Result<M> + Send + Sync;
 
@@ -114,7 +117,9 @@ impl ParallelTrainerBuilder {
     /// devices, a CPU device, a device listed twice, no source parameters or an integer one;
     /// `InvalidConfig` for graph replay or a bucket size of 0; `DeviceUnavailable` for an absent
     /// device; `Unsupported` without NCCL; the model closure's or the optimizer's errors
-    /// (`Panicked` for a panic) as `ReplicaFailed` naming the device.
+    /// (`Panicked` for a panic) as `ReplicaFailed` naming the device. A rank whose
+    /// `ncclCommInitRank` itself fails leaves the others in theirs until NCCL gives up (as
+    /// with NCCL everywhere: nothing of ndscope's runs before every rank has joined).
     #[track_caller]
     pub fn build<M, F, S>(self, source: &[NDArray], model: F, step: S) -> Result<ParallelTrainer>
     where
@@ -348,11 +353,13 @@ struct Replica<M> {
     steps: Manager,
 }
 
-fn caught<R>(during: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+/// `f`'s result, or its panic as `Panicked` (op `op`, which ran `during`).
+#[track_caller]
+fn caught<R>(op: &'static str, during: &str, f: impl FnOnce() -> Result<R>) -> Result<R> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
         Err(payload) => {
-            let ctx = Ctx::new("ParallelTrainer::step");
+            let ctx = Ctx::new(op);
             Err(Error::Panicked {
                 op: ctx.op,
                 at: ctx.at,
@@ -400,6 +407,7 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
         let model = {
             let _active = replica.activate();
             caught(
+                "ParallelTrainerBuilder::build",
                 &format!("the model closure of parallel trainer '{}'", s.name),
                 || make(&params),
             )?
@@ -457,6 +465,7 @@ fn worker<M>(
         replies: replies.clone(),
     };
     let made = caught(
+        "ParallelTrainerBuilder::build",
         &format!("the setup of parallel trainer '{}' on {}", s.name, s.device),
         || setup(&s, &*make),
     );
@@ -548,7 +557,7 @@ fn run_step<M>(
             return wait_go(r, None, jobs, replies, rank, during);
         }
     };
-    let computed = caught(during, || {
+    let computed = caught(STEP, during, || {
         let _active = scope.activate();
         let x = scope.from_host(&x)?;
         let y = scope.from_host(&y)?;
@@ -600,7 +609,7 @@ fn wait_go<M>(
         }
     };
     let updated = match (go, loss) {
-        (true, Some(loss)) => caught(during, || {
+        (true, Some(loss)) => caught(STEP, during, || {
             let ctx = Ctx::new("ParallelTrainer::step");
             for bucket in &r.buckets {
                 let mut grads = Vec::with_capacity(bucket.len());
@@ -618,7 +627,7 @@ fn wait_go<M>(
             };
             loss.to_scalar::<f32>().map(Some)
         }),
-        _ => caught(during, || r.optimizer.zero_gradients().map(|_| None)),
+        _ => caught(STEP, during, || r.optimizer.zero_gradients().map(|_| None)),
     };
     let _ = replies.send((rank, Reply::Updated(updated)));
     true

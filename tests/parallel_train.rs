@@ -468,3 +468,79 @@ fn bad_batches_are_refused_and_change_nothing() {
     t.close().expect("close");
     host.close().expect("close");
 }
+
+#[test]
+fn a_failing_model_closure_is_named_and_frees_everything() {
+    let _serial = serial();
+    let Some(devs) = devices(2) else { return };
+    let host = Manager::new_base();
+    let src = source(&host);
+    let before = in_use(&devs);
+    for panics in [false, true] {
+        let built = ParallelTrainer::builder().devices(&devs).build(
+            &src,
+            move |p: &[NDArray]| {
+                if p[0].device() == Device::Cuda(1) {
+                    if panics {
+                        panic!("an injected panic in the model closure");
+                    }
+                    // An injected failure: a reshape that cannot be.
+                    p[0].reshape([3, 1000])?;
+                }
+                model(p)
+            },
+            step,
+        );
+        match built {
+            Err(Error::ReplicaFailed {
+                device,
+                rank,
+                source,
+                ..
+            }) => {
+                assert_eq!((device, rank), (Device::Cuda(1), 1));
+                assert_eq!(
+                    matches!(*source, Error::Panicked { .. }),
+                    panics,
+                    "{source}"
+                );
+            }
+            other => panic!("expected ReplicaFailed on cuda:1, got {other:?}"),
+        }
+        assert_eq!(in_use(&devs), before, "memory left after a failed build");
+    }
+    host.close().expect("close");
+}
+
+#[test]
+fn small_buckets_give_the_same_bits() {
+    let _serial = serial();
+    let Some(devs) = devices(2) else { return };
+    let host = Manager::new_base();
+    let src = source(&host);
+    let data = batches(&host, 2, 16);
+    let run = |bucket: Option<usize>| {
+        let mut b = ParallelTrainer::builder()
+            .devices(&devs)
+            .optimizer(Adam::new(1e-3));
+        if let Some(bytes) = bucket {
+            b = b.bucket_bytes(bytes);
+        }
+        let mut t = b.build(&src, model, step).expect("trainer");
+        for i in 0..4 {
+            t.step(&data[i % 2].0, &data[i % 2].1).expect("step");
+        }
+        let out = (t.stats().buckets, snapshot(&t, 0));
+        assert_identical(&t);
+        t.close().expect("close");
+        out
+    };
+    let (one, whole) = run(None);
+    // From the last parameter back: [b3, w3, b2] (2,856 bytes), [w2] (16 KiB), [b1], [w1].
+    let (several, split) = run(Some(4096));
+    println!("buckets: {one} by default, {several} of at most 4 KiB");
+    assert_eq!(one, 1);
+    assert_eq!(several, 4);
+    assert!(whole == split, "bucketing changed the result");
+    host.close().expect("close");
+}
