@@ -266,6 +266,11 @@ fn equivalence(n: usize) {
 }
 
 #[test]
+fn one_device_trainer_matches_plain_training() {
+    equivalence(1);
+}
+
+#[test]
 fn two_devices_match_one() {
     equivalence(2);
 }
