@@ -204,9 +204,12 @@ impl ParallelTrainerBuilder {
             closed: false,
         };
         if let Some(e) = failure {
-            // Threads already started wait in ncclCommInitRank for ranks that never come: only
-            // a thread that cannot start at all gets here.
-            trainer.abort_all();
+            // The threads already started wait in ncclCommInitRank for a rank that never comes
+            // (until NCCL gives up): they are told to stop and left to end on their own, not
+            // waited for.
+            for w in &mut trainer.workers {
+                w.handle.take();
+            }
             let _ = trainer.close();
             return Err(e);
         }
