@@ -281,6 +281,30 @@ pub enum Error {
         message: String,
     },
 
+    /// A data-parallel training step failed on one of its devices: the step closure's error, a
+    /// panic (as `Panicked`), or the device's own, with the device and rank named. No replica was
+    /// updated by that step unless `after_all_reduce` says its gradients were already exchanged
+    /// (then the trainer's communicators were aborted and it refuses further steps).
+    #[error("{op} at {at}: step {step} failed on {device} (rank {rank}{}): {source}",
+        if *after_all_reduce { ", after the all-reduce was queued" } else { "" })]
+    ReplicaFailed {
+        /// The operation that failed.
+        op: &'static str,
+        /// Where it was called.
+        at: Site,
+        /// The device whose replica failed.
+        device: crate::Device,
+        /// Its rank (its place in the trainer's device list).
+        rank: usize,
+        /// The step's number (from 0).
+        step: u64,
+        /// Whether the failure came after the gradients' all-reduce was queued.
+        after_all_reduce: bool,
+        /// What went wrong there.
+        #[source]
+        source: Box<Error>,
+    },
+
     /// A service (parallel inference, a prefetching iterator) is shut down or shutting down and
     /// refuses the request; nothing of it ran.
     #[error("{op} at {at}: {service} is shut down: {reason}")]

@@ -26,6 +26,7 @@ mod shape;
 mod state;
 pub mod testing;
 mod timeline;
+mod training;
 pub mod workspace;
 
 pub use amp::{GradScaler, GradScalerOptions};
@@ -61,6 +62,7 @@ pub use timeline::{
     is_recording, recording_snapshot, start_recording, stop_recording, EventKind, MemoryEvent,
     RecordOptions, Recording,
 };
+pub use training::{ParallelStep, ParallelTrainer, ParallelTrainerBuilder, ParallelTrainerStats};
 pub use workspace::{
     destroy_all_workspaces_for_current_thread, AllocationPolicy, GraphReplayStats, GraphState,
     LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy, Workspace,

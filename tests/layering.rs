@@ -73,6 +73,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("amp", 8),
     ("layer_workspace", 8),
     ("timeline", 8),
+    // Data-parallel training over several devices (NCCL).
+    ("training", 8),
     ("cuda", 8),
     // The crate root re-exports everything.
     ("", 9),

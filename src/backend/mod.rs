@@ -27,7 +27,7 @@ pub(crate) mod settings;
 mod storage;
 
 pub(crate) use block::Block;
-pub(crate) use cuda::CycleGraph;
+pub(crate) use cuda::{nccl_unique_id, Communicator, CycleGraph, NcclId};
 pub(crate) use op_table::{Binary, Compare, Unary};
 pub(crate) use ops::*;
 pub(crate) use settings::ALLOW_TF32;
@@ -125,4 +125,26 @@ impl Ctx {
             reason,
         }
     }
+}
+
+/// Sums each `(storage, dtype, count)` over every rank of `comm` in place (one NCCL group):
+/// the storages must be memory of `comm`'s device (`DeviceMismatch` otherwise, nothing queued).
+/// Every rank passes the same dtypes and counts in the same order.
+pub(crate) fn all_reduce_sum(
+    ctx: &Ctx,
+    comm: &Communicator,
+    buffers: &mut [(&mut Storage, crate::DType, usize)],
+) -> crate::Result<()> {
+    let mut device = Vec::with_capacity(buffers.len());
+    for (storage, dtype, count) in buffers.iter_mut() {
+        match &mut **storage {
+            Storage::Cuda(buffer) => device.push((buffer, *dtype, *count)),
+            Storage::Host(_) => {
+                return Err(ctx.device_mismatch(
+                    "an NCCL all-reduce takes CUDA device memory, got host memory",
+                ))
+            }
+        }
+    }
+    comm.all_reduce_sum(ctx, &mut device)
 }

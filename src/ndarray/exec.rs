@@ -834,6 +834,44 @@ pub(crate) fn locked_steps<'a>(
     result
 }
 
+/// Runs `kernel` on the bytes of `arrays`, handed over in the order given: every array's pending
+/// product settled first, then all write-locked in address order (each once: an array given
+/// twice is `InvalidArgument`, before any lock). An in-place collective's path (the all-reduce
+/// of a replica's gradients), where the order of the list is the order every rank must keep.
+pub(crate) fn write_all(
+    ctx: &Ctx,
+    arrays: &[&NDArray],
+    kernel: impl FnOnce(&mut [&mut Storage]) -> Result<()>,
+) -> Result<()> {
+    settle(ctx, arrays)?;
+    let mut order: Vec<usize> = (0..arrays.len()).collect();
+    order.sort_by_key(|&i| addr(arrays[i]));
+    if order
+        .windows(2)
+        .any(|w| addr(arrays[w[0]]) == addr(arrays[w[1]]))
+    {
+        return Err(ctx.invalid("an array is given twice to an in-place collective"));
+    }
+    let mut guards = Vec::with_capacity(arrays.len());
+    for &i in &order {
+        guards.push(write(ctx, &arrays[i].0)?);
+    }
+    // The guard of array `i` is at `slot[i]`.
+    let mut slot = vec![0; arrays.len()];
+    for (at, &i) in order.iter().enumerate() {
+        slot[i] = at;
+    }
+    let mut held: Vec<Option<&mut Storage>> = guards.iter_mut().map(|g| Some(&mut **g)).collect();
+    let mut storages = Vec::with_capacity(arrays.len());
+    for &at in &slot {
+        match held.get_mut(at).and_then(Option::take) {
+            Some(storage) => storages.push(storage),
+            None => return Err(ctx.invalid("an array is given twice to an in-place collective")),
+        }
+    }
+    kernel(&mut storages)
+}
+
 #[cfg(test)]
 mod lock_order_tests {
     /// The checks exist in debug builds only (`cargo test` without `--release`).

@@ -4,6 +4,7 @@
 
 pub(crate) mod autocast;
 pub(crate) mod autograd;
+pub(crate) mod collective;
 mod convert;
 mod dense;
 pub(crate) mod exec;

@@ -14,6 +14,8 @@
 //! - `nn.rs`: softmax, `one_hot`, `pick`.
 //! - `optim.rs`: the fused SGD and Adam/AdamW steps.
 //! - `shape.rs`: transpose, permute, narrow, interleave.
+//! - `nccl.rs`: NCCL communicators and in-place all-reduces of device buffers (several-device
+//!   training).
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
 //! stream. Only reads (`to_vec`, `to_scalar`, `to_device(Cpu)`) and `Device::synchronize` wait,
@@ -28,6 +30,7 @@ mod capture;
 mod elementwise;
 mod error;
 mod matmul;
+mod nccl;
 mod nn;
 mod optim;
 mod reduce;
@@ -36,6 +39,7 @@ mod transfer;
 
 pub(crate) use capture::{any_replaying, note, note_unreplayed, CycleGraph, Noted};
 pub(crate) use error::synchronize;
+pub(crate) use nccl::{nccl_unique_id, Communicator, NcclId};
 
 /// The CUDA backend: the backend contract (`backend/contract.rs`) on device memory, one op
 /// family per file of this directory (`impl ElementwiseOps for Cuda` in `elementwise.rs`, and so
