@@ -86,8 +86,8 @@ def main():
         o, t = statistics.median(ours[name]), statistics.median(theirs[name])
         ratios = sorted(a / b for a, b in zip(theirs[name], ours[name]))
         print(
-            f"{name:>4}: ndscope {o:8.3f} ms ({flops / o / 1e9:8.1f} GFLOP/s), PyTorch {t:8.3f} ms"
-            f" ({flops / t / 1e9:8.1f} GFLOP/s): ndscope at {statistics.median(ratios):.2f}x PyTorch's speed"
+            f"{name:>4}: ndscope {o:8.3f} ms ({flops / o / 1e6:8.1f} GFLOP/s), PyTorch {t:8.3f} ms"
+            f" ({flops / t / 1e6:8.1f} GFLOP/s): ndscope at {statistics.median(ratios):.2f}x PyTorch's speed"
             f" (rounds {ratios[0]:.2f}x to {ratios[-1]:.2f}x)"
         )
     for name in ("f16", "bf16"):
