@@ -1060,6 +1060,14 @@ impl ParallelTrainer {
     /// with different rows, or fewer rows than devices (a replica would get none); `ShutDown`
     /// once closed or broken; `ReplicaFailed` naming the first device that failed, with its
     /// error (`Panicked` for a panic of the step closure).
+    ///
+    /// In a distributed world ([`ParallelTrainerBuilder::distributed`]) `x` and `y` are this
+    /// rank's own batch (not split), the result's `shard_losses` and `rows` are every rank's,
+    /// and `loss` is the mean over every rank's rows. A refused batch still takes part in the
+    /// ranks' exchange (as a failure), so that the other ranks fail too instead of waiting;
+    /// another rank's failure is `ReplicaFailed` naming that rank and its device ordinal, with
+    /// a `Backend` error as its source (the failed process reports the real error). A failure
+    /// of the exchange itself breaks the trainer (its communicator aborted).
     #[track_caller]
     pub fn step(&mut self, x: &NDArray, y: &NDArray) -> Result<ParallelStep> {
         let ctx = Ctx::new("ParallelTrainer::step");
@@ -1312,7 +1320,8 @@ impl ParallelTrainer {
     }
 
     /// Replica `rank`'s parameters (on its device, in the order of the source parameters), to
-    /// read between steps. `InvalidArgument` for a rank out of range.
+    /// read between steps. `InvalidArgument` for a rank out of range. `rank` is the replica's
+    /// place in this process (0 in a distributed world, whatever the process's rank).
     #[track_caller]
     pub fn parameters(&self, rank: usize) -> Result<&[NDArray]> {
         self.params.get(rank).map(Vec::as_slice).ok_or_else(|| {
