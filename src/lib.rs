@@ -7,6 +7,7 @@ mod arena;
 mod backend;
 pub mod cuda;
 mod device;
+mod distributed;
 mod dtype;
 mod error;
 mod host;
@@ -31,6 +32,7 @@ pub mod workspace;
 
 pub use amp::{GradScaler, GradScalerOptions};
 pub use device::Device;
+pub use distributed::{DistributedConfig, DEFAULT_RENDEZVOUS_TIMEOUT};
 pub use dtype::{DType, Element};
 pub use error::{fmt_bytes, Error, LimitSource, Result, Site};
 /// The half-precision element types of [`DType::F16`] and [`DType::BF16`], re-exported from the

@@ -9,6 +9,7 @@ use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
 
 use crate::backend::{nccl_unique_id, Communicator, NcclId};
+use crate::distributed::{fetch_id, serve_id, DistributedConfig};
 use crate::error::{take_panic_message, Ctx};
 use crate::ndarray::collective::all_reduce_sum_;
 use crate::{
@@ -28,6 +29,9 @@ type MakeModel<M> = dyn Fn(&[NDArray]) -> Result<M> + Send + Sync;
 /// A replica's step: the model, its shard of the inputs and of the labels, the loss out (the
 /// mean over the shard).
 type StepFn<M> = dyn Fn(&M, &NDArray, &NDArray) -> Result<NDArray> + Send + Sync;
+
+/// A step's batch, checked and split: its rows, each shard's rows, the shards of `x` and `y`.
+type Prepared = (usize, Vec<usize>, Vec<HostArray>, Vec<HostArray>);
 
 /// What one [`ParallelTrainer::step`] did.
 #[derive(Clone, Debug, PartialEq)]
@@ -54,8 +58,8 @@ pub struct ParallelTrainerStats {
     pub collectives_per_step: usize,
     /// Bytes all-reduced per step on each device (the gradients' size).
     pub bytes_per_step: usize,
-    /// A step failed after its all-reduce was queued: the communicators were aborted and every
-    /// later step is refused.
+    /// A step failed after its all-reduce was queued (distributed: or its exchange of the
+    /// ranks' parts failed): the communicators were aborted and every later step is refused.
     pub broken: bool,
 }
 
@@ -67,6 +71,7 @@ pub struct ParallelTrainerBuilder {
     workspace: WorkspaceConfig,
     optimizer: OptimizerKind,
     bucket_bytes: usize,
+    distributed: Option<DistributedConfig>,
 }
 
 impl ParallelTrainerBuilder {
@@ -105,6 +110,50 @@ impl ParallelTrainerBuilder {
         self
     }
 
+    /// This process is rank `config.rank` of a world of `config.world_size` processes, one
+    /// device each (PyTorch's `DistributedDataParallel` under `torchrun`; see
+    /// [`DistributedConfig::from_env`]). The devices are then exactly one (default
+    /// `cuda:{local_rank}`). [`build`](Self::build) meets the other processes first: rank 0
+    /// makes the NCCL unique id and serves it over TCP on `master_addr:master_port` until every
+    /// other rank has fetched it; the others fetch it (retrying until the config's timeout).
+    /// Every process must build with the same source parameters (the same bits: the replicas
+    /// stay identical only if they start so), optimizer and bucket size.
+    ///
+    /// [`step`](ParallelTrainer::step) then takes this process's own batch (DDP's semantics):
+    /// the gradient is the mean over every rank's rows (batches of different sizes are
+    /// weighted by their rows). Before the gradients' all-reduce, every rank all-reduces a
+    /// small vector (per rank: whether its forward and backward succeeded, its rows, its loss,
+    /// its device): a failed rank still joins it, so every rank learns of the failure, none
+    /// enters the gradients' all-reduce, and every rank returns `ReplicaFailed` naming the
+    /// first failed rank. A step refused for its input (rows, shapes) still joins it too.
+    ///
+    /// ```no_run
+    /// use ndscope::{DistributedConfig, Manager, NDArray, ParallelTrainer};
+    /// // Launched by `torchrun --nproc-per-node 2 ...`: RANK, WORLD_SIZE, LOCAL_RANK,
+    /// // MASTER_ADDR and MASTER_PORT are set.
+    /// let source = Manager::new_base();
+    /// ndscope::manual_seed(0); // the same parameters in every process
+    /// let w = source.randn([32, 10], ndscope::DType::F32)?;
+    /// let mut trainer = ParallelTrainer::builder()
+    ///     .distributed(DistributedConfig::from_env()?)
+    ///     .build(
+    ///         &[w],
+    ///         |params: &[NDArray]| Ok(params[0].clone()),
+    ///         |w: &NDArray, x: &NDArray, y: &NDArray| x.matmul(w)?.softmax_cross_entropy(y),
+    ///     )?;
+    /// // This rank's batch (its own rows of the data).
+    /// let x = source.randn([64, 32], ndscope::DType::F32)?;
+    /// let y = source.from_vec((0..64).map(|i| i % 10).collect::<Vec<i64>>(), [64])?;
+    /// let report = trainer.step(&x, &y)?;
+    /// println!("loss over every rank's rows: {}", report.loss);
+    /// trainer.close()?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn distributed(mut self, config: DistributedConfig) -> Self {
+        self.distributed = Some(config);
+        self
+    }
+
     /// Starts one thread per device. Each makes its device's NCCL rank, copies `source` (the
     /// parameters, float arrays on any device) to its device in its replica's manager (the
     /// same bits on every device), sets them to require gradients, calls `model` with the
@@ -116,7 +165,10 @@ impl ParallelTrainerBuilder {
     /// Errors, after which nothing is left running or allocated: `InvalidArgument` for no
     /// devices, a CPU device, a device listed twice, no source parameters or an integer one;
     /// `InvalidConfig` for graph replay or a bucket size of 0; `DeviceUnavailable` for an absent
-    /// device; `Unsupported` without NCCL; the model closure's or the optimizer's errors
+    /// device; `Unsupported` without NCCL; in a distributed world, `InvalidArgument` for other
+    /// than one device, `InvalidConfig` for a bad config or a world size other than rank 0's,
+    /// `Io` when rank 0 cannot listen, when the other ranks do not all come within the timeout,
+    /// or when rank 0 cannot be reached within it; the model closure's or the optimizer's errors
     /// (`Panicked` for a panic) as `ReplicaFailed` naming the device. A rank whose
     /// `ncclCommInitRank` itself fails leaves the others in theirs until NCCL gives up (as
     /// with NCCL everywhere: nothing of ndscope's runs before every rank has joined).
@@ -128,7 +180,21 @@ impl ParallelTrainerBuilder {
         S: Fn(&M, &NDArray, &NDArray) -> Result<NDArray> + Send + Sync + 'static,
     {
         let ctx = Ctx::new("ParallelTrainerBuilder::build");
-        check_devices(&ctx, &self.devices)?;
+        let mut devices = self.devices.clone();
+        if let Some(config) = &self.distributed {
+            config.validate(&ctx)?;
+            if devices.is_empty() {
+                devices = vec![Device::Cuda(config.local_rank)];
+            }
+            if devices.len() != 1 {
+                return Err(ctx.invalid(format!(
+                    "a process of a distributed world drives exactly one device (its rank's), \
+                     got {} devices",
+                    devices.len()
+                )));
+            }
+        }
+        check_devices(&ctx, &devices)?;
         if self.workspace.graph_replay() {
             return Err(ctx.config(
                 "a parallel trainer's workspaces cannot replay graphs yet: the gradients' NCCL \
@@ -153,19 +219,37 @@ impl ParallelTrainerBuilder {
                 )));
             }
         }
-        let id = nccl_unique_id(&ctx)?;
-        let ranks = self.devices.len();
+        // The NCCL ranks: this process's devices, or this process's one rank of the world.
+        let (id, first_rank, world) = match &self.distributed {
+            None => (nccl_unique_id(&ctx)?, 0, devices.len()),
+            Some(config) => {
+                let id = if config.rank == 0 {
+                    let id = nccl_unique_id(&ctx)?;
+                    if config.world_size > 1 {
+                        serve_id(&ctx, config, id.to_bytes())?;
+                    }
+                    id
+                } else {
+                    NcclId::from_bytes(&ctx, fetch_id(&ctx, config)?)?
+                };
+                (id, config.rank, config.world_size)
+            }
+        };
+        let ranks = devices.len();
         let root = Manager::new_base().with_name(&self.name);
         let make: Arc<MakeModel<M>> = Arc::new(model);
         let step: Arc<StepFn<M>> = Arc::new(step);
         let (reply_tx, replies) = mpsc::channel();
         let mut workers = Vec::with_capacity(ranks);
         let mut failure = None;
-        for (rank, &device) in self.devices.iter().enumerate() {
+        for (slot, &device) in devices.iter().enumerate() {
+            let rank = first_rank + slot;
             let setup = Setup {
                 name: self.name.clone(),
+                slot,
                 rank,
-                ranks,
+                ranks: world,
+                distributed: self.distributed.is_some(),
                 device,
                 id,
                 root: root.clone(),
@@ -202,6 +286,7 @@ impl ParallelTrainerBuilder {
             params: vec![Vec::new(); ranks],
             stats: ParallelTrainerStats::default(),
             closed: false,
+            distributed: self.distributed,
         };
         if let Some(e) = failure {
             // The threads already started wait in ncclCommInitRank for a rank that never comes
@@ -294,6 +379,18 @@ enum Job {
     Go(bool),
     /// Abort the communicator if it may wait for a failed rank, close everything, stop.
     Stop { abort: bool },
+    /// Distributed: this process's step was refused before it ran; join the other ranks'
+    /// exchange as failed (so that they learn of it), reply `Skipped`.
+    Skip,
+}
+
+/// One rank's part of a distributed step, from the exchange before the gradients' all-reduce.
+#[derive(Clone, Copy, Debug)]
+struct RankStep {
+    ok: bool,
+    rows: usize,
+    loss: f32,
+    ordinal: usize,
 }
 
 /// What a rank's setup hands back.
@@ -307,8 +404,13 @@ struct Ready {
 
 enum Reply {
     Ready(Result<Ready>),
-    /// Forward and backward done (the gradients scaled), or the error.
-    Computed(Result<()>),
+    /// Forward and backward done (the gradients scaled; distributed: with every rank's part),
+    /// or the error, and whether the communicator may now be unusable (the exchange failed:
+    /// the trainer aborts it and is broken).
+    Computed(Result<Option<Vec<RankStep>>>, bool),
+    /// Distributed: the exchange of a refused step joined (`true`: it failed, the trainer is
+    /// broken).
+    Skipped(bool),
     /// The update done with the shard's loss (`Some`), dropped (`None`), or the error.
     Updated(Result<Option<f32>>),
     /// The thread ended.
@@ -318,8 +420,13 @@ enum Reply {
 /// What a device's thread starts from.
 struct Setup {
     name: String,
+    /// The replica's place in this process's trainer (its replies' key).
+    slot: usize,
+    /// Its NCCL rank, of `ranks`.
     rank: usize,
     ranks: usize,
+    /// One rank of a world of processes: steps exchange every rank's part first.
+    distributed: bool,
     device: Device,
     id: NcclId,
     root: Manager,
@@ -345,6 +452,9 @@ impl Drop for Leaving {
 /// A replica: what its thread owns.
 struct Replica<M> {
     comm: Arc<Communicator>,
+    /// Distributed: this rank and the world size.
+    world: Option<(usize, usize)>,
+    ordinal: usize,
     model: M,
     params: Vec<NDArray>,
     optimizer: Optimizer,
@@ -380,6 +490,68 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
         Device::Cpu => return Err(ctx.invalid("a replica's device is a CUDA device")),
     };
     let comm = Arc::new(Communicator::init(&ctx, ordinal, s.id, s.rank, s.ranks)?);
+    let built = setup_replica(s, make, &comm, ordinal);
+    if !s.distributed {
+        return built;
+    }
+    // Every process's rank learns whether every other one is ready: one that failed its setup
+    // must not leave the others waiting in their first step's exchange.
+    let failed = setup_barrier(&ctx, &comm, s, built.is_ok());
+    match (built, failed) {
+        (Ok(r), Ok(failed)) if failed.is_empty() => Ok(r),
+        (Ok(r), failed) => {
+            dismantle(r, false);
+            Err(match failed {
+                Ok(failed) => Error::Backend {
+                    op: ctx.op,
+                    at: ctx.at,
+                    reason: format!(
+                        "rank(s) {} of {} failed their setup (their processes report why)",
+                        failed
+                            .iter()
+                            .map(usize::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        s.ranks
+                    ),
+                },
+                Err(e) => e,
+            })
+        }
+        (Err(e), _) => Err(e),
+    }
+}
+
+/// Distributed: a sum all-reduce of one flag per rank (1: set up), in a manager of its own on
+/// the rank's device; the ranks whose flag is not set.
+fn setup_barrier(ctx: &Ctx, comm: &Communicator, s: &Setup, ok: bool) -> Result<Vec<usize>> {
+    let m = Manager::new_base_on(s.device)?.with_name("setup-barrier");
+    let flags = (|| {
+        let mut flags = vec![0.0f32; s.ranks];
+        if let Some(mine) = flags.get_mut(s.rank) {
+            *mine = if ok { 1.0 } else { 0.0 };
+        }
+        let flags = m.from_vec(flags, [s.ranks])?;
+        all_reduce_sum_(ctx, comm, &[&flags])?;
+        flags.to_vec::<f32>()
+    })();
+    let _ = m.close();
+    Ok(flags?
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| **f != 1.0)
+        .map(|(i, _)| i)
+        .collect())
+}
+
+/// A replica's parts of `setup`, on its communicator.
+fn setup_replica<M>(
+    s: &Setup,
+    make: &MakeModel<M>,
+    comm: &Arc<Communicator>,
+    ordinal: usize,
+) -> Result<Replica<M>> {
+    let comm = Arc::clone(comm);
     let replica = s
         .root
         .new_sub_manager_on(s.device)?
@@ -439,6 +611,8 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
     match made {
         Ok((params, model, optimizer, ws, buckets)) => Ok(Replica {
             comm,
+            world: s.distributed.then_some((s.rank, s.ranks)),
+            ordinal,
             model,
             params,
             optimizer,
@@ -462,7 +636,7 @@ fn worker<M>(
     jobs: mpsc::Receiver<Job>,
     replies: mpsc::Sender<(usize, Reply)>,
 ) {
-    let rank = s.rank;
+    let rank = s.slot;
     let leaving = Leaving {
         rank,
         replies: replies.clone(),
@@ -512,12 +686,23 @@ fn worker<M>(
                 }
             }
             Job::Go(_) => {}
+            Job::Skip => {
+                let broken = exchange(&r, None, None).is_err();
+                let _ = replies.send((rank, Reply::Skipped(broken)));
+            }
             Job::Stop { abort: a } => {
                 abort = a;
                 break;
             }
         }
     }
+    dismantle(r, abort);
+    drop(leaving);
+}
+
+/// Closes a replica: its model, optimizer and managers, then its communicator (aborted first
+/// with `abort`; destroyed after its queued work unless the trainer still holds it).
+fn dismantle<M>(r: Replica<M>, abort: bool) {
     if abort {
         r.comm.abort();
     }
@@ -539,7 +724,6 @@ fn worker<M>(
     let _ = replica.close();
     // Destroyed here (after its queued work) unless the trainer still holds it.
     drop(comm);
-    drop(leaving);
 }
 
 /// One step on this replica; `false` when the trainer said stop meanwhile.
@@ -553,39 +737,160 @@ fn run_step<M>(
     rank: usize,
 ) -> bool {
     let rows = x.dims().first().copied().unwrap_or(0);
-    let scope = match r.ws.open() {
-        Ok(scope) => scope,
-        Err(e) => {
-            let _ = replies.send((rank, Reply::Computed(Err(e))));
-            return wait_go(r, None, jobs, replies, rank, during);
+    let (scope, computed) = match r.ws.open() {
+        Ok(scope) => {
+            let computed = caught(STEP, during, || {
+                let _active = scope.activate();
+                let x = scope.from_host(&x)?;
+                let y = scope.from_host(&y)?;
+                let collector = gradient_collector()?;
+                let loss = step(&r.model, &x, &y)?;
+                collector.backward(&loss)?;
+                collector.close();
+                if r.world.is_some() {
+                    // Every rank's loss travels with the exchange.
+                    let value = loss_value(&loss)?;
+                    return Ok((loss, value));
+                }
+                // Each shard's gradient is the mean over its rows: weighted by its share of
+                // the batch, the sum over the ranks is the mean over the whole batch (uneven
+                // shards too).
+                if rows != batch {
+                    scale_gradients(r, rows as f64 / batch as f64)?;
+                }
+                Ok((loss, 0.0))
+            });
+            (Some(scope), computed)
+        }
+        Err(e) => (None, Err(e)),
+    };
+    let (reply, broken, loss) = if r.world.is_some() {
+        // Every rank joins the exchange, failed or not: none enters the gradients' all-reduce
+        // unless every rank will.
+        let local = computed.as_ref().ok().map(|(_, v)| (rows, *v));
+        match exchange(r, scope.as_ref(), local) {
+            Err(e) => (Err(e), true, None),
+            Ok(world) => match computed {
+                Err(e) => (Err(e), false, None),
+                Ok((loss, _)) => match remote_failure(r, &world) {
+                    Some(e) => (Err(e), false, None),
+                    None => {
+                        let total: usize = world.iter().map(|w| w.rows).sum();
+                        let scaled = if rows != total {
+                            caught(STEP, during, || {
+                                scale_gradients(r, rows as f64 / total as f64)
+                            })
+                        } else {
+                            Ok(())
+                        };
+                        match scaled {
+                            // The others go on to the all-reduce: this rank cannot follow.
+                            Err(e) => (Err(e), true, None),
+                            Ok(()) => (Ok(Some(world)), false, Some(loss)),
+                        }
+                    }
+                },
+            },
+        }
+    } else {
+        match computed {
+            Ok((loss, _)) => (Ok(None), false, Some(loss)),
+            Err(e) => (Err(e), false, None),
         }
     };
-    let computed = caught(STEP, during, || {
-        let _active = scope.activate();
-        let x = scope.from_host(&x)?;
-        let y = scope.from_host(&y)?;
-        let collector = gradient_collector()?;
-        let loss = step(&r.model, &x, &y)?;
-        collector.backward(&loss)?;
-        collector.close();
-        // Each shard's gradient is the mean over its rows: weighted by its share of the batch,
-        // the sum over the ranks is the mean over the whole batch (uneven shards too).
-        if rows != batch {
-            let scale = rows as f64 / batch as f64;
-            for p in &r.params {
-                p.gradient()?.mul_scalar_(scale)?;
-            }
-        }
-        Ok(loss)
-    });
-    let (reply, loss) = match computed {
-        Ok(loss) => (Ok(()), Some(loss)),
-        Err(e) => (Err(e), None),
-    };
-    let _ = replies.send((rank, Reply::Computed(reply)));
+    let _ = replies.send((rank, Reply::Computed(reply, broken)));
     let go_on = wait_go(r, loss, jobs, replies, rank, during);
     drop(scope);
     go_on
+}
+
+/// Multiplies every gradient of the replica by `scale`.
+fn scale_gradients<M>(r: &Replica<M>, scale: f64) -> Result<()> {
+    for p in &r.params {
+        p.gradient()?.mul_scalar_(scale)?;
+    }
+    Ok(())
+}
+
+/// A scalar loss's value.
+fn loss_value(loss: &NDArray) -> Result<f32> {
+    if loss.dtype() == DType::F32 {
+        loss.to_scalar::<f32>()
+    } else {
+        loss.to_dtype(DType::F32)?.to_scalar::<f32>()
+    }
+}
+
+/// Distributed: every rank's part of the step, from a sum all-reduce of a vector with four
+/// slots per rank (succeeded, rows, loss, device ordinal), each rank filling its own (`local`:
+/// its rows and loss, `None` when its step failed or was refused). In the step's cycle
+/// (`scope`) or, without one, in the step manager.
+fn exchange<M>(
+    r: &Replica<M>,
+    scope: Option<&crate::Scope>,
+    local: Option<(usize, f32)>,
+) -> Result<Vec<RankStep>> {
+    let ctx = Ctx::new(STEP);
+    let Some((me, world)) = r.world else {
+        return Err(ctx.invalid("an exchange of rank parts outside a distributed world"));
+    };
+    let mut slots = vec![0.0f64; 4 * world];
+    if let Some(mine) = slots.get_mut(4 * me..4 * me + 4) {
+        let (ok, rows, loss) = match local {
+            Some((rows, loss)) => (1.0, rows as f64, f64::from(loss)),
+            None => (0.0, 0.0, 0.0),
+        };
+        mine.copy_from_slice(&[ok, rows, loss, r.ordinal as f64]);
+    }
+    let flags = match scope {
+        Some(scope) => scope.from_vec(slots, [4 * world])?,
+        None => r.steps.from_vec(slots, [4 * world])?,
+    };
+    let summed = all_reduce_sum_(&ctx, &r.comm, &[&flags]).and_then(|()| flags.to_vec::<f64>());
+    let _ = flags.close();
+    let summed = summed?;
+    Ok(summed
+        .chunks(4)
+        .map(|c| RankStep {
+            // A rank's slot is 1.0 or 0.0 plus the others' zeros: exact.
+            ok: c[0] == 1.0,
+            rows: c[1] as usize,
+            loss: c[2] as f32,
+            ordinal: c[3] as usize,
+        })
+        .collect())
+}
+
+/// Distributed: `ReplicaFailed` naming the first other rank whose step failed, if any.
+fn remote_failure<M>(r: &Replica<M>, world: &[RankStep]) -> Option<Error> {
+    let failed: Vec<usize> = world
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| !w.ok)
+        .map(|(i, _)| i)
+        .collect();
+    let &first = failed.first()?;
+    let ctx = Ctx::new(STEP);
+    let me = r.world.map_or(0, |(me, _)| me);
+    let list: Vec<String> = failed.iter().map(usize::to_string).collect();
+    Some(Error::ReplicaFailed {
+        op: ctx.op,
+        at: ctx.at,
+        device: Device::Cuda(world[first].ordinal),
+        rank: first,
+        step: 0,
+        after_all_reduce: false,
+        source: Box::new(Error::Backend {
+            op: ctx.op,
+            at: ctx.at,
+            reason: format!(
+                "rank(s) {} of {} failed or refused their step (their processes report why); \
+                 rank {me} dropped its gradients",
+                list.join(", "),
+                world.len()
+            ),
+        }),
+    })
 }
 
 /// Waits for the trainer's decision after the forward and backward passes, and carries it out.
@@ -606,7 +911,7 @@ fn wait_go<M>(
             let _ = r.optimizer.zero_gradients();
             return false;
         }
-        Ok(Job::Step { .. }) | Err(_) => {
+        Ok(Job::Step { .. } | Job::Skip) | Err(_) => {
             let _ = r.optimizer.zero_gradients();
             return false;
         }
@@ -672,6 +977,10 @@ fn wait_go<M>(
 ///   the trainer goes on; `step` returns `ReplicaFailed` naming the device. No rank ever waits
 ///   in a collective for a rank that failed before it. A failure after the all-reduce was
 ///   queued aborts every communicator (`ncclCommAbort`) and the trainer refuses later steps.
+/// - **Several processes**, one rank each, as `torchrun` launches them:
+///   [`ParallelTrainerBuilder::distributed`] with a [`DistributedConfig`] (from torchrun's
+///   environment or given in code). Each process then steps on its own batch; the gradients
+///   are averaged over every rank's rows, and a rank that fails makes every rank's step fail.
 /// - **Graph replay** of the step workspaces is refused for now (the NCCL calls are not
 ///   recorded into a cycle's graph).
 ///
@@ -703,6 +1012,7 @@ pub struct ParallelTrainer {
     params: Vec<Vec<NDArray>>,
     stats: ParallelTrainerStats,
     closed: bool,
+    distributed: Option<DistributedConfig>,
 }
 
 impl fmt::Debug for ParallelTrainer {
@@ -725,15 +1035,17 @@ impl ParallelTrainer {
             workspace: WorkspaceConfig::default(),
             optimizer: OptimizerKind::Sgd(Sgd::new(0.01)),
             bucket_bytes: BUCKET_BYTES,
+            distributed: None,
         }
     }
 
-    fn replica_error(&self, ctx: &Ctx, rank: usize, step: u64, after: bool, e: Error) -> Error {
+    /// `ReplicaFailed` for the replica in `slot` (its rank: its place in the world).
+    fn replica_error(&self, ctx: &Ctx, slot: usize, step: u64, after: bool, e: Error) -> Error {
         Error::ReplicaFailed {
             op: ctx.op,
             at: ctx.at,
-            device: self.workers.get(rank).map_or(Device::Cpu, |w| w.device),
-            rank,
+            device: self.workers.get(slot).map_or(Device::Cpu, |w| w.device),
+            rank: self.distributed.as_ref().map_or(0, |c| c.rank) + slot,
             step,
             after_all_reduce: after,
             source: Box::new(e),
@@ -748,6 +1060,14 @@ impl ParallelTrainer {
     /// with different rows, or fewer rows than devices (a replica would get none); `ShutDown`
     /// once closed or broken; `ReplicaFailed` naming the first device that failed, with its
     /// error (`Panicked` for a panic of the step closure).
+    ///
+    /// In a distributed world ([`ParallelTrainerBuilder::distributed`]) `x` and `y` are this
+    /// rank's own batch (not split), the result's `shard_losses` and `rows` are every rank's,
+    /// and `loss` is the mean over every rank's rows. A refused batch still takes part in the
+    /// ranks' exchange (as a failure), so that the other ranks fail too instead of waiting;
+    /// another rank's failure is `ReplicaFailed` naming that rank and its device ordinal, with
+    /// a `Backend` error as its source (the failed process reports the real error). A failure
+    /// of the exchange itself breaks the trainer (its communicator aborted).
     #[track_caller]
     pub fn step(&mut self, x: &NDArray, y: &NDArray) -> Result<ParallelStep> {
         let ctx = Ctx::new("ParallelTrainer::step");
@@ -759,37 +1079,26 @@ impl ParallelTrainer {
                 reason: if self.closed {
                     "it was closed".to_string()
                 } else {
-                    "a step failed after its all-reduce was queued and its communicators were \
+                    "a step failed after a collective was queued (the gradients' all-reduce, \
+                     or in a distributed world the ranks' exchange) and its communicators were \
                      aborted; close it"
                         .to_string()
                 },
             });
         }
         let ranks = self.workers.len();
-        let (Some(&batch), Some(&labels)) = (x.dims().first(), y.dims().first()) else {
-            return Err(ctx.invalid(format!(
-                "a step splits its batch along axis 0: x {} and y {} need one",
-                x.shape(),
-                y.shape()
-            )));
-        };
-        if batch != labels {
-            return Err(ctx.invalid(format!(
-                "x has {batch} rows and y {labels}: one label row per input row"
-            )));
-        }
-        if batch < ranks {
-            return Err(ctx.invalid(format!(
-                "a batch of {batch} rows cannot be split over {ranks} devices: each replica \
-                 needs at least one row"
-            )));
-        }
-        let rows: Vec<usize> = (0..ranks)
-            .map(|i| batch / ranks + usize::from(i < batch % ranks))
-            .collect();
-        let xs = x.to_host()?.split_rows(&rows)?;
-        let ys = y.to_host()?.split_rows(&rows)?;
         let number = self.stats.steps + self.stats.failed;
+        let (batch, rows, xs, ys) = match self.prepare(&ctx, x, y) {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                if self.distributed.is_some() {
+                    // The other ranks wait in the exchange: join it as failed.
+                    self.skip();
+                    self.stats.failed += 1;
+                }
+                return Err(e);
+            }
+        };
         for (w, (x, y)) in self.workers.iter().zip(xs.into_iter().zip(ys)) {
             let job = Job::Step { x, y, batch };
             if w.jobs.send(job).is_err() {
@@ -804,12 +1113,41 @@ impl ParallelTrainer {
         // Forward and backward on every rank.
         let mut first_error: Option<Error> = None;
         let mut gone = false;
+        let mut world: Option<Vec<RankStep>> = None;
         for _ in 0..ranks {
             match self.replies.recv() {
-                Ok((_, Reply::Computed(Ok(())))) => {}
-                Ok((rank, Reply::Computed(Err(e)))) => {
+                Ok((_, Reply::Computed(Ok(parts), broken))) => {
+                    world = parts;
+                    if broken {
+                        gone = true;
+                    }
+                }
+                Ok((rank, Reply::Computed(Err(e), broken))) => {
+                    if broken {
+                        // The exchange failed: the other ranks may wait for this one.
+                        gone = true;
+                    }
                     if first_error.is_none() {
-                        first_error = Some(self.replica_error(&ctx, rank, number, false, e));
+                        first_error = Some(match e {
+                            Error::ReplicaFailed {
+                                op,
+                                at,
+                                device,
+                                rank,
+                                after_all_reduce,
+                                source,
+                                ..
+                            } if self.distributed.is_some() => Error::ReplicaFailed {
+                                op,
+                                at,
+                                device,
+                                rank,
+                                step: number,
+                                after_all_reduce,
+                                source,
+                            },
+                            e => self.replica_error(&ctx, rank, number, false, e),
+                        });
                     }
                 }
                 Ok((rank, _)) => {
@@ -883,6 +1221,20 @@ impl ParallelTrainer {
             return Err(e);
         }
         self.stats.steps += 1;
+        if let Some(world) = world {
+            // Distributed: every rank's rows and loss, from the exchange.
+            let total: usize = world.iter().map(|w| w.rows).sum();
+            let loss = world
+                .iter()
+                .map(|w| f64::from(w.loss) * w.rows as f64)
+                .sum::<f64>()
+                / total.max(1) as f64;
+            return Ok(ParallelStep {
+                loss: loss as f32,
+                shard_losses: world.iter().map(|w| w.loss).collect(),
+                rows: world.iter().map(|w| w.rows).collect(),
+            });
+        }
         let loss = losses
             .iter()
             .zip(&rows)
@@ -894,6 +1246,53 @@ impl ParallelTrainer {
             shard_losses: losses,
             rows,
         })
+    }
+
+    /// A step's batch, checked and split into one shard per replica: the batch's rows, each
+    /// shard's rows, and the shards of `x` and `y`.
+    fn prepare(&self, ctx: &Ctx, x: &NDArray, y: &NDArray) -> Result<Prepared> {
+        let ranks = self.workers.len();
+        let (Some(&batch), Some(&labels)) = (x.dims().first(), y.dims().first()) else {
+            return Err(ctx.invalid(format!(
+                "a step splits its batch along axis 0: x {} and y {} need one",
+                x.shape(),
+                y.shape()
+            )));
+        };
+        if batch != labels {
+            return Err(ctx.invalid(format!(
+                "x has {batch} rows and y {labels}: one label row per input row"
+            )));
+        }
+        if batch < ranks {
+            return Err(ctx.invalid(format!(
+                "a batch of {batch} rows cannot be split over {ranks} devices: each replica \
+                 needs at least one row"
+            )));
+        }
+        let rows: Vec<usize> = (0..ranks)
+            .map(|i| batch / ranks + usize::from(i < batch % ranks))
+            .collect();
+        let xs = x.to_host()?.split_rows(&rows)?;
+        let ys = y.to_host()?.split_rows(&rows)?;
+        Ok((batch, rows, xs, ys))
+    }
+
+    /// Distributed: this process's step was refused; its rank joins the other ranks' exchange
+    /// as failed. A failed exchange breaks the trainer.
+    fn skip(&mut self) {
+        let mut broken = true;
+        if let Some(w) = self.workers.first() {
+            if w.jobs.send(Job::Skip).is_ok() {
+                if let Ok((_, Reply::Skipped(b))) = self.replies.recv() {
+                    broken = b;
+                }
+            }
+        }
+        if broken {
+            self.stats.broken = true;
+            self.abort_all();
+        }
     }
 
     /// Aborts every rank's communicator (from this thread: a rank waiting in a collective for a
@@ -909,13 +1308,20 @@ impl ParallelTrainer {
         self.workers.iter().map(|w| w.device).collect()
     }
 
-    /// The number of replicas (devices).
+    /// The number of replicas (devices) of this process (1 in a distributed world).
     pub fn replicas(&self) -> usize {
         self.workers.len()
     }
 
+    /// The world this process is one rank of, when built with
+    /// [`distributed`](ParallelTrainerBuilder::distributed).
+    pub fn distributed(&self) -> Option<&DistributedConfig> {
+        self.distributed.as_ref()
+    }
+
     /// Replica `rank`'s parameters (on its device, in the order of the source parameters), to
-    /// read between steps. `InvalidArgument` for a rank out of range.
+    /// read between steps. `InvalidArgument` for a rank out of range. `rank` is the replica's
+    /// place in this process (0 in a distributed world, whatever the process's rank).
     #[track_caller]
     pub fn parameters(&self, rank: usize) -> Result<&[NDArray]> {
         self.params.get(rank).map(Vec::as_slice).ok_or_else(|| {

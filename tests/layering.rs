@@ -75,6 +75,8 @@ const LAYERS: &[(&str, u32)] = &[
     ("timeline", 8),
     // Data-parallel training over several devices (NCCL).
     ("training", 8),
+    // Several processes, one rank each: torchrun's configuration and the TCP rendezvous.
+    ("distributed", 8),
     ("cuda", 8),
     // The crate root re-exports everything.
     ("", 9),

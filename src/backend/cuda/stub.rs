@@ -77,6 +77,17 @@ pub(crate) enum NcclId {}
 #[derive(Debug)]
 pub(crate) enum Communicator {}
 
+impl NcclId {
+    pub(crate) fn to_bytes(self) -> [u8; 128] {
+        match self {}
+    }
+
+    /// No NCCL in this build.
+    pub(crate) fn from_bytes(ctx: &Ctx, _bytes: [u8; 128]) -> Result<NcclId> {
+        Err(ctx.unsupported(WHY))
+    }
+}
+
 /// No NCCL in this build.
 pub(crate) fn nccl_unique_id(ctx: &Ctx) -> Result<NcclId> {
     Err(ctx.unsupported(WHY))

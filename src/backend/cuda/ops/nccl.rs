@@ -26,6 +26,21 @@ impl std::fmt::Debug for NcclId {
     }
 }
 
+impl NcclId {
+    /// The id's 128 bytes, to pass to the ranks of other processes.
+    pub(crate) fn to_bytes(self) -> [u8; 128] {
+        // `internal` is `c_char`: signed or not by platform; the bits are what travels.
+        self.0.internal.map(|c| c as u8)
+    }
+
+    /// The id another process's `ncclGetUniqueId` made, from its bytes.
+    pub(crate) fn from_bytes(_ctx: &Ctx, bytes: [u8; 128]) -> Result<NcclId> {
+        Ok(NcclId(nccl::ncclUniqueId {
+            internal: bytes.map(|b| b as std::ffi::c_char),
+        }))
+    }
+}
+
 /// Whether the NCCL library loads (cudarc panics on a call into a library it cannot load).
 fn present() -> bool {
     // SAFETY: only tries to open the shared library by name.
