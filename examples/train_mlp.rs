@@ -73,7 +73,7 @@ use std::time::Instant;
 
 use std::cell::RefCell;
 
-use mlp::{make_data, Dense, Mlp, Precision};
+use mlp::{make_data, Mlp, Precision};
 use ndscope::{
     fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, DType, Device, LayerWorkspaceMgr,
     Manager, NDArray, Optimizer, OptimizerKind, ParallelTrainer, Prefetcher, RecordOptions, Sgd,
@@ -577,19 +577,8 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
         .into()
     };
     let devices: Vec<Device> = (0..n).map(Device::Cuda).collect();
-    let model = |params: &[NDArray]| -> ndscope::Result<Mlp> {
-        Ok(Mlp {
-            layers: params
-                .chunks(2)
-                .map(|c| Dense {
-                    w: c[0].clone(),
-                    b: c[1].clone(),
-                    velocities: None,
-                })
-                .collect(),
-            classes: CLASSES,
-        })
-    };
+    let model =
+        |params: &[NDArray]| -> ndscope::Result<Mlp> { Ok(Mlp::from_parameters(params, CLASSES)) };
     let mut trainer = ParallelTrainer::builder()
         .name("train_mlp")
         .devices(&devices)

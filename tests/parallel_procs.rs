@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use mlp::{Dense, Mlp};
+use mlp::Mlp;
 use ndscope::{
     gradient_collector, Device, DistributedConfig, Error, HostArray, Manager, NDArray, Optimizer,
     OptimizerKind, ParallelTrainer, Sgd, WorkspaceConfig,
@@ -52,17 +52,7 @@ fn model(params: &[NDArray]) -> ndscope::Result<Mlp> {
         // An injected failure.
         params[0].reshape([3, 1000])?;
     }
-    Ok(Mlp {
-        layers: params
-            .chunks(2)
-            .map(|c| Dense {
-                w: c[0].clone(),
-                b: c[1].clone(),
-                velocities: None,
-            })
-            .collect(),
-        classes: SIZES[3],
-    })
+    Ok(Mlp::from_parameters(params, SIZES[3]))
 }
 
 /// The tests seed the process-wide generator (the parameters, the data) and share the devices:

@@ -12,7 +12,7 @@ mod mlp;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use mlp::{Dense, Mlp};
+use mlp::Mlp;
 use ndscope::{
     gradient_collector, Adam, Device, Error, Manager, NDArray, Optimizer, OptimizerKind,
     ParallelTrainer, Sgd, WorkspaceConfig,
@@ -60,17 +60,7 @@ fn source(m: &Manager) -> Vec<NDArray> {
 }
 
 fn model(params: &[NDArray]) -> ndscope::Result<Mlp> {
-    Ok(Mlp {
-        layers: params
-            .chunks(2)
-            .map(|c| Dense {
-                w: c[0].clone(),
-                b: c[1].clone(),
-                velocities: None,
-            })
-            .collect(),
-        classes: SIZES[3],
-    })
+    Ok(Mlp::from_parameters(params, SIZES[3]))
 }
 
 /// 0: no failure; 1: the step closure fails on cuda:1; 2: it panics there.

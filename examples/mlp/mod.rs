@@ -90,6 +90,24 @@ impl Mlp {
         Mlp::build(model, sizes, true)
     }
 
+    /// The network over existing parameters `[w1, b1, w2, b2, …]` (as
+    /// [`parameters`](Mlp::parameters) lists them), without momentum buffers: a data-parallel
+    /// replica's model over its device's copies.
+    pub fn from_parameters(params: &[NDArray], classes: usize) -> Mlp {
+        Mlp {
+            layers: params
+                .chunks(2)
+                .filter(|c| c.len() == 2)
+                .map(|c| Dense {
+                    w: c[0].clone(),
+                    b: c[1].clone(),
+                    velocities: None,
+                })
+                .collect(),
+            classes,
+        }
+    }
+
     fn build(model: &Manager, sizes: &[usize], autograd: bool) -> Result<Mlp> {
         let mut layers = Vec::new();
         for (i, pair) in sizes.windows(2).enumerate() {
