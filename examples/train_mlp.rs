@@ -475,13 +475,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         };
         start += len;
     }
-    let held_accuracy = held_correct as f64 / HELD_OUT as f64;
-    println!(
-        "held-out accuracy {:.2}% after {:.1} s of training ({:.0} samples/s)",
-        100.0 * held_accuracy,
-        train_secs,
-        (steps * args.batch * args.epochs) as f64 / train_secs
-    );
+    let held_accuracy = held_out(held_correct, train_secs, steps * args.batch * args.epochs);
     if args.workspace {
         let s = ws.stats();
         println!(
@@ -658,13 +652,7 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
         println!("saved replica 0's parameters to {}", path.display());
     }
     drop(net);
-    let held_accuracy = held_correct as f64 / HELD_OUT as f64;
-    println!(
-        "held-out accuracy {:.2}% after {:.1} s of training ({:.0} samples/s)",
-        100.0 * held_accuracy,
-        train_secs,
-        (steps * args.batch * args.epochs) as f64 / train_secs
-    );
+    let held_accuracy = held_out(held_correct, train_secs, steps * args.batch * args.epochs);
     let stats = trainer.stats();
     println!(
         "parallel trainer: {} steps, {} failed",
@@ -683,6 +671,19 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
         write_recording(args)?;
     }
     verdict.map_err(Into::into)
+}
+
+/// The held-out accuracy of `correct` predictions, printed with the training time and the
+/// rate over `samples` training samples.
+fn held_out(correct: i64, train_secs: f64, samples: usize) -> f64 {
+    let accuracy = correct as f64 / HELD_OUT as f64;
+    println!(
+        "held-out accuracy {:.2}% after {:.1} s of training ({:.0} samples/s)",
+        100.0 * accuracy,
+        train_secs,
+        samples as f64 / train_secs
+    );
+    accuracy
 }
 
 /// The job's own checks: it learned, and memory stayed flat.

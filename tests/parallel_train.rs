@@ -202,8 +202,7 @@ fn reference(
         .expect("workspace");
     for i in 0..steps {
         let (x, y) = &data[i % data.len()];
-        ws.cycle(|scope| {
-            let _ = scope;
+        ws.cycle(|_| {
             let x = x.to_device(dev)?;
             let y = y.to_device(dev)?;
             let collector = gradient_collector()?;
