@@ -1,19 +1,24 @@
 //! Several processes, one rank each, as `torchrun` launches them: [`DistributedConfig`] (rank,
-//! world size, the address of rank 0), from torchrun's environment or given in code, and the
-//! TCP rendezvous that hands rank 0's NCCL unique id to the other ranks (std::net only).
+//! world size, the address of rank 0), from torchrun's environment or given in code, the TCP
+//! rendezvous that hands rank 0's NCCL unique id to the other ranks, and rank 0's failure
+//! board, on the same listener, through which the ranks agree on which rank stopped answering
+//! (std::net only).
 //!
 //! The rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT` and serves its id to each of the
-//! `world_size - 1` other ranks, then closes the listener; the others connect, retrying until
-//! the timeout. Frames (little-endian): the client sends `b"NDSCRDV1"`, its world size (u32)
+//! `world_size - 1` other ranks, then keeps the listener for the board ([`Board`]); the others
+//! connect, retrying until the timeout. Frames (little-endian): the client sends `b"NDSCRDV1"`, its world size (u32)
 //! and its rank (u32); rank 0 answers `b"NDSCRDV1"`, its world size (u32), a status (u32: 0
 //! served, 1 refused: a rank out of range, rank 0, or a rank already served) and the 128 bytes
 //! of the id. A client whose world size differs from rank 0's, or that is refused, fails with
 //! `InvalidConfig`; rank 0 answers it and goes on waiting for the ranks it still needs.
 
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
-use std::thread;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crate::error::Ctx;
@@ -238,8 +243,13 @@ fn resolve(ctx: &Ctx, config: &DistributedConfig) -> Result<Vec<SocketAddr>> {
 
 /// Rank 0's side: listens on the master address and serves `id` to each of the other ranks
 /// (every rank `1..world_size` once), then closes the listener. Errors: the address cannot be
-/// bound, or not every rank came within the timeout (naming the missing ones).
-pub(crate) fn serve_id(ctx: &Ctx, config: &DistributedConfig, id: [u8; 128]) -> Result<()> {
+/// bound, or not every rank came within the timeout (naming the missing ones). Returns the
+/// listener, for rank 0's [`Board`].
+pub(crate) fn serve_id(
+    ctx: &Ctx,
+    config: &DistributedConfig,
+    id: [u8; 128],
+) -> Result<TcpListener> {
     let addr = config.master();
     let deadline = Instant::now() + config.timeout;
     let addrs = resolve(ctx, config)?;
@@ -292,7 +302,7 @@ pub(crate) fn serve_id(ctx: &Ctx, config: &DistributedConfig, id: [u8; 128]) -> 
             Err(e) => return Err(io_error(e, "accepting a connection")),
         }
     }
-    Ok(())
+    Ok(listener)
 }
 
 /// Reads a client's hello and answers it.
@@ -440,6 +450,248 @@ pub(crate) fn fetch_id(ctx: &Ctx, config: &DistributedConfig) -> Result<[u8; 128
     let mut id = [0u8; 128];
     id.copy_from_slice(&frame[16..]);
     Ok(id)
+}
+
+// ---- rank 0's failure board ----
+
+/// The board frames' magic.
+const BOARD_MAGIC: &[u8; 8] = b"NDSCBRD1";
+/// A post: magic, world size, rank, step (u64), what the rank saw (u32), its device ordinal.
+const POST: usize = 8 + 4 + 4 + 8 + 4 + 4;
+/// The steps the board remembers.
+const BOARD_STEPS: usize = 16;
+
+/// What a rank posts on the [`Board`] about a step it could not finish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Seen {
+    /// It waited in a collective for the other ranks (or its collective failed).
+    Waited,
+    /// Its own step failed or did not return in time (the step closure, forward and backward,
+    /// or its update).
+    Culprit,
+}
+
+impl Seen {
+    fn code(self) -> u32 {
+        match self {
+            Seen::Waited => 1,
+            Seen::Culprit => 2,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Seen> {
+        match code {
+            1 => Some(Seen::Waited),
+            2 => Some(Seen::Culprit),
+            _ => None,
+        }
+    }
+}
+
+/// One rank's post: its rank, what it saw, its device ordinal.
+pub(crate) type Post = (usize, Seen, usize);
+
+/// Rank 0's failure board: after the rendezvous, rank 0 keeps its listener for the trainer's
+/// life. A rank whose step failed in a way it cannot attribute (a collective that failed or
+/// timed out, its own step closure that did not return) posts what it saw for that step and
+/// reads every post for it, so that every rank names the same culprit: the ranks whose own
+/// step failed or hung, else the ranks that never posted (a process that died or froze). Nothing goes
+/// over it while steps succeed. Frames (little-endian): a post is `b"NDSCBRD1"`, the world size
+/// (u32), the rank (u32), the step (u64), what it saw (u32: 1 waited, 2 its own step failed) and its device
+/// ordinal (u32); the answer is `b"NDSCBRD1"`, a count (u32) and that many (rank, seen,
+/// ordinal) triples of u32. A late rendezvous hello is answered refused.
+pub(crate) struct Board {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Board {
+    /// Serves `listener` (non-blocking, from [`serve_id`]) on a thread of its own until dropped.
+    pub(crate) fn serve(listener: TcpListener, world: usize) -> io::Result<Board> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let handle = thread::Builder::new()
+            .name("ndscope-board".to_string())
+            .spawn(move || {
+                let mut posts: BTreeMap<u64, Vec<Post>> = BTreeMap::new();
+                while !stopped.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((stream, _)) => {
+                            // A client that misbehaves is dropped; the board goes on.
+                            let _ = board_answer(stream, world, &mut posts);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            thread::sleep(Duration::from_millis(10));
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(_) => thread::sleep(Duration::from_millis(10)),
+                    }
+                }
+            })?;
+        Ok(Board {
+            stop,
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Reads a post (or a late rendezvous hello) and answers it.
+fn board_answer(
+    mut stream: TcpStream,
+    world: usize,
+    posts: &mut BTreeMap<u64, Vec<Post>>,
+) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let mut magic = [0u8; 8];
+    stream.read_exact(&mut magic)?;
+    if &magic == MAGIC {
+        // A rank that comes after the rendezvous: refused (each rank joins once).
+        let mut rest = [0u8; HELLO - 8];
+        stream.read_exact(&mut rest)?;
+        let mut frame = [0u8; ANSWER];
+        frame[..8].copy_from_slice(MAGIC);
+        let ours = u32::try_from(world).unwrap_or(u32::MAX);
+        frame[8..12].copy_from_slice(&ours.to_le_bytes());
+        frame[12..16].copy_from_slice(&REFUSED.to_le_bytes());
+        return stream.write_all(&frame);
+    }
+    if &magic != BOARD_MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a board client",
+        ));
+    }
+    let mut post = [0u8; POST - 8];
+    stream.read_exact(&mut post)?;
+    let word = |at: usize| u32::from_le_bytes([post[at], post[at + 1], post[at + 2], post[at + 3]]);
+    let (theirs, rank) = (word(0) as usize, word(4) as usize);
+    let mut step = [0u8; 8];
+    step.copy_from_slice(&post[8..16]);
+    let step = u64::from_le_bytes(step);
+    let (seen, ordinal) = (Seen::from_code(word(16)), word(20) as usize);
+    let (Some(seen), true) = (seen, theirs == world && rank < world) else {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "a bad post"));
+    };
+    let list = posts.entry(step).or_default();
+    list.retain(|p| p.0 != rank);
+    list.push((rank, seen, ordinal));
+    while posts.len() > BOARD_STEPS {
+        posts.pop_first();
+    }
+    let list = posts.get(&step).map(Vec::as_slice).unwrap_or_default();
+    let mut frame = Vec::with_capacity(12 + 12 * list.len());
+    frame.extend_from_slice(BOARD_MAGIC);
+    frame.extend_from_slice(&u32::try_from(list.len()).unwrap_or(0).to_le_bytes());
+    for &(r, s, o) in list {
+        for v in [r, s.code() as usize, o] {
+            frame.extend_from_slice(&u32::try_from(v).unwrap_or(u32::MAX).to_le_bytes());
+        }
+    }
+    stream.write_all(&frame)?;
+    stream.flush()
+}
+
+/// Posts what this rank saw at `step` on rank 0's board and returns every post for that step,
+/// once every rank has posted or `grace` has passed (re-posting every 50 ms: a post is
+/// idempotent). `Err` with the last error when rank 0's board could not be reached at all
+/// within `grace`.
+pub(crate) fn post_and_read(
+    config: &DistributedConfig,
+    step: u64,
+    seen: Seen,
+    ordinal: usize,
+    grace: Duration,
+) -> std::result::Result<Vec<Post>, String> {
+    let deadline = Instant::now() + grace;
+    let mut last: std::result::Result<Vec<Post>, String> = Err("no attempt was made".to_string());
+    loop {
+        let got = post_once(config, step, seen, ordinal, deadline);
+        match got {
+            Ok(posts) => {
+                let complete = posts.len() >= config.world_size;
+                last = Ok(posts);
+                if complete {
+                    return last;
+                }
+            }
+            Err(e) => {
+                // Once the board answered, a later failure keeps the posts seen.
+                if last.is_err() {
+                    last = Err(e);
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            return last;
+        }
+        thread::sleep(Duration::from_millis(50).min(deadline - Instant::now()));
+    }
+}
+
+fn post_once(
+    config: &DistributedConfig,
+    step: u64,
+    seen: Seen,
+    ordinal: usize,
+    deadline: Instant,
+) -> std::result::Result<Vec<Post>, String> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .clamp(Duration::from_millis(100), Duration::from_secs(2));
+    let addrs = (config.master_addr.as_str(), config.master_port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve MASTER_ADDR {}: {e}", config.master_addr))?;
+    let mut last = format!("MASTER_ADDR {} resolves to no address", config.master_addr);
+    for a in addrs {
+        let exchange = || -> io::Result<Vec<Post>> {
+            let mut stream = TcpStream::connect_timeout(&a, left)?;
+            stream.set_read_timeout(Some(left))?;
+            stream.set_write_timeout(Some(left))?;
+            let number = |v: usize| u32::try_from(v).unwrap_or(u32::MAX).to_le_bytes();
+            let mut frame = Vec::with_capacity(POST);
+            frame.extend_from_slice(BOARD_MAGIC);
+            frame.extend_from_slice(&number(config.world_size));
+            frame.extend_from_slice(&number(config.rank));
+            frame.extend_from_slice(&step.to_le_bytes());
+            frame.extend_from_slice(&seen.code().to_le_bytes());
+            frame.extend_from_slice(&number(ordinal));
+            stream.write_all(&frame)?;
+            let mut head = [0u8; 12];
+            stream.read_exact(&mut head)?;
+            if &head[..8] != BOARD_MAGIC {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "not rank 0's board",
+                ));
+            }
+            let n = u32::from_le_bytes([head[8], head[9], head[10], head[11]]) as usize;
+            let mut body = vec![0u8; 12 * n.min(1 << 16)];
+            stream.read_exact(&mut body)?;
+            Ok(body
+                .chunks(12)
+                .filter_map(|c| {
+                    let w = |i: usize| u32::from_le_bytes([c[i], c[i + 1], c[i + 2], c[i + 3]]);
+                    Some((w(0) as usize, Seen::from_code(w(4))?, w(8) as usize))
+                })
+                .collect())
+        };
+        match exchange() {
+            Ok(posts) => return Ok(posts),
+            Err(e) => last = format!("{a}: {e}"),
+        }
+    }
+    Err(last)
 }
 
 #[cfg(test)]
@@ -607,5 +859,57 @@ mod tests {
         let e = serve_id(&Ctx::new("test"), &config(0, 3, free_port(), 200), [0; 128])
             .expect_err("nobody came");
         assert!(e.to_string().contains("rank(s) 1, 2 never came"), "{e}");
+    }
+    #[test]
+    fn the_board_collects_every_rank_post_per_step() {
+        let port = free_port();
+        let listener = TcpListener::bind(("127.0.0.1", port)).expect("bind");
+        listener.set_nonblocking(true).expect("non-blocking");
+        let board = Board::serve(listener, 3).expect("board");
+        let grace = Duration::from_millis(400);
+        // Ranks 1 and 2 post on step 5; rank 0 never does: the wait ends after the grace.
+        let r2 = thread::spawn(move || {
+            post_and_read(
+                &config(2, 3, port, 1000),
+                5,
+                Seen::Culprit,
+                7,
+                Duration::ZERO,
+            )
+        });
+        let start = Instant::now();
+        let posts = post_and_read(&config(1, 3, port, 1000), 5, Seen::Waited, 3, grace)
+            .expect("the board answers");
+        assert!(
+            start.elapsed() >= grace,
+            "returned before every rank posted"
+        );
+        r2.join().expect("thread").expect("rank 2 posts");
+        let mut posts = posts;
+        posts.sort_by_key(|p| p.0);
+        assert_eq!(posts, vec![(1, Seen::Waited, 3), (2, Seen::Culprit, 7)]);
+        // Another step is a list of its own; a complete list returns at once.
+        for rank in 0..2 {
+            post_and_read(
+                &config(rank, 3, port, 1000),
+                6,
+                Seen::Waited,
+                rank,
+                Duration::ZERO,
+            )
+            .expect("post");
+        }
+        let start = Instant::now();
+        let posts =
+            post_and_read(&config(2, 3, port, 1000), 6, Seen::Waited, 2, grace).expect("post");
+        assert_eq!(posts.len(), 3);
+        assert!(start.elapsed() < grace);
+        // A late rendezvous client is refused, not served.
+        assert!(fetch_id(&Ctx::new("test"), &config(1, 3, port, 1000)).is_err());
+        // Without rank 0 the post fails after the grace, saying why.
+        drop(board);
+        let e = post_and_read(&config(1, 3, port, 1000), 7, Seen::Waited, 0, grace)
+            .expect_err("no board");
+        assert!(!e.is_empty());
     }
 }

@@ -305,6 +305,24 @@ pub enum Error {
         source: Box<Error>,
     },
 
+    /// Something ndscope waited for did not happen within the time the user allowed: a
+    /// data-parallel rank that stopped answering (its step closure did not return, or a
+    /// collective waited for a rank that never came). What was waited for was then abandoned
+    /// (a communicator aborted), never left running against changed memory.
+    #[error("{op} at {at}: {what} did not finish within {:.1} s ({why})", waited.as_secs_f64())]
+    TimedOut {
+        /// The operation that waited.
+        op: &'static str,
+        /// Where it was called.
+        at: Site,
+        /// What did not finish, e.g. `the step closure of rank 1 (cuda:1)`.
+        what: String,
+        /// How long it was waited for: the configured timeout.
+        waited: std::time::Duration,
+        /// Where the timeout comes from and what was done about it.
+        why: String,
+    },
+
     /// A service (parallel inference, a prefetching iterator) is shut down or shutting down and
     /// refuses the request; nothing of it ran.
     #[error("{op} at {at}: {service} is shut down: {reason}")]

@@ -64,7 +64,10 @@ pub use timeline::{
     is_recording, recording_snapshot, start_recording, stop_recording, EventKind, MemoryEvent,
     RecordOptions, Recording,
 };
-pub use training::{ParallelStep, ParallelTrainer, ParallelTrainerBuilder, ParallelTrainerStats};
+pub use training::{
+    ParallelStep, ParallelTrainer, ParallelTrainerBuilder, ParallelTrainerStats,
+    DEFAULT_TRAINER_TIMEOUT,
+};
 pub use workspace::{
     destroy_all_workspaces_for_current_thread, AllocationPolicy, GraphReplayStats, GraphState,
     LearningPolicy, LocationPolicy, MirroringPolicy, ResetPolicy, SpillPolicy, Workspace,

@@ -5,11 +5,13 @@
 
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 use crate::backend::{nccl_unique_id, Communicator, NcclId};
-use crate::distributed::{fetch_id, serve_id, DistributedConfig};
+use crate::distributed::{fetch_id, post_and_read, serve_id, Board, DistributedConfig, Seen};
 use crate::error::{take_panic_message, Ctx};
 use crate::ndarray::collective::all_reduce_sum_;
 use crate::{
@@ -22,6 +24,19 @@ const BUCKET_BYTES: usize = 25 << 20;
 
 /// The op name of a step's errors.
 const STEP: &str = "ParallelTrainer::step";
+
+/// The default timeout of a step (and of the setup): 10 minutes, PyTorch's for NCCL.
+pub const DEFAULT_TRAINER_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How much longer than the timeout the trainer waits for a replica's own answer (its waits
+/// in NCCL end at the timeout and say so) before it counts the replica as stuck.
+const MARGIN: Duration = Duration::from_millis(250);
+
+/// What a replica's thread is doing, for the trainer to say where a rank stopped.
+const IDLE: u8 = 0;
+const CLOSURE: u8 = 1;
+const EXCHANGE: u8 = 2;
+const UPDATE: u8 = 3;
 
 /// Builds a replica's model from that device's copies of the source parameters.
 type MakeModel<M> = dyn Fn(&[NDArray]) -> Result<M> + Send + Sync;
@@ -72,6 +87,7 @@ pub struct ParallelTrainerBuilder {
     optimizer: OptimizerKind,
     bucket_bytes: usize,
     distributed: Option<DistributedConfig>,
+    timeout: Duration,
 }
 
 impl ParallelTrainerBuilder {
@@ -110,6 +126,20 @@ impl ParallelTrainerBuilder {
         self
     }
 
+    /// The longest a step may take, and the setup (default [`DEFAULT_TRAINER_TIMEOUT`], 10
+    /// minutes: PyTorch's NCCL timeout). A rank that stops answering (its step closure does
+    /// not return, its collectives wait for a rank that never comes, its process died) then
+    /// makes the step fail on every rank with `ReplicaFailed` naming it, its source
+    /// `TimedOut`, instead of a hang; the communicators are aborted, the trainer refuses later
+    /// steps, and [`close`](ParallelTrainer::close) frees everything (without waiting for a
+    /// thread still inside the step closure: it ends on its own when the closure returns).
+    /// NCCL's asynchronous errors (a peer process that died) end the wait before the timeout.
+    /// `build` refuses a timeout of 0 (`InvalidConfig`).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// This process is rank `config.rank` of a world of `config.world_size` processes, one
     /// device each (PyTorch's `DistributedDataParallel` under `torchrun`; see
     /// [`DistributedConfig::from_env`]). The devices are then exactly one (default
@@ -125,7 +155,12 @@ impl ParallelTrainerBuilder {
     /// small vector (per rank: whether its forward and backward succeeded, its rows, its loss,
     /// its device): a failed rank still joins it, so every rank learns of the failure, none
     /// enters the gradients' all-reduce, and every rank returns `ReplicaFailed` naming the
-    /// first failed rank. A step refused for its input (rows, shapes) still joins it too.
+    /// first failed rank. A step refused for its input (rows, shapes) still joins it too. A
+    /// rank that stops answering instead (hangs, or its process dies) is found by the
+    /// [`timeout`](Self::timeout) or NCCL's asynchronous error, and named through rank 0's
+    /// failure board: after the rendezvous rank 0 keeps listening on the master address for
+    /// the trainer's life, and a rank whose step cannot finish posts whether its own step hung
+    /// or it waited for the others.
     ///
     /// ```no_run
     /// use ndscope::{DistributedConfig, Manager, NDArray, ParallelTrainer};
@@ -204,6 +239,9 @@ impl ParallelTrainerBuilder {
         if self.bucket_bytes == 0 {
             return Err(ctx.config("bucket_bytes must be at least 1"));
         }
+        if self.timeout.is_zero() {
+            return Err(ctx.config("the timeout must be longer than 0"));
+        }
         if source.is_empty() {
             return Err(ctx.invalid("a parallel trainer needs at least one parameter, got none"));
         }
@@ -220,13 +258,19 @@ impl ParallelTrainerBuilder {
             }
         }
         // The NCCL ranks: this process's devices, or this process's one rank of the world.
+        let started = Instant::now();
+        let mut board = None;
         let (id, first_rank, world) = match &self.distributed {
             None => (nccl_unique_id(&ctx)?, 0, devices.len()),
             Some(config) => {
                 let id = if config.rank == 0 {
                     let id = nccl_unique_id(&ctx)?;
                     if config.world_size > 1 {
-                        serve_id(&ctx, config, id.to_bytes())?;
+                        let listener = serve_id(&ctx, config, id.to_bytes())?;
+                        // Rank 0 keeps listening: the failure board.
+                        board = Some(Board::serve(listener, config.world_size).map_err(|e| {
+                            ctx.invalid(format!("cannot start rank 0's failure board: {e}"))
+                        })?);
                     }
                     id
                 } else {
@@ -257,7 +301,10 @@ impl ParallelTrainerBuilder {
                 workspace: self.workspace.clone(),
                 optimizer: self.optimizer,
                 bucket_bytes: self.bucket_bytes,
+                timeout: self.timeout,
+                phase: Arc::new(AtomicU8::new(IDLE)),
             };
+            let phase = Arc::clone(&setup.phase);
             let (job_tx, jobs) = mpsc::channel();
             let replies = reply_tx.clone();
             let (make, step) = (Arc::clone(&make), Arc::clone(&step));
@@ -269,6 +316,8 @@ impl ParallelTrainerBuilder {
                     device,
                     jobs: job_tx,
                     handle: Some(handle),
+                    phase,
+                    hung: false,
                 }),
                 Err(e) => {
                     failure = Some(ctx.invalid(format!("cannot start a trainer thread: {e}")));
@@ -287,6 +336,9 @@ impl ParallelTrainerBuilder {
             stats: ParallelTrainerStats::default(),
             closed: false,
             distributed: self.distributed,
+            timeout: self.timeout,
+            board,
+            ordinals: Vec::new(),
         };
         if let Some(e) = failure {
             // The threads already started wait in ncclCommInitRank for a rank that never comes
@@ -301,13 +353,38 @@ impl ParallelTrainerBuilder {
         // Every rank reports its setup.
         let mut ready = Vec::with_capacity(ranks);
         let mut first_error: Option<Error> = None;
+        let deadline = started + self.timeout;
+        let mut answered = vec![false; ranks];
         for _ in 0..ranks {
-            match trainer.replies.recv() {
-                Ok((rank, Reply::Ready(Ok(r)))) => ready.push((rank, r)),
-                Ok((rank, Reply::Ready(Err(e)))) => {
+            let reply = match trainer.replies.recv_timeout(left(deadline)) {
+                Ok(reply) => reply,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    // Stuck in ncclCommInitRank (a rank of the world never came) or in the
+                    // model closure: abandoned, not waited for.
+                    let slot = answered.iter().position(|a| !a).unwrap_or(0);
+                    for (w, a) in trainer.workers.iter_mut().zip(&answered) {
+                        w.hung |= !*a;
+                    }
+                    let what = format!(
+                        "the setup of rank {} ({})",
+                        first_rank + slot,
+                        trainer.workers.get(slot).map_or(Device::Cpu, |w| w.device)
+                    );
+                    let e = trainer.timed_out(&ctx, what, "NCCL's rendezvous of every rank, or the model closure, did not finish; the trainer was closed");
+                    first_error.get_or_insert(trainer.replica_error(&ctx, slot, 0, false, e));
+                    break;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            if let Some(a) = answered.get_mut(reply.0) {
+                *a = true;
+            }
+            match reply {
+                (rank, Reply::Ready(Ok(r))) => ready.push((rank, r)),
+                (rank, Reply::Ready(Err(e))) => {
                     first_error.get_or_insert(trainer.replica_error(&ctx, rank, 0, false, e));
                 }
-                Ok((rank, _)) => {
+                (rank, _) => {
                     first_error.get_or_insert_with(|| {
                         trainer.replica_error(
                             &ctx,
@@ -318,7 +395,6 @@ impl ParallelTrainerBuilder {
                         )
                     });
                 }
-                Err(_) => break,
             }
         }
         let mut comms = vec![None; ranks];
@@ -328,8 +404,14 @@ impl ParallelTrainerBuilder {
             trainer.stats.buckets = r.buckets;
             trainer.stats.collectives_per_step = r.collectives;
             trainer.stats.bytes_per_step = r.bytes;
+            trainer.ordinals = r.ordinals;
         }
         trainer.comms = comms.into_iter().flatten().collect();
+        if trainer.workers.iter().any(|w| w.hung) {
+            // The ranks that did set up may wait for the stuck ones: abort theirs.
+            trainer.stats.broken = true;
+            trainer.abort_all();
+        }
         if let Some(e) = first_error {
             let _ = trainer.close();
             return Err(e);
@@ -365,14 +447,19 @@ struct Worker {
     device: Device,
     jobs: mpsc::Sender<Job>,
     handle: Option<JoinHandle<()>>,
+    /// What the thread is doing (`IDLE`, `CLOSURE`, `EXCHANGE`, `UPDATE`).
+    phase: Arc<AtomicU8>,
+    /// It did not answer within the timeout: `close` does not wait for it.
+    hung: bool,
 }
 
 enum Job {
-    /// Run the step on this shard (`batch`: the rows of the whole batch).
+    /// Run the step on this shard (`batch`: the rows of the whole batch), done by `deadline`.
     Step {
         x: HostArray,
         y: HostArray,
         batch: usize,
+        deadline: Instant,
     },
     /// Every rank's step succeeded: all-reduce and update (`true`), or one failed: drop the
     /// gradients (`false`).
@@ -380,8 +467,8 @@ enum Job {
     /// Abort the communicator if it may wait for a failed rank, close everything, stop.
     Stop { abort: bool },
     /// Distributed: this process's step was refused before it ran; join the other ranks'
-    /// exchange as failed (so that they learn of it), reply `Skipped`.
-    Skip,
+    /// exchange as failed (so that they learn of it) by `deadline`, reply `Skipped`.
+    Skip { deadline: Instant },
 }
 
 /// One rank's part of a distributed step, from the exchange before the gradients' all-reduce.
@@ -400,6 +487,8 @@ struct Ready {
     buckets: usize,
     collectives: usize,
     bytes: usize,
+    /// Distributed: every rank's device ordinal (empty otherwise).
+    ordinals: Vec<usize>,
 }
 
 enum Reply {
@@ -411,8 +500,10 @@ enum Reply {
     /// Distributed: the exchange of a refused step joined (`true`: it failed, the trainer is
     /// broken).
     Skipped(bool),
-    /// The update done with the shard's loss (`Some`), dropped (`None`), or the error.
-    Updated(Result<Option<f32>>),
+    /// The update done with the shard's loss (`Some`), dropped (`None`), or the error, and
+    /// whether it came from waiting for the collectives (a rank that did not come, an NCCL
+    /// error) rather than from this replica's own work.
+    Updated(Result<Option<f32>>, bool),
     /// The thread ended.
     Gone,
 }
@@ -434,6 +525,8 @@ struct Setup {
     workspace: WorkspaceConfig,
     optimizer: OptimizerKind,
     bucket_bytes: usize,
+    timeout: Duration,
+    phase: Arc<AtomicU8>,
 }
 
 /// Says the thread is gone however it ends (returns or unwinds), so the trainer never waits
@@ -464,6 +557,12 @@ struct Replica<M> {
     ws: crate::Workspace,
     replica: Manager,
     steps: Manager,
+    /// The current step's deadline, and the timeout it comes from.
+    deadline: Instant,
+    timeout: Duration,
+    phase: Arc<AtomicU8>,
+    /// Distributed: every rank's device ordinal, from the setup.
+    ordinals: Vec<usize>,
 }
 
 /// `f`'s result, or its panic as `Panicked` (op `op`, which ran `during`).
@@ -489,6 +588,7 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
         Device::Cuda(o) => o,
         Device::Cpu => return Err(ctx.invalid("a replica's device is a CUDA device")),
     };
+    let deadline = Instant::now() + s.timeout;
     let comm = Arc::new(Communicator::init(&ctx, ordinal, s.id, s.rank, s.ranks)?);
     let built = setup_replica(s, make, &comm, ordinal);
     if !s.distributed {
@@ -496,13 +596,16 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
     }
     // Every process's rank learns whether every other one is ready: one that failed its setup
     // must not leave the others waiting in their first step's exchange.
-    let failed = setup_barrier(&ctx, &comm, s, built.is_ok());
+    let failed = setup_barrier(&ctx, &comm, s, built.is_ok(), deadline);
     match (built, failed) {
-        (Ok(r), Ok(failed)) if failed.is_empty() => Ok(r),
+        (Ok(mut r), Ok((failed, ordinals))) if failed.is_empty() => {
+            r.ordinals = ordinals;
+            Ok(r)
+        }
         (Ok(r), failed) => {
             dismantle(r, false);
             Err(match failed {
-                Ok(failed) => Error::Backend {
+                Ok((failed, _)) => Error::Backend {
                     op: ctx.op,
                     at: ctx.at,
                     reason: format!(
@@ -522,26 +625,40 @@ fn setup<M>(s: &Setup, make: &MakeModel<M>) -> Result<Replica<M>> {
     }
 }
 
-/// Distributed: a sum all-reduce of one flag per rank (1: set up), in a manager of its own on
-/// the rank's device; the ranks whose flag is not set.
-fn setup_barrier(ctx: &Ctx, comm: &Communicator, s: &Setup, ok: bool) -> Result<Vec<usize>> {
+/// Distributed: a sum all-reduce of two slots per rank (1 when set up, its device ordinal), in
+/// a manager of its own on the rank's device, waited for until `deadline`; the ranks that are
+/// not set up, and every rank's device ordinal.
+fn setup_barrier(
+    ctx: &Ctx,
+    comm: &Communicator,
+    s: &Setup,
+    ok: bool,
+    deadline: Instant,
+) -> Result<(Vec<usize>, Vec<usize>)> {
     let m = Manager::new_base_on(s.device)?.with_name("setup-barrier");
+    let ordinal = match s.device {
+        Device::Cuda(o) => o,
+        Device::Cpu => 0,
+    };
     let flags = (|| {
-        let mut flags = vec![0.0f32; s.ranks];
-        if let Some(mine) = flags.get_mut(s.rank) {
-            *mine = if ok { 1.0 } else { 0.0 };
+        let mut flags = vec![0.0f32; 2 * s.ranks];
+        if let Some(mine) = flags.get_mut(2 * s.rank..2 * s.rank + 2) {
+            mine.copy_from_slice(&[if ok { 1.0 } else { 0.0 }, ordinal as f32]);
         }
-        let flags = m.from_vec(flags, [s.ranks])?;
+        let flags = m.from_vec(flags, [2 * s.ranks])?;
         all_reduce_sum_(ctx, comm, &[&flags])?;
+        comm.wait(ctx, deadline, s.timeout)?;
         flags.to_vec::<f32>()
     })();
     let _ = m.close();
-    Ok(flags?
-        .iter()
+    let flags = flags?;
+    let failed = flags
+        .chunks(2)
         .enumerate()
-        .filter(|(_, f)| **f != 1.0)
+        .filter(|(_, f)| f[0] != 1.0)
         .map(|(i, _)| i)
-        .collect())
+        .collect();
+    Ok((failed, flags.chunks(2).map(|f| f[1] as usize).collect()))
 }
 
 /// A replica's parts of `setup`, on its communicator.
@@ -620,6 +737,10 @@ fn setup_replica<M>(
             ws,
             replica,
             steps,
+            deadline: Instant::now() + s.timeout,
+            timeout: s.timeout,
+            phase: Arc::clone(&s.phase),
+            ordinals: Vec::new(),
         }),
         Err(e) => {
             let _ = steps.close();
@@ -666,14 +787,21 @@ fn worker<M>(
         buckets: r.buckets.len(),
         collectives: r.params.len(),
         bytes: r.params.iter().map(NDArray::nbytes).sum(),
+        ordinals: r.ordinals.clone(),
     };
     let _ = replies.send((rank, Reply::Ready(Ok(ready))));
     let during = format!("the step of parallel trainer '{}' on {}", s.name, s.device);
     let mut abort = false;
     while let Ok(job) = jobs.recv() {
         match job {
-            Job::Step { x, y, batch } => {
-                if !run_step(
+            Job::Step {
+                x,
+                y,
+                batch,
+                deadline,
+            } => {
+                r.deadline = deadline;
+                let go_on = run_step(
                     &mut r,
                     &*step,
                     &during,
@@ -681,13 +809,18 @@ fn worker<M>(
                     &jobs,
                     &replies,
                     rank,
-                ) {
+                );
+                r.phase.store(IDLE, Ordering::Relaxed);
+                if !go_on {
                     break;
                 }
             }
             Job::Go(_) => {}
-            Job::Skip => {
+            Job::Skip { deadline } => {
+                r.deadline = deadline;
+                r.phase.store(EXCHANGE, Ordering::Relaxed);
                 let broken = exchange(&r, None, None).is_err();
+                r.phase.store(IDLE, Ordering::Relaxed);
                 let _ = replies.send((rank, Reply::Skipped(broken)));
             }
             Job::Stop { abort: a } => {
@@ -737,6 +870,7 @@ fn run_step<M>(
     rank: usize,
 ) -> bool {
     let rows = x.dims().first().copied().unwrap_or(0);
+    r.phase.store(CLOSURE, Ordering::Relaxed);
     let (scope, computed) = match r.ws.open() {
         Ok(scope) => {
             let computed = caught(STEP, during, || {
@@ -767,6 +901,7 @@ fn run_step<M>(
     let (reply, broken, loss) = if r.world.is_some() {
         // Every rank joins the exchange, failed or not: none enters the gradients' all-reduce
         // unless every rank will.
+        r.phase.store(EXCHANGE, Ordering::Relaxed);
         let local = computed.as_ref().ok().map(|(_, v)| (rows, *v));
         match exchange(r, scope.as_ref(), local) {
             Err(e) => (Err(e), true, None),
@@ -846,7 +981,9 @@ fn exchange<M>(
         Some(scope) => scope.from_vec(slots, [4 * world])?,
         None => r.steps.from_vec(slots, [4 * world])?,
     };
-    let summed = all_reduce_sum_(&ctx, &r.comm, &[&flags]).and_then(|()| flags.to_vec::<f64>());
+    let summed = all_reduce_sum_(&ctx, &r.comm, &[&flags])
+        .and_then(|()| r.comm.wait(&ctx, r.deadline, r.timeout))
+        .and_then(|()| flags.to_vec::<f64>());
     let _ = flags.close();
     let summed = summed?;
     Ok(summed
@@ -911,14 +1048,16 @@ fn wait_go<M>(
             let _ = r.optimizer.zero_gradients();
             return false;
         }
-        Ok(Job::Step { .. } | Job::Skip) | Err(_) => {
+        Ok(Job::Step { .. } | Job::Skip { .. }) | Err(_) => {
             let _ = r.optimizer.zero_gradients();
             return false;
         }
     };
+    let waited = std::cell::Cell::new(false);
     let updated = match (go, loss) {
         (true, Some(loss)) => caught(STEP, during, || {
             let ctx = Ctx::new("ParallelTrainer::step");
+            r.phase.store(UPDATE, Ordering::Relaxed);
             for bucket in &r.buckets {
                 let mut grads = Vec::with_capacity(bucket.len());
                 for &i in bucket {
@@ -928,6 +1067,10 @@ fn wait_go<M>(
                 all_reduce_sum_(&ctx, &r.comm, &refs)?;
             }
             r.optimizer.step()?;
+            // The collectives done (or found hung or failed) before anything is read.
+            waited.set(true);
+            r.comm.wait(&ctx, r.deadline, r.timeout)?;
+            waited.set(false);
             let loss = if loss.dtype() == DType::F32 {
                 loss
             } else {
@@ -937,7 +1080,8 @@ fn wait_go<M>(
         }),
         _ => caught(STEP, during, || r.optimizer.zero_gradients().map(|_| None)),
     };
-    let _ = replies.send((rank, Reply::Updated(updated)));
+    let waited = updated.is_err() && waited.get();
+    let _ = replies.send((rank, Reply::Updated(updated, waited)));
     true
 }
 
@@ -977,6 +1121,12 @@ fn wait_go<M>(
 ///   the trainer goes on; `step` returns `ReplicaFailed` naming the device. No rank ever waits
 ///   in a collective for a rank that failed before it. A failure after the all-reduce was
 ///   queued aborts every communicator (`ncclCommAbort`) and the trainer refuses later steps.
+/// - **Timeouts**: a rank that stops answering (a step closure that does not return, a
+///   collective that waits for a rank that never comes, a peer process that died: NCCL's
+///   asynchronous error) fails the step after at most
+///   [`timeout`](ParallelTrainerBuilder::timeout) with `ReplicaFailed` naming it (source
+///   `TimedOut` for a hang); the communicators are aborted and the trainer refuses later steps.
+///   Across processes every rank names the same one, through rank 0's failure board.
 /// - **Several processes**, one rank each, as `torchrun` launches them:
 ///   [`ParallelTrainerBuilder::distributed`] with a [`DistributedConfig`] (from torchrun's
 ///   environment or given in code). Each process then steps on its own batch; the gradients
@@ -1013,6 +1163,26 @@ pub struct ParallelTrainer {
     stats: ParallelTrainerStats,
     closed: bool,
     distributed: Option<DistributedConfig>,
+    timeout: Duration,
+    /// Distributed, rank 0: the failure board the ranks post on when a step fails.
+    board: Option<Board>,
+    /// Distributed: every rank's device ordinal.
+    ordinals: Vec<usize>,
+}
+
+/// A reply, or why none came.
+enum Got {
+    Reply(usize, Reply),
+    TimedOut,
+    Gone,
+}
+
+/// The time left until `deadline` (at least a millisecond: a wait that has run out still
+/// looks once).
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
 }
 
 impl fmt::Debug for ParallelTrainer {
@@ -1036,6 +1206,157 @@ impl ParallelTrainer {
             optimizer: OptimizerKind::Sgd(Sgd::new(0.01)),
             bucket_bytes: BUCKET_BYTES,
             distributed: None,
+            timeout: DEFAULT_TRAINER_TIMEOUT,
+        }
+    }
+
+    /// A reply, waited for until `deadline`.
+    fn next(&self, deadline: Instant) -> Got {
+        match self.replies.recv_timeout(left(deadline)) {
+            Ok((slot, reply)) => Got::Reply(slot, reply),
+            Err(mpsc::RecvTimeoutError::Timeout) => Got::TimedOut,
+            Err(mpsc::RecvTimeoutError::Disconnected) => Got::Gone,
+        }
+    }
+
+    /// `TimedOut` for `what`, waited for this trainer's timeout.
+    fn timed_out(&self, ctx: &Ctx, what: String, why: &str) -> Error {
+        Error::TimedOut {
+            op: ctx.op,
+            at: ctx.at,
+            what,
+            waited: self.timeout,
+            why: format!("the parallel trainer's timeout (ParallelTrainerBuilder::timeout); {why}"),
+        }
+    }
+
+    /// Single process: the step timed out in `phase` (`CLOSURE`: forward and backward,
+    /// `UPDATE`: the all-reduce and the optimizer). The replicas that did not answer are
+    /// abandoned, every communicator aborted; the error names the first.
+    fn stalled(&mut self, ctx: &Ctx, answered: &[bool], number: u64, update: bool) -> Error {
+        self.stats.broken = true;
+        self.abort_all();
+        for (w, a) in self.workers.iter_mut().zip(answered) {
+            w.hung |= !*a;
+        }
+        let slot = answered.iter().position(|a| !a).unwrap_or(0);
+        let phase = self
+            .workers
+            .get(slot)
+            .map_or(IDLE, |w| w.phase.load(Ordering::Relaxed));
+        let doing = if phase == CLOSURE {
+            "its step closure (forward and backward)"
+        } else {
+            "its gradients' all-reduce and optimizer step"
+        };
+        let what = format!(
+            "{doing} on rank {} ({})",
+            slot,
+            self.workers.get(slot).map_or(Device::Cpu, |w| w.device)
+        );
+        let e = self.timed_out(
+            ctx,
+            what,
+            "every rank's communicator was aborted and the trainer refuses later steps",
+        );
+        self.replica_error(ctx, slot, number, update, e)
+    }
+
+    /// Distributed: this rank cannot finish step `number` (`local`): its exchange or
+    /// all-reduce failed or timed out, a fault it cannot attribute (`seen` is `Waited`), or its
+    /// own step failed or did not return (`Culprit`: this rank is named). Aborts the
+    /// communicator, posts what it saw on rank 0's board and reads the other ranks' posts: the
+    /// rank to name is the first whose own step failed or hung, else the first that never
+    /// posted (its process died or hangs), else rank 0 if its board does not answer, else this
+    /// one.
+    fn blame(&mut self, ctx: &Ctx, number: u64, seen: Seen, update: bool, local: Error) -> Error {
+        self.stats.broken = true;
+        self.abort_all();
+        let Some(config) = self.distributed.clone() else {
+            return self.replica_error(ctx, 0, number, update, local);
+        };
+        let me = config.rank;
+        let mine = match self.workers.first().map(|w| w.device) {
+            Some(Device::Cuda(o)) => o,
+            _ => 0,
+        };
+        let grace = (self.timeout / 2).clamp(Duration::from_secs(1), Duration::from_secs(30));
+        let device = |rank: usize, ordinal: Option<usize>| {
+            Device::Cuda(
+                ordinal
+                    .or_else(|| self.ordinals.get(rank).copied())
+                    .unwrap_or(0),
+            )
+        };
+        let named = |rank: usize, ordinal: Option<usize>, source: Error| Error::ReplicaFailed {
+            op: ctx.op,
+            at: ctx.at,
+            device: device(rank, ordinal),
+            rank,
+            step: number,
+            after_all_reduce: update,
+            source: Box::new(source),
+        };
+        if seen == Seen::Culprit {
+            // This rank's own fault: said once for the others to read, not waited on.
+            let _ = post_and_read(&config, number, seen, mine, Duration::ZERO);
+            return named(me, Some(mine), local);
+        }
+        let posts = match post_and_read(&config, number, seen, mine, grace) {
+            Ok(posts) => posts,
+            Err(why) if me != 0 => {
+                let source = Error::Backend {
+                    op: ctx.op,
+                    at: ctx.at,
+                    reason: format!(
+                        "rank 0 does not answer: its failure board at {} cannot be reached \
+                         ({why}), so its process died or hangs; on this rank: {local}",
+                        config.master()
+                    ),
+                };
+                return named(0, None, source);
+            }
+            Err(_) => return named(me, Some(mine), local),
+        };
+        if let Some(&(rank, _, ordinal)) = posts
+            .iter()
+            .filter(|p| p.1 == Seen::Culprit)
+            .min_by_key(|p| p.0)
+        {
+            let what = format!("the step of rank {rank} (cuda:{ordinal})");
+            let source = self.timed_out(
+                ctx,
+                what,
+                &format!(
+                    "rank {rank} reported that its own step failed or did not return; this \
+                     rank's communicator was aborted"
+                ),
+            );
+            return named(rank, Some(ordinal), source);
+        }
+        let absent = (0..config.world_size).find(|r| posts.iter().all(|p| p.0 != *r));
+        match absent {
+            Some(rank) => {
+                let reason = format!(
+                    "rank {rank} stopped answering: it did not report on rank 0's board within \
+                     {:.1} s of this rank's failure, so its process died or hangs; on this \
+                     rank: {local}",
+                    grace.as_secs_f64()
+                );
+                let source = match local {
+                    Error::TimedOut { .. } => {
+                        self.timed_out(ctx, format!("rank {rank}'s part of step {number}"), &reason)
+                    }
+                    _ => Error::Backend {
+                        op: ctx.op,
+                        at: ctx.at,
+                        reason,
+                    },
+                };
+                named(rank, None, source)
+            }
+            // Every rank waited: a collective failed on all of them (a network error).
+            None => named(me, Some(mine), local),
         }
     }
 
@@ -1099,8 +1420,16 @@ impl ParallelTrainer {
                 return Err(e);
             }
         };
+        let deadline = Instant::now() + self.timeout;
+        // The replicas' own waits end at the deadline and say so: a little longer here.
+        let wait_until = deadline + MARGIN;
         for (w, (x, y)) in self.workers.iter().zip(xs.into_iter().zip(ys)) {
-            let job = Job::Step { x, y, batch };
+            let job = Job::Step {
+                x,
+                y,
+                batch,
+                deadline,
+            };
             if w.jobs.send(job).is_err() {
                 // A thread is gone: nothing was sent to the rest yet beyond this step's shard.
                 self.stats.broken = true;
@@ -1113,16 +1442,38 @@ impl ParallelTrainer {
         // Forward and backward on every rank.
         let mut first_error: Option<Error> = None;
         let mut gone = false;
+        // Distributed: the ranks' exchange failed here (this rank cannot tell whose fault).
+        let mut unattributed: Option<Error> = None;
         let mut world: Option<Vec<RankStep>> = None;
+        let mut answered = vec![false; ranks];
         for _ in 0..ranks {
-            match self.replies.recv() {
-                Ok((_, Reply::Computed(Ok(parts), broken))) => {
+            let (slot, reply) = match self.next(wait_until) {
+                Got::Reply(slot, reply) => (slot, reply),
+                Got::TimedOut => {
+                    let e = self.unanswered(&ctx, &answered, number, false);
+                    self.stats.failed += 1;
+                    return Err(e);
+                }
+                Got::Gone => {
+                    gone = true;
+                    break;
+                }
+            };
+            if let Some(a) = answered.get_mut(slot) {
+                *a = true;
+            }
+            match reply {
+                Reply::Computed(Ok(parts), broken) => {
                     world = parts;
                     if broken {
                         gone = true;
                     }
                 }
-                Ok((rank, Reply::Computed(Err(e), broken))) => {
+                Reply::Computed(Err(e), true) if self.distributed.is_some() => {
+                    gone = true;
+                    unattributed = Some(e);
+                }
+                Reply::Computed(Err(e), broken) => {
                     if broken {
                         // The exchange failed: the other ranks may wait for this one.
                         gone = true;
@@ -1146,50 +1497,76 @@ impl ParallelTrainer {
                                 after_all_reduce,
                                 source,
                             },
-                            e => self.replica_error(&ctx, rank, number, false, e),
+                            e => self.replica_error(&ctx, slot, number, false, e),
                         });
                     }
                 }
-                Ok((rank, _)) => {
+                _ => {
                     gone = true;
                     if first_error.is_none() {
                         first_error = Some(self.replica_error(
                             &ctx,
-                            rank,
+                            slot,
                             number,
                             false,
                             ctx.invalid("its thread stopped"),
                         ));
                     }
                 }
-                Err(_) => {
-                    gone = true;
-                    break;
-                }
             }
         }
-        let go = first_error.is_none();
+        let go = first_error.is_none() && unattributed.is_none();
         for w in &self.workers {
             let _ = w.jobs.send(Job::Go(go));
+        }
+        if let Some(local) = unattributed {
+            let e = self.blame(&ctx, number, Seen::Waited, false, local);
+            self.stats.failed += 1;
+            return Err(e);
         }
         if gone {
             self.stats.broken = true;
             self.abort_all();
+            self.stats.failed += 1;
             return Err(first_error.unwrap_or_else(|| ctx.invalid("a trainer thread is gone")));
         }
         // The update (or the dropped gradients) on every rank.
         let mut losses = vec![0.0f32; ranks];
         let mut late: Option<Error> = None;
+        let mut answered = vec![false; ranks];
         for _ in 0..ranks {
-            match self.replies.recv() {
-                Ok((rank, Reply::Updated(Ok(loss)))) => {
-                    if let (Some(l), Some(slot)) = (loss, losses.get_mut(rank)) {
-                        *slot = l;
+            let (slot, reply) = match self.next(wait_until) {
+                Got::Reply(slot, reply) => (slot, reply),
+                Got::TimedOut => {
+                    let e = self.unanswered(&ctx, &answered, number, go);
+                    self.stats.failed += 1;
+                    return Err(e);
+                }
+                Got::Gone => {
+                    self.stats.broken = true;
+                    break;
+                }
+            };
+            if let Some(a) = answered.get_mut(slot) {
+                *a = true;
+            }
+            match reply {
+                Reply::Updated(Ok(loss), _) => {
+                    if let (Some(l), Some(at)) = (loss, losses.get_mut(slot)) {
+                        *at = l;
                     }
                 }
-                Ok((rank, Reply::Updated(Err(e)))) => {
-                    if late.is_none() {
-                        late = Some(self.replica_error(&ctx, rank, number, go, e));
+                Reply::Updated(Err(e), waited) => {
+                    if late.is_some() {
+                        continue;
+                    }
+                    if go && self.distributed.is_some() {
+                        // Its collectives failed or timed out (whose fault?), or its own update
+                        // failed (this rank's: said on the board for the others).
+                        let seen = if waited { Seen::Waited } else { Seen::Culprit };
+                        late = Some(self.blame(&ctx, number, seen, true, e));
+                    } else {
+                        late = Some(self.replica_error(&ctx, slot, number, go, e));
                         if go {
                             // Others may wait in the collective for this rank: abort it.
                             self.stats.broken = true;
@@ -1197,22 +1574,18 @@ impl ParallelTrainer {
                         }
                     }
                 }
-                Ok((rank, _)) => {
+                _ => {
                     self.stats.broken = true;
                     self.abort_all();
                     late.get_or_insert_with(|| {
                         self.replica_error(
                             &ctx,
-                            rank,
+                            slot,
                             number,
                             go,
                             ctx.invalid("its thread stopped"),
                         )
                     });
-                }
-                Err(_) => {
-                    self.stats.broken = true;
-                    break;
                 }
             }
         }
@@ -1278,13 +1651,49 @@ impl ParallelTrainer {
         Ok((batch, rows, xs, ys))
     }
 
+    /// The step's replicas did not all answer by the deadline (`update`: in the update's part):
+    /// the ones that did not are abandoned and named (single process), or, distributed, this
+    /// rank's board post says whether its own step hung (`Culprit`) or it waited for the others.
+    fn unanswered(&mut self, ctx: &Ctx, answered: &[bool], number: u64, update: bool) -> Error {
+        if self.distributed.is_none() {
+            return self.stalled(ctx, answered, number, update);
+        }
+        let phase = self
+            .workers
+            .first()
+            .map_or(IDLE, |w| w.phase.load(Ordering::Relaxed));
+        for w in &mut self.workers {
+            w.hung = true;
+        }
+        let me = self.distributed.as_ref().map_or(0, |c| c.rank);
+        let device = self.workers.first().map_or(Device::Cpu, |w| w.device);
+        let (seen, what) = if phase == CLOSURE {
+            (
+                Seen::Culprit,
+                format!("the step closure of rank {me} ({device})"),
+            )
+        } else {
+            (
+                Seen::Waited,
+                format!("the collectives of rank {me} ({device})"),
+            )
+        };
+        let local = self.timed_out(
+            ctx,
+            what,
+            "its communicator was aborted and the trainer refuses later steps",
+        );
+        self.blame(ctx, number, seen, update, local)
+    }
+
     /// Distributed: this process's step was refused; its rank joins the other ranks' exchange
     /// as failed. A failed exchange breaks the trainer.
     fn skip(&mut self) {
         let mut broken = true;
+        let deadline = Instant::now() + self.timeout;
         if let Some(w) = self.workers.first() {
-            if w.jobs.send(Job::Skip).is_ok() {
-                if let Ok((_, Reply::Skipped(b))) = self.replies.recv() {
+            if w.jobs.send(Job::Skip { deadline }).is_ok() {
+                if let Got::Reply(_, Reply::Skipped(b)) = self.next(deadline + MARGIN) {
                     broken = b;
                 }
             }
@@ -1377,11 +1786,16 @@ impl ParallelTrainer {
         // The communicators are destroyed by the threads, once the trainer lets go of them.
         self.comms.clear();
         for w in &mut self.workers {
-            if let Some(h) = w.handle.take() {
+            // A thread still inside the step closure is not waited for: it ends on its own
+            // when the closure returns (its arrays are closed below meanwhile).
+            let handle = w.handle.take();
+            if let (Some(h), false) = (handle, w.hung) {
                 let _ = h.join();
             }
         }
         self.params.clear();
+        // Rank 0's board goes once this process's rank has left.
+        self.board.take();
         self.root.close()
     }
 }

@@ -35,6 +35,12 @@ const FAIL_AT: &str = "NDSCOPE_PROCS_FAIL_AT";
 const REFUSE_AT: &str = "NDSCOPE_PROCS_REFUSE_AT";
 /// Set in a child: rank 1's model closure fails.
 const SETUP_FAIL: &str = "NDSCOPE_PROCS_SETUP_FAIL";
+/// Set in a child: the step at which rank 1's step closure stops answering (it sleeps).
+const HANG_AT: &str = "NDSCOPE_PROCS_HANG_AT";
+/// Set in a child: `rank:step`, the rank whose process exits in its step closure at that step.
+const EXIT_AT: &str = "NDSCOPE_PROCS_EXIT_AT";
+/// The trainer's timeout in the children, in milliseconds.
+const TIMEOUT_MS: u64 = 3000;
 const STEPS: usize = 6;
 /// Rows of each batch, split 9 + 9.
 const ROWS: usize = 18;
@@ -72,6 +78,20 @@ fn step(net: &Mlp, x: &NDArray, y: &NDArray) -> ndscope::Result<NDArray> {
     if rank1 && fail_at == Some(call) {
         // An injected failure: a reshape that cannot be.
         return x.reshape([3, 1000]);
+    }
+    let hang_at: Option<usize> = std::env::var(HANG_AT).ok().and_then(|v| v.parse().ok());
+    if rank1 && hang_at == Some(call) {
+        // Stops answering: far longer than the timeout (the process ends first).
+        std::thread::sleep(Duration::from_secs(120));
+    }
+    if let Some((r, at)) = std::env::var(EXIT_AT).ok().and_then(|v| {
+        let (r, at) = v.split_once(':')?;
+        Some((r.parse::<String>().ok()?, at.parse::<usize>().ok()?))
+    }) {
+        if std::env::var("RANK").is_ok_and(|me| me == r) && at == call {
+            // The process dies in the middle of a step, its collectives never come.
+            std::process::exit(0);
+        }
     }
     Mlp::loss(&net.logits(x)?, y)
 }
@@ -112,6 +132,7 @@ fn child_rank() {
     let config = DistributedConfig::from_env()
         .expect("torchrun's variables")
         .timeout(Duration::from_secs(30));
+    let broken_world = std::env::var_os(HANG_AT).is_some() || std::env::var_os(EXIT_AT).is_some();
     let rank = config.rank;
     let refuse_at: Option<usize> = std::env::var(REFUSE_AT).ok().and_then(|v| v.parse().ok());
     let host = Manager::new_base();
@@ -121,6 +142,7 @@ fn child_rank() {
         .name("ddp")
         .distributed(config)
         .optimizer(momentum())
+        .timeout(Duration::from_millis(TIMEOUT_MS))
         .build(&src, model, step);
     let mut t = match built {
         Ok(t) => t,
@@ -158,6 +180,33 @@ fn child_rank() {
                 assert_eq!(s.rows, vec![ROWS / 2, ROWS / 2]);
                 assert_eq!(s.shard_losses.len(), 2);
                 "ok".to_string()
+            }
+            Err(Error::ReplicaFailed {
+                rank: failed,
+                step,
+                source,
+                ..
+            }) if broken_world => {
+                // A rank stopped answering: every rank names it, and the trainer is broken.
+                println!("rank {rank}, step {i}: rank {failed} stopped: {source}");
+                let kind = match *source {
+                    Error::TimedOut { waited, .. } => {
+                        assert_eq!(waited, Duration::from_millis(TIMEOUT_MS));
+                        "timed out"
+                    }
+                    _ => "stopped",
+                };
+                assert!(t.stats().broken);
+                assert!(matches!(t.step(&x, &y), Err(Error::ShutDown { .. })));
+                let closing = Instant::now();
+                t.close().expect("close");
+                // A thread still in the hung closure is not waited for.
+                assert!(closing.elapsed() < Duration::from_secs(10), "close waited");
+                assert_eq!(ndscope::memory_usage(t.devices()[0]).in_use, 0);
+                host.close().expect("close");
+                log.push_str(&format!("{kind} rank {failed} step {step}\n"));
+                fs::write(dir.join(format!("{rank}.log")), log).expect("write the log");
+                return;
             }
             Err(Error::ReplicaFailed {
                 rank: failed,
@@ -417,4 +466,56 @@ fn a_rank_failing_its_setup_fails_every_build() {
     assert_eq!(log_of(&dir, 0), vec!["setup failed elsewhere (rank 0)"]);
     assert_eq!(log_of(&dir, 1), vec!["setup failed here (rank 1)"]);
     let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_that_stops_answering_is_named_by_every_rank() {
+    if std::env::var_os(CHILD).is_some() {
+        return;
+    }
+    let _serial = serial();
+    let Some(locals) = local_ranks() else { return };
+    // Rank 1's step closure hangs at step 2: both ranks fail that step after the timeout,
+    // naming rank 1 (rank 1 from its own timeout, rank 0 from rank 1's post on its board).
+    let start = Instant::now();
+    let dir = run_world("hang", locals, &[(HANG_AT, "2")]);
+    let took = start.elapsed();
+    for rank in 0..2 {
+        assert_eq!(
+            log_of(&dir, rank),
+            vec!["ok", "ok", "timed out rank 1 step 2"],
+            "rank {rank}"
+        );
+    }
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_rank_whose_process_dies_is_named_by_the_others() {
+    if std::env::var_os(CHILD).is_some() {
+        return;
+    }
+    let _serial = serial();
+    let Some(locals) = local_ranks() else { return };
+    // Rank 1's process exits inside its step closure at step 3: rank 0's exchange fails (or
+    // times out), rank 1 never reports, and rank 0 names it.
+    let dir = run_world("exit1", locals, &[(EXIT_AT, "1:3")]);
+    let log = log_of(&dir, 0);
+    assert_eq!(log[..3], ["ok", "ok", "ok"]);
+    assert!(
+        log[3] == "stopped rank 1 step 3" || log[3] == "timed out rank 1 step 3",
+        "{log:?}"
+    );
+    assert!(!dir.join("1.log").exists());
+    // And when rank 0 (whose board the others post on) dies, rank 1 names it.
+    let dir0 = run_world("exit0", locals, &[(EXIT_AT, "0:1")]);
+    let log = log_of(&dir0, 1);
+    assert_eq!(log[0], "ok");
+    assert!(
+        log[1] == "stopped rank 0 step 1" || log[1] == "timed out rank 0 step 1",
+        "{log:?}"
+    );
+    let _ = fs::remove_dir_all(&dir);
+    let _ = fs::remove_dir_all(&dir0);
 }

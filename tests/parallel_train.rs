@@ -9,8 +9,9 @@ mod common;
 #[path = "../examples/mlp/mod.rs"]
 mod mlp;
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use mlp::Mlp;
 use ndscope::{
@@ -63,8 +64,13 @@ fn model(params: &[NDArray]) -> ndscope::Result<Mlp> {
     Ok(Mlp::from_parameters(params, SIZES[3]))
 }
 
-/// 0: no failure; 1: the step closure fails on cuda:1; 2: it panics there.
+/// 0: no failure; 1: the step closure fails on cuda:1; 2: it panics there; 3: it stops
+/// answering there (until `RELEASE`).
 static FAIL: AtomicU8 = AtomicU8::new(0);
+/// Ends the hang of `FAIL` 3.
+static RELEASE: AtomicBool = AtomicBool::new(false);
+/// Set when a hung step closure has returned.
+static RETURNED: AtomicBool = AtomicBool::new(false);
 
 fn step(net: &Mlp, x: &NDArray, y: &NDArray) -> ndscope::Result<NDArray> {
     if x.device() == Device::Cuda(1) {
@@ -72,6 +78,14 @@ fn step(net: &Mlp, x: &NDArray, y: &NDArray) -> ndscope::Result<NDArray> {
             // An injected failure: a reshape that cannot be.
             1 => return x.reshape([3, 1000]),
             2 => panic!("an injected panic"),
+            3 => {
+                let start = Instant::now();
+                while !RELEASE.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(60) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                RETURNED.store(true, Ordering::SeqCst);
+                return Mlp::loss(&net.logits(x)?, y);
+            }
             _ => {}
         }
     }
@@ -503,6 +517,54 @@ fn a_failing_model_closure_is_named_and_frees_everything() {
         }
         assert_eq!(in_use(&devs), before, "memory left after a failed build");
     }
+    // A model closure that does not return fails the build after the timeout.
+    let timeout = Duration::from_millis(1500);
+    let release = std::sync::Arc::new(AtomicBool::new(false));
+    let released = std::sync::Arc::clone(&release);
+    let start = Instant::now();
+    let built = ParallelTrainer::builder()
+        .devices(&devs)
+        .timeout(timeout)
+        .build(
+            &src,
+            move |p: &[NDArray]| {
+                if p[0].device() == Device::Cuda(1) {
+                    let start = Instant::now();
+                    while !released.load(Ordering::SeqCst)
+                        && start.elapsed() < Duration::from_secs(60)
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+                model(p)
+            },
+            step,
+        );
+    let took = start.elapsed();
+    match built {
+        Err(Error::ReplicaFailed {
+            device,
+            rank,
+            source,
+            ..
+        }) => {
+            assert_eq!((device, rank), (Device::Cuda(1), 1));
+            assert!(matches!(*source, Error::TimedOut { .. }), "{source}");
+        }
+        other => panic!("expected ReplicaFailed on cuda:1, got {other:?}"),
+    }
+    assert!(took >= timeout && took < timeout * 4, "took {took:?}");
+    assert_eq!(in_use(&devs), before, "memory left after a timed-out build");
+    release.store(true, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(in_use(&devs), before);
+    assert!(matches!(
+        ParallelTrainer::builder()
+            .devices(&devs)
+            .timeout(Duration::ZERO)
+            .build(&src, model, step),
+        Err(Error::InvalidConfig { .. })
+    ));
     host.close().expect("close");
 }
 
@@ -536,5 +598,89 @@ fn small_buckets_give_the_same_bits() {
     assert_eq!(one, 1);
     assert_eq!(several, 4);
     assert!(whole == split, "bucketing changed the result");
+    host.close().expect("close");
+}
+
+#[test]
+fn a_replica_that_stops_answering_is_named_after_the_timeout() {
+    let _serial = serial();
+    let Some(devs) = devices(2) else { return };
+    let host = Manager::new_base();
+    let src = source(&host);
+    let data = batches(&host, 2, 16);
+    let before = in_use(&devs);
+    let timeout = Duration::from_millis(1500);
+    let mut t = ParallelTrainer::builder()
+        .name("dp")
+        .devices(&devs)
+        .optimizer(momentum())
+        .timeout(timeout)
+        .build(&src, model, step)
+        .expect("a trainer");
+    t.step(&data[0].0, &data[0].1).expect("step");
+    RELEASE.store(false, Ordering::SeqCst);
+    RETURNED.store(false, Ordering::SeqCst);
+    FAIL.store(3, Ordering::SeqCst);
+    let start = Instant::now();
+    let result = t.step(&data[1].0, &data[1].1);
+    let took = start.elapsed();
+    FAIL.store(0, Ordering::SeqCst);
+    match result {
+        Err(Error::ReplicaFailed {
+            device,
+            rank,
+            step,
+            after_all_reduce,
+            source,
+            ..
+        }) => {
+            assert_eq!(
+                (device, rank, step, after_all_reduce),
+                (Device::Cuda(1), 1, 1, false)
+            );
+            match *source {
+                Error::TimedOut {
+                    ref what, waited, ..
+                } => {
+                    assert_eq!(waited, timeout);
+                    assert!(
+                        what.contains("step closure") && what.contains("cuda:1"),
+                        "{what}"
+                    );
+                }
+                ref other => panic!("expected TimedOut, got {other}"),
+            }
+        }
+        other => panic!("expected ReplicaFailed on cuda:1, got {other:?}"),
+    }
+    assert!(took >= timeout && took < timeout * 4, "took {took:?}");
+    let stats = t.stats();
+    assert_eq!((stats.steps, stats.failed, stats.broken), (1, 1, true));
+    assert!(matches!(
+        t.step(&data[0].0, &data[0].1),
+        Err(Error::ShutDown { .. })
+    ));
+    // Closing does not wait for the thread still in the closure, and frees everything.
+    let closing = Instant::now();
+    t.close().expect("close");
+    assert!(
+        closing.elapsed() < timeout,
+        "close waited for the hung thread"
+    );
+    assert!(!RETURNED.load(Ordering::SeqCst));
+    assert_eq!(
+        in_use(&devs),
+        before,
+        "memory left on the devices after close"
+    );
+    // The closure returns at last (its arrays closed meanwhile): its thread ends on its own.
+    RELEASE.store(true, Ordering::SeqCst);
+    let start = Instant::now();
+    while !RETURNED.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(RETURNED.load(Ordering::SeqCst));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(in_use(&devs), before);
     host.close().expect("close");
 }

@@ -117,6 +117,15 @@ impl Communicator {
         match *self {}
     }
 
+    pub(crate) fn wait(
+        &self,
+        _ctx: &Ctx,
+        _deadline: std::time::Instant,
+        _waited: std::time::Duration,
+    ) -> Result<()> {
+        match *self {}
+    }
+
     pub(crate) fn abort(&self) {
         match *self {}
     }

@@ -6,7 +6,9 @@
 //! No collective of ndscope's own: every byte that moves between devices is moved by NCCL.
 
 use std::ffi::CStr;
+use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaEvent;
 use cudarc::nccl::sys as nccl;
 use parking_lot::Mutex;
 
@@ -114,6 +116,8 @@ fn nccl_type(ctx: &Ctx, dtype: DType) -> Result<nccl::ncclDataType_t> {
 pub(crate) struct Communicator {
     /// `None` once aborted or destroyed.
     comm: Mutex<Option<CommPtr>>,
+    /// The event [`wait`](Self::wait) records and polls, made at its first use.
+    done: Mutex<Option<CudaEvent>>,
     gpu: &'static Gpu,
     rank: usize,
     ranks: usize,
@@ -163,6 +167,7 @@ impl Communicator {
         })?;
         Ok(Communicator {
             comm: Mutex::new(Some(CommPtr(comm))),
+            done: Mutex::new(None),
             gpu,
             rank,
             ranks,
@@ -248,6 +253,116 @@ impl Communicator {
         match first_error {
             Some(e) => Err(e),
             None => end,
+        }
+    }
+
+    /// Waits until everything queued on the rank's device so far has run (this communicator's
+    /// collectives included), polling the device and NCCL's asynchronous error instead of
+    /// blocking, so that a collective that cannot complete is found: an asynchronous NCCL error
+    /// (a peer process that died, mismatched calls) aborts the communicator and is returned;
+    /// `deadline` passing aborts it and gives `TimedOut` (`waited`: the timeout, for the
+    /// message); a communicator aborted meanwhile (by another thread) is an error too. A failed
+    /// kernel or copy is left for the caller's next synchronisation to report, as always.
+    pub(crate) fn wait(&self, ctx: &Ctx, deadline: Instant, waited: Duration) -> Result<()> {
+        self.gpu.bind(ctx)?;
+        capture::boundary(ctx, self.gpu)?;
+        let mut done = self.done.lock();
+        if done.is_none() {
+            let event = self
+                .gpu
+                .ctx
+                .new_event(None)
+                .map_err(|e| self.gpu.failed(ctx, "cuEventCreate", e))?;
+            *done = Some(event);
+        }
+        let Some(event) = done.as_ref() else {
+            return Err(ctx.unsupported("the communicator's wait event vanished"));
+        };
+        event
+            .record(&self.gpu.stream)
+            .map_err(|e| self.gpu.failed(ctx, "cuEventRecord", e))?;
+        let mut polls = 0u32;
+        loop {
+            match event.try_is_complete() {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.async_error(ctx)?;
+                    if Instant::now() >= deadline {
+                        self.abort();
+                        return Err(Error::TimedOut {
+                            op: ctx.op,
+                            at: ctx.at,
+                            what: format!(
+                                "the NCCL work of rank {} of {} (cuda:{})",
+                                self.rank, self.ranks, self.gpu.ordinal
+                            ),
+                            waited,
+                            why: "a rank it exchanges with did not come; its communicator was \
+                                  aborted"
+                                .to_string(),
+                        });
+                    }
+                    // Spin briefly (a collective usually completes within microseconds of
+                    // the last rank's arrival), then sleep up to a millisecond at a time.
+                    polls += 1;
+                    if polls < 64 {
+                        std::thread::yield_now();
+                    } else {
+                        let pause = 20u64 << (polls - 64).min(6);
+                        std::thread::sleep(Duration::from_micros(pause.min(1000)));
+                    }
+                    continue;
+                }
+                // A failed kernel or copy: the caller's synchronisation reports it (with the
+                // device's fault bookkeeping); NCCL's own error first, if it has one.
+                Err(_) => {}
+            }
+            return self.async_error(ctx);
+        }
+    }
+
+    /// NCCL's asynchronous error of this communicator (`ncclCommGetAsyncError`): a failure
+    /// aborts the communicator and is returned; an aborted communicator is an error.
+    fn async_error(&self, ctx: &Ctx) -> Result<()> {
+        let guard = self.comm.lock();
+        let Some(comm) = guard.as_ref() else {
+            return Err(Error::Backend {
+                op: ctx.op,
+                at: ctx.at,
+                reason: format!(
+                    "the NCCL communicator of rank {} of {} (cuda:{}) was aborted while this \
+                     rank waited for its collectives",
+                    self.rank, self.ranks, self.gpu.ordinal
+                ),
+            });
+        };
+        let mut state = nccl::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator (held under its lock) and an out-parameter.
+        let code = unsafe { nccl::ncclCommGetAsyncError(comm.0, &mut state) };
+        drop(guard);
+        let failed = match (code, state) {
+            (nccl::ncclResult_t::ncclSuccess, nccl::ncclResult_t::ncclSuccess)
+            | (nccl::ncclResult_t::ncclSuccess, nccl::ncclResult_t::ncclInProgress) => None,
+            (nccl::ncclResult_t::ncclSuccess, state) => Some(state),
+            (code, _) => Some(code),
+        };
+        match failed {
+            None => Ok(()),
+            Some(code) => {
+                self.abort();
+                Err(Error::Backend {
+                    op: ctx.op,
+                    at: ctx.at,
+                    reason: format!(
+                        "NCCL reports an asynchronous error on rank {} of {} (cuda:{}): {}; \
+                         the communicator was aborted",
+                        self.rank,
+                        self.ranks,
+                        self.gpu.ordinal,
+                        describe(code)
+                    ),
+                })
+            }
         }
     }
 
