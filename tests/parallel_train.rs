@@ -65,7 +65,7 @@ fn model(params: &[NDArray]) -> ndscope::Result<Mlp> {
 }
 
 /// 0: no failure; 1: the step closure fails on cuda:1; 2: it panics there; 3: it stops
-/// answering there (until `RELEASE`).
+/// answering there (until `RELEASE`); 4: it leaks an array into its replica's manager there.
 static FAIL: AtomicU8 = AtomicU8::new(0);
 /// Ends the hang of `FAIL` 3.
 static RELEASE: AtomicBool = AtomicBool::new(false);
@@ -85,6 +85,11 @@ fn step(net: &Mlp, x: &NDArray, y: &NDArray) -> ndscope::Result<NDArray> {
                 }
                 RETURNED.store(true, Ordering::SeqCst);
                 return Mlp::loss(&net.logits(x)?, y);
+            }
+            4 => {
+                // A leak: an array made in the (capped) replica manager a weight lives in.
+                let replica = net.layers[0].w.manager()?;
+                std::mem::forget(replica.zeros([4], ndscope::DType::F32)?);
             }
             _ => {}
         }
@@ -682,5 +687,56 @@ fn a_replica_that_stops_answering_is_named_after_the_timeout() {
     assert!(RETURNED.load(Ordering::SeqCst));
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(in_use(&devs), before);
+    host.close().expect("close");
+}
+
+#[test]
+fn caps_and_growth_checks_hold_on_every_device() {
+    let _serial = serial();
+    let Some(devs) = devices(2) else { return };
+    let host = Manager::new_base();
+    let src = source(&host);
+    let data = batches(&host, 2, 16);
+    let before = in_use(&devs);
+    let mut t = trainer(&devs, &src, momentum());
+    // The trainer's subtree (every replica on every device) does not grow over learned steps.
+    let root = t.manager().clone();
+    ndscope::testing::assert_no_growth(&root, 2, 5, |i| {
+        t.step(&data[i % 2].0, &data[i % 2].1).map(|_| ())
+    });
+    // Every device's replica (capped) and step manager (with its workspace) is in the report.
+    let report = t.report();
+    for d in &devs {
+        let on: Vec<_> = report.children.iter().filter(|c| c.device == *d).collect();
+        assert_eq!(on.len(), 2, "{d}: {report:?}");
+        assert_eq!(on.iter().filter(|c| c.capped).count(), 1, "{d}");
+        assert_eq!(
+            on.iter().map(|c| c.workspaces.len()).sum::<usize>(),
+            1,
+            "{d}"
+        );
+    }
+    // A step that leaks into a replica's manager is refused there (`Capped`), on that device,
+    // and changes nothing.
+    let params = snapshot(&t, 0);
+    FAIL.store(4, Ordering::SeqCst);
+    let result = t.step(&data[0].0, &data[0].1);
+    FAIL.store(0, Ordering::SeqCst);
+    match result {
+        Err(Error::ReplicaFailed { device, source, .. }) => {
+            assert_eq!(device, Device::Cuda(1));
+            assert!(matches!(*source, Error::Capped { .. }), "{source}");
+        }
+        other => panic!("expected ReplicaFailed(Capped) on cuda:1, got {other:?}"),
+    }
+    assert!(
+        snapshot(&t, 0) == params,
+        "a refused step changed replica 0"
+    );
+    assert_identical(&t);
+    t.step(&data[1].0, &data[1].1)
+        .expect("a step after the refusal");
+    t.close().expect("close");
+    assert_eq!(in_use(&devs), before, "memory left after close");
     host.close().expect("close");
 }
