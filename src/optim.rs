@@ -286,8 +286,21 @@ pub struct Optimizer {
     /// The parameters' indices grouped by device and dtype (one multi-tensor step each), in
     /// the order of their first parameter.
     groups: Vec<(Device, DType, Vec<usize>)>,
+    /// Adam on a GPU: each group's count of the steps taken, kept on the device (see
+    /// [`Counter`]); `None` elsewhere.
+    counters: Vec<Option<Counter>>,
     /// What a step reuses (boxed: the optimizer stays small to move).
     scratch: Box<Scratch>,
+}
+
+/// An Adam group's count of the steps taken, on its GPU. Unused (the host's count gives the
+/// bias corrections) until a step with a skip flag the host does not read (a loss scaler's);
+/// from then on the device keeps the count, adding one per step the flag does not skip, and
+/// the kernels take the bias corrections from it.
+#[derive(Debug)]
+struct Counter {
+    count: NDArray,
+    live: bool,
 }
 
 /// The memory a step reuses, so that it allocates nothing.
@@ -366,6 +379,26 @@ impl Optimizer {
                 None => groups.push((device, dtype, vec![i])),
             }
         }
+        let mut counters = Vec::with_capacity(groups.len());
+        for (device, _, group) in &groups {
+            let adam = !matches!(kind, OptimizerKind::Sgd(_));
+            let counter = match (adam, device, group.first()) {
+                (true, Device::Cuda(_), Some(&first)) => {
+                    match params[first].new_companion_count(&ctx, "steps") {
+                        Ok(count) => Some(Counter { count, live: false }),
+                        Err(e) => {
+                            let made = counters.iter().flatten().map(|c: &Counter| &c.count);
+                            for array in slots.iter().flat_map(|s| &s.state).chain(made) {
+                                let _ = array.close();
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                _ => None,
+            };
+            counters.push(counter);
+        }
         let largest = groups.iter().map(|g| g.2.len()).max().unwrap_or(0);
         Ok(Optimizer {
             kind,
@@ -373,6 +406,7 @@ impl Optimizer {
             slots,
             steps: 0,
             groups,
+            counters,
             scratch: Box::new(Scratch {
                 batch: Vec::with_capacity(largest),
                 locks: ManyLocks::with_capacity(largest * (2 + kind.state_names().len())),
@@ -426,18 +460,20 @@ impl Optimizer {
         self.check_ready(&ctx)?;
         let step = self.steps + 1;
         let _not_recorded = NoGradientGuard::new();
+        let taken = self.steps;
         let Optimizer {
             kind,
             params,
             slots,
             groups,
+            counters,
             scratch,
             ..
         } = self;
         let Scratch { batch, locks } = &mut **scratch;
         let kind = *kind;
         let depth = 2 + kind.state_names().len();
-        for (device, dtype, group) in groups.iter() {
+        for ((device, dtype, group), counter) in groups.iter().zip(counters.iter_mut()) {
             batch.clear();
             for &i in group {
                 // On the CPU, a weight gradient that backward left pending (`xᵀ · g`, see
@@ -494,14 +530,28 @@ impl Optimizer {
                     skip,
                 )?,
                 kind => match kind.adam_update(step) {
-                    Some(update) => NDArray::adam_step_many(
-                        &ctx,
-                        locks,
-                        (*dtype, batch.len()),
-                        array,
-                        update,
-                        skip,
-                    )?,
+                    Some(update) => {
+                        // On a GPU a flagged step may be skipped without the host knowing:
+                        // from the first one on, the device counts the steps taken.
+                        let count = match counter {
+                            Some(c) => {
+                                if skip.is_some() && !c.live {
+                                    c.count.fill_(taken as f64)?;
+                                    c.live = true;
+                                }
+                                c.live.then_some(&c.count)
+                            }
+                            None => None,
+                        };
+                        NDArray::adam_step_many(
+                            &ctx,
+                            locks,
+                            (*dtype, batch.len()),
+                            array,
+                            update,
+                            (skip, count),
+                        )?
+                    }
                     None => return Err(missing_state(&ctx, &params[batch[0]])),
                 },
             }
@@ -584,7 +634,8 @@ impl Optimizer {
     /// Closes the state arrays now (they close with their managers otherwise); the parameters
     /// and their gradients stay.
     pub fn close(self) {
-        for array in self.slots.iter().flat_map(|s| &s.state) {
+        let counts = self.counters.iter().flatten().map(|c| &c.count);
+        for array in self.slots.iter().flat_map(|s| &s.state).chain(counts) {
             // Closing is idempotent and cannot fail.
             let _ = array.close();
         }

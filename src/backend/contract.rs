@@ -123,6 +123,8 @@ pub(crate) struct SgdCoeffs {
 /// v = β2·v + (1−β2)·g²; p -= step_size·m / (√v / bias2_sqrt + eps)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct AdamCoeffs {
+    /// The learning rate (for bias corrections computed from a step count the device keeps).
+    pub lr: f64,
     /// `β1`, the decay of the first moment.
     pub beta1: f64,
     /// `β2`, the decay of the second moment.
@@ -173,6 +175,14 @@ pub(crate) trait StepTensors<B> {
     /// [`skip_flag`](Self::skip_flag), as the list of storages hands it out to the backend it
     /// is on.
     fn skip_flag_mut(&mut self) -> Option<&mut B> {
+        None
+    }
+    /// An Adam step's own count of the steps taken (one f64 element on the tensors' device),
+    /// if it keeps one: the bias corrections are then those of step `count + 1` (the
+    /// coefficients' `step_size` and `bias2_sqrt` are not used), computed where the count lies,
+    /// and the count goes up by one unless the skip flag skips the step. So a step skipped by a
+    /// flag the host never reads is not counted, as PyTorch's GradScaler leaves Adam's step.
+    fn step_count(&mut self) -> Option<&mut B> {
         None
     }
 }

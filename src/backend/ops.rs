@@ -490,6 +490,11 @@ impl<B> StepTensors<B> for OnBackend<'_, '_, B> {
         // The flag is read only; `pick` takes a mutable reference to choose the variant.
         self.inner.skip_flag_mut().and_then(pick).map(|b| &*b)
     }
+
+    fn step_count(&mut self) -> Option<&mut B> {
+        let pick = self.pick;
+        self.inner.step_count().and_then(pick)
+    }
 }
 
 fn host_buffer(s: &mut Storage) -> Option<&mut HostBuffer> {

@@ -721,12 +721,15 @@ fn recycle<T, U>(mut list: Vec<T>) -> Vec<U> {
 /// The tensors of a multi-tensor step over the guards [`locked_steps`] holds.
 struct LockedTensors<'g, 'a> {
     guards: &'g mut [WriteGuard<'a>],
-    /// The guard of each role (tensor `t`, role `r` at `t·depth + r`), then the skip flag's.
+    /// The guard of each role (tensor `t`, role `r` at `t·depth + r`), then the skip flag's,
+    /// then the step counter's.
     slot: &'g [usize],
     depth: usize,
     count: usize,
-    /// Whether the step has a skip flag (its guard is the last slot).
+    /// Whether the step has a skip flag (its slot follows the tensors').
     flagged: bool,
+    /// Whether the step has a step counter (its slot is the last).
+    counted: bool,
 }
 
 impl StepTensors<Storage> for LockedTensors<'_, '_> {
@@ -775,20 +778,30 @@ impl StepTensors<Storage> for LockedTensors<'_, '_> {
         let at = *self.slot.get(self.count * self.depth)?;
         self.guards.get_mut(at).map(|g| &mut *g.guard)
     }
+
+    fn step_count(&mut self) -> Option<&mut Storage> {
+        if !self.counted {
+            return None;
+        }
+        let role = self.count * self.depth + usize::from(self.flagged);
+        let at = *self.slot.get(role)?;
+        self.guards.get_mut(at).map(|g| &mut *g.guard)
+    }
 }
 
 /// Runs a multi-tensor optimizer step's kernel on `count` tensors of `depth` arrays each (2 to
 /// 4: role 0 the gradient, 1 the parameter, then the state), `array(t, role)` giving each: every
 /// array's pending product settled first, then all write-locked in address order (each once:
 /// an array in two roles is `InvalidArgument`, before any lock), the kernel given their bytes
-/// tensor by tensor, and the skip `flag` (see `StepTensors::skip_flag`), locked with them.
-/// Reuses `locks`' memory: allocates nothing once it has grown to the size of the step.
+/// tensor by tensor, the skip `flag` (see `StepTensors::skip_flag`) and an Adam step's
+/// `counter` (`StepTensors::step_count`), locked with them. Reuses `locks`' memory: allocates
+/// nothing once it has grown to the size of the step.
 pub(crate) fn locked_steps<'a>(
     ctx: &Ctx,
     locks: &mut ManyLocks,
     (count, depth): (usize, usize),
     array: impl Fn(usize, usize) -> &'a NDArray,
-    flag: Option<&'a NDArray>,
+    (flag, counter): (Option<&'a NDArray>, Option<&'a NDArray>),
     kernel: impl FnOnce(&mut dyn StepTensors<Storage>) -> Result<()>,
 ) -> Result<()> {
     if !(2..=4).contains(&depth) {
@@ -797,10 +810,12 @@ pub(crate) fn locked_steps<'a>(
         )));
     }
     let roles = count * depth;
-    let all = roles + usize::from(flag.is_some());
-    // Role `roles` is the flag.
-    let of = |role: usize| match flag {
-        Some(f) if role == roles => f,
+    let flagged = usize::from(flag.is_some());
+    let all = roles + flagged + usize::from(counter.is_some());
+    // Role `roles` is the flag (if any), the next the counter (if any).
+    let of = |role: usize| match (flag, counter) {
+        (Some(f), _) if role == roles => f,
+        (_, Some(c)) if role == roles + flagged => c,
         _ => array(role / depth, role % depth),
     };
     for role in 0..all {
@@ -827,6 +842,7 @@ pub(crate) fn locked_steps<'a>(
             depth,
             count,
             flagged: flag.is_some(),
+            counted: counter.is_some(),
         })
     };
     let result = run();

@@ -134,6 +134,7 @@ impl AdamUpdate {
         let bias1 = 1.0 - power(self.beta1);
         let bias2 = 1.0 - power(self.beta2);
         AdamCoeffs {
+            lr: self.lr,
             beta1: self.beta1,
             beta2: self.beta2,
             eps: self.eps,
@@ -328,24 +329,27 @@ impl NDArray {
         skip: Option<&'a NDArray>,
     ) -> Result<()> {
         let coeffs = step.coeffs(true);
-        exec::locked_steps(ctx, locks, (count, depth), array, skip, |tensors| {
+        exec::locked_steps(ctx, locks, (count, depth), array, (skip, None), |tensors| {
             AnyDevice::sgd_update_multi(ctx, dtype, tensors, coeffs)
         })
     }
 
     /// One Adam (or AdamW) step of many parameters of one dtype and device at once, as
     /// [`sgd_step_many`](Self::sgd_step_many) (roles: gradient, parameter, `m`, `v`), with the
-    /// arithmetic of [`adam_update_`](Self::adam_update_).
+    /// arithmetic of [`adam_update_`](Self::adam_update_). With `counter` (one f64 element on
+    /// the parameters' device: the steps taken), the bias corrections are those of step
+    /// `counter + 1`, computed on that device, and the counter goes up unless `skip` skips the
+    /// step (see `StepTensors::step_count`).
     pub(crate) fn adam_step_many<'a>(
         ctx: &Ctx,
         locks: &mut exec::ManyLocks,
         (dtype, count): (DType, usize),
         array: impl Fn(usize, usize) -> &'a NDArray,
         step: AdamUpdate,
-        skip: Option<&'a NDArray>,
+        (skip, counter): (Option<&'a NDArray>, Option<&'a NDArray>),
     ) -> Result<()> {
         let coeffs = step.coeffs(true);
-        exec::locked_steps(ctx, locks, (count, 4), array, skip, |tensors| {
+        exec::locked_steps(ctx, locks, (count, 4), array, (skip, counter), |tensors| {
             AnyDevice::adam_update_multi(ctx, dtype, tensors, coeffs)
         })
     }

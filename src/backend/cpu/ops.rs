@@ -757,6 +757,18 @@ impl OptimOps for Cpu {
         if skipped(ctx, tensors, step.zero_grad)? {
             return Ok(());
         }
+        let mut step = step;
+        if let Some(count) = tensors.step_count() {
+            // The bias corrections of the step the count says comes next (as `AdamUpdate`
+            // computes them), and one more step taken.
+            let taken = count.as_slice::<f64>().first().copied().unwrap_or(0.0);
+            let t = taken + 1.0;
+            step.step_size = step.lr / (1.0 - step.beta1.powf(t));
+            step.bias2_sqrt = (1.0 - step.beta2.powf(t)).sqrt();
+            if let Some(c) = count.as_mut_slice::<f64>().first_mut() {
+                *c = t;
+            }
+        }
         for i in 0..tensors.len() {
             let t = tensors.tensor(i).ok_or_else(|| not_host(ctx, i))?;
             match t.state {

@@ -131,6 +131,7 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("adam_update", Types::Float),
     ("sgd_multi", Types::Float),
     ("adam_multi", Types::Float),
+    ("adam_count", Types::Float),
 ];
 
 /// Kernels taking two dtypes, named `<base>_<a>_<b>`, with the pairs they are compiled for.
@@ -1335,10 +1336,16 @@ mod tests {
         // the skip flag's address.
         assert_eq!(sizes("sgd_multi_f32"), [2832, 4, 4, 4, 4]);
         assert_eq!(sizes("sgd_multi_bf16"), [2832, 4, 4, 4, 4]);
+        // ... and the device's step count (its address) with lr, β1 and β2 in f64.
         let mut adam = vec![2832];
         adam.extend([8; 9]);
-        adam.push(4);
+        adam.extend([4, 8, 8, 8, 8]);
         assert_eq!(sizes("adam_multi_f64"), adam);
+        assert_eq!(
+            sizes("adam_multi_f32"),
+            [2832, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8]
+        );
+        assert_eq!(sizes("adam_count_f32"), [8, 8]);
     }
 
     /// Kernel templates (`__global__` functions in macros) of the half-precision source.

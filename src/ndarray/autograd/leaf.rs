@@ -66,6 +66,24 @@ impl NDArray {
         Ok(array)
     }
 
+    /// A one-element f64 zero in the manager that holds `self`, named `<self>.<what>`: an
+    /// optimizer's count kept on the parameter's device.
+    pub(crate) fn new_companion_count(&self, ctx: &Ctx, what: &str) -> Result<NDArray> {
+        let (array, _) = exec::new_array(
+            ctx,
+            Target::GradientOf(self),
+            [1].into(),
+            crate::DType::F64,
+            self.device(),
+        )?;
+        if let Err(e) = array.fill_(0.0) {
+            exec::discard(&array);
+            return Err(e);
+        }
+        array.set_name(&companion_name(self, what));
+        Ok(array)
+    }
+
     /// Whether [`set_requires_gradient(true)`](Self::set_requires_gradient) is in force. Results
     /// of ops on such arrays do not require gradients themselves: they are recorded on the tape
     /// while a collector is open, and only these arrays receive gradients.

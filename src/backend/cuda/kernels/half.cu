@@ -583,8 +583,14 @@ __device__ __forceinline__ void half_adam_element(H* p, H* grad, H* m1, H* m2, u
     }                                                                                              \
     extern "C" __global__ void adam_multi_##H(TensorList l, f32 b1, f32 c1, f32 b2, f32 c2,       \
                                               f32 eps, f32 wd, f32 decay, f32 step_size,           \
-                                              f32 bias2, int mode) {                               \
+                                              f32 bias2, int mode, const double* count, double lr, \
+                                              double b1d, double b2d) {                            \
         bool skip = mt_skipped(l);                                                                 \
+        if (count != 0) {                                                                          \
+            double steps = count[0] + 1.0;                                                         \
+            step_size = (f32)(lr / (1.0 - pow(b1d, steps)));                                       \
+            bias2 = (f32)sqrt(1.0 - pow(b2d, steps));                                              \
+        }                                                                                          \
         MT_FOR(l, t, i) {                                                                          \
             if (skip) {                                                                            \
                 if (mode & ADAM_ZERO_GRAD) ((H*)l.ptr[0][t])[i] = from_f<H>(0.0f);                 \
@@ -596,3 +602,10 @@ __device__ __forceinline__ void half_adam_element(H* p, H* grad, H* m1, H* m2, u
         }                                                                                          \
     }
 FOR_HALF(HOPTIM)
+#define HADAM_COUNT(H)                                                                             \
+    extern "C" __global__ void adam_count_##H(double* count, const float* skip) {                 \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && !(skip != 0 && *skip != 0.0f)) {                \
+            count[0] = count[0] + 1.0;                                                             \
+        }                                                                                          \
+    }
+FOR_HALF(HADAM_COUNT)

@@ -60,8 +60,16 @@
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void adam_multi_##T(TensorList l, T b1, T c1, T b2, T c2, T eps, T wd,  \
-                                              T decay, T step_size, T bias2, int mode) {           \
+                                              T decay, T step_size, T bias2, int mode,             \
+                                              const double* count, double lr, double b1d,          \
+                                              double b2d) {                                        \
         bool skip = mt_skipped(l);                                                                 \
+        if (count != 0) {                                                                          \
+            /* The bias corrections of the step the device counts (see adam_count). */             \
+            double steps = count[0] + 1.0;                                                         \
+            step_size = (T)(lr / (1.0 - pow(b1d, steps)));                                         \
+            bias2 = (T)sqrt(1.0 - pow(b2d, steps));                                                \
+        }                                                                                          \
         MT_FOR(l, t, i) {                                                                          \
             if (skip) {                                                                            \
                 if (mode & ADAM_ZERO_GRAD) ((T*)l.ptr[0][t])[i] = (T)0;                            \
@@ -73,3 +81,14 @@
         }                                                                                          \
     }
 FOR_FLOAT(OPTIM)
+
+// An Adam step's device-side count of the steps taken, after the step's launches: one more
+// unless the step's flag skipped it (a loss scaler's non-finite gradient), so that the bias
+// corrections follow the steps taken without the host learning which were skipped.
+#define ADAM_COUNT(T)                                                                              \
+    extern "C" __global__ void adam_count_##T(double* count, const float* skip) {                 \
+        if (blockIdx.x == 0 && threadIdx.x == 0 && !(skip != 0 && *skip != 0.0f)) {                \
+            count[0] = count[0] + 1.0;                                                             \
+        }                                                                                          \
+    }
+FOR_FLOAT(ADAM_COUNT)

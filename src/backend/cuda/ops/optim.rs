@@ -335,14 +335,31 @@ impl OptimOps for Cuda {
     ) -> Result<()> {
         let mode = adam_mode(step);
         let s = |value: f64| scalar(coefficients(dtype), value);
+        // The device's count of the steps taken, if the step keeps one.
+        let count = match tensors.step_count() {
+            Some(c) if c.bytes() < 8 => {
+                return Err(ctx.invalid("an Adam step's count is one f64 element"));
+            }
+            Some(c) => Some((c.ptr(), c.gpu())),
+            None => None,
+        };
+        let skip = tensors.skip_flag().map_or(0, |f| f.ptr());
+        let mut device = None;
         each_launch(ctx, dtype, tensors, 4, |gpu, list, blocks| {
+            if let Some((_, on)) = count {
+                same_gpu(ctx, &[gpu, on])?;
+            }
+            device = Some(gpu);
             let f = gpu.kernels.one(ctx, "adam_multi", dtype)?;
+            let cnt = count.map_or(0, |(ptr, _)| ptr);
             // SAFETY: adam_multi_<T>(TensorList l, T b1, T c1, T b2, T c2, T eps, T wd,
-            // T decay, T step_size, T bias2, int mode); every address of `list` is locked
-            // storage of `gpu` (checked by `each_launch`, the four of each tensor set) holding
-            // the `list.n` elements of its tensor, `blocks` is the list's last block end,
-            // gradients written only with ADAM_ZERO_GRAD; `list.skip` is 0 or the step's locked
-            // one-f32 flag on `gpu`, only read.
+            // T decay, T step_size, T bias2, int mode, const double* count, double lr,
+            // double b1d, double b2d); every address of `list` is locked storage of `gpu`
+            // (checked by `each_launch`, the four of each tensor set) holding the `list.n`
+            // elements of its tensor, `blocks` is the list's last block end, gradients written
+            // only with ADAM_ZERO_GRAD; `list.skip` is 0 or the step's locked one-f32 flag on
+            // `gpu`, only read; `count` is 0 or the step's locked f64 count on `gpu` (checked
+            // above, at least 8 bytes), only read.
             unsafe {
                 launch!(ctx, gpu, f, multi_config(blocks);
                     l = *list,
@@ -350,8 +367,20 @@ impl OptimOps for Cuda {
                     b2 = s(step.beta2), c2 = s(1.0 - step.beta2),
                     eps = s(step.eps), wd = s(step.weight_decay),
                     decay = s(step.decay.unwrap_or(1.0)),
-                    step_size = s(step.step_size), bias2 = s(step.bias2_sqrt), md = mode)
+                    step_size = s(step.step_size), bias2 = s(step.bias2_sqrt), md = mode,
+                    cnt = cnt, lr = step.lr, b1d = step.beta1, b2d = step.beta2)
             }
-        })
+        })?;
+        if let (Some((cnt, _)), Some(gpu)) = (count, device) {
+            let f = gpu.kernels.one(ctx, "adam_count", dtype)?;
+            // SAFETY: adam_count_<T>(double* count, const float* skip): `cnt` is the step's
+            // locked f64 count on `gpu` (checked above), one element written by one thread;
+            // `skip` is 0 or the step's locked one-f32 flag on `gpu`, only read. Queued after
+            // the step's launches, which read the count.
+            unsafe {
+                launch!(ctx, gpu, f, Config { blocks: 1, threads: (32, 1) }; c = cnt, k = skip)
+            }?;
+        }
+        Ok(())
     }
 }
