@@ -222,8 +222,9 @@ impl GradScaler {
     /// `optimizer`, skipping the step when a gradient held an inf or NaN: then no parameter or
     /// state changes and the gradients are zeroed (see [`Optimizer::step`]). The device decides
     /// (the optimizer's kernels read the flag): on the CPU a skipped step is not counted in
-    /// [`Optimizer::steps`], as PyTorch's; on a GPU the host does not learn it and counts it,
-    /// so Adam's bias correction then runs one step ahead.
+    /// [`Optimizer::steps`], as PyTorch's; on a GPU the host does not learn it and counts it in
+    /// `steps`, but Adam's bias corrections follow a count the device keeps of the steps taken,
+    /// so they go on from the last step taken there too (PyTorch's fused Adam does the same).
     #[track_caller]
     pub fn step(&mut self, optimizer: &mut Optimizer) -> Result<()> {
         let ctx = Ctx::new("GradScaler::step");

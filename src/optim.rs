@@ -434,7 +434,8 @@ impl Optimizer {
     /// gradients are only zeroed. The flag is read by the device it is on (the parameters'),
     /// inside the step's launches, so a GPU step does not wait for it. On the CPU a skipped
     /// step is not counted in [`steps`](Self::steps); on a GPU the host does not learn whether
-    /// it was skipped, and counts it.
+    /// it was skipped, and counts it, while Adam's groups count the steps taken on the device
+    /// (their `Counter`) and take the bias corrections from that count.
     #[track_caller]
     pub(crate) fn step_unless(&mut self, ctx: &Ctx, skip: Option<&NDArray>) -> Result<()> {
         let ctx = *ctx;
@@ -619,7 +620,10 @@ impl Optimizer {
         &self.params
     }
 
-    /// The steps taken so far (Adam's bias corrections use `steps() + 1` at the next one).
+    /// The steps taken so far (Adam's bias corrections use `steps() + 1` at the next one). On a
+    /// GPU a step skipped by a loss scaler's flag is counted here (the host does not read the
+    /// flag), but not by the count the device keeps for Adam's bias corrections from the first
+    /// flagged step on (see [`GradScaler::step`](crate::GradScaler::step)).
     pub fn steps(&self) -> u64 {
         self.steps
     }
