@@ -281,7 +281,10 @@ impl Communicator {
         event
             .record(&self.gpu.stream)
             .map_err(|e| self.gpu.failed(ctx, "cuEventRecord", e))?;
-        let mut polls = 0u32;
+        // Spin for a millisecond (a collective usually completes within microseconds of the
+        // last rank's arrival, a step's kernels within a fraction of a millisecond), then
+        // sleep 100 µs between looks.
+        let spin_until = Instant::now() + Duration::from_millis(1);
         loop {
             match event.try_is_complete() {
                 Ok(true) => {}
@@ -302,14 +305,10 @@ impl Communicator {
                                 .to_string(),
                         });
                     }
-                    // Spin briefly (a collective usually completes within microseconds of
-                    // the last rank's arrival), then sleep up to a millisecond at a time.
-                    polls += 1;
-                    if polls < 64 {
+                    if Instant::now() < spin_until {
                         std::thread::yield_now();
                     } else {
-                        let pause = 20u64 << (polls - 64).min(6);
-                        std::thread::sleep(Duration::from_micros(pause.min(1000)));
+                        std::thread::sleep(Duration::from_micros(100));
                     }
                     continue;
                 }
