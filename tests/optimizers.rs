@@ -286,6 +286,12 @@ fn state_is_made_once_in_the_parameters_manager(dev: Device) {
             want_dec.push(format!("dec.v.{s}"));
             want_dec.push(format!("{}.{s}", unnamed.id()));
         }
+        if dev != Device::Cpu && !state.is_empty() && state[0] == "m" {
+            // Adam on a GPU: one count of the steps taken per device and dtype (used under a
+            // loss scaler), beside the group's first parameter: w (f32 with `unnamed`), v (f64).
+            want_enc.push("enc.w.steps".to_string());
+            want_dec.push("dec.v.steps".to_string());
+        }
         want_enc.sort();
         want_dec.sort();
         assert_eq!(names(&encoder), want_enc, "{kind:?}: the encoder's arrays");
