@@ -39,6 +39,13 @@
 //!                   one replica and thread per device, each batch split between them, the
 //!                   gradients averaged with NCCL); autograd and f32 only, batches cut in the
 //!                   step, held-out accuracy measured on replica 0
+//! --procs N         the same with N processes, one device each, as `torchrun
+//!                   --nproc-per-node N` launches them: this process starts N copies of
+//!                   itself with RANK, WORLD_SIZE, LOCAL_RANK (= rank: cuda:rank),
+//!                   MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, and waits for them. A
+//!                   process started with RANK and WORLD_SIZE set (by --procs or by torchrun)
+//!                   is one rank: it trains on its share of each batch (rows split as the
+//!                   trainer splits them) and rank 0 prints and checks the results
 //! --dtype f32|bf16|f16  the autograd step's precision (default f32): bf16 or f16 is mixed
 //!                   precision as PyTorch's AMP, the forward pass under autocast (products in
 //!                   the half type, the loss in f32), f32 parameters, gradients and optimizer
@@ -68,16 +75,16 @@
 #[path = "mlp/mod.rs"]
 mod mlp;
 
-use std::process::ExitCode;
+use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use std::cell::RefCell;
 
 use mlp::{make_data, Mlp, Precision};
 use ndscope::{
-    fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, DType, Device, LayerWorkspaceMgr,
-    Manager, NDArray, Optimizer, OptimizerKind, ParallelTrainer, Prefetcher, RecordOptions, Sgd,
-    WorkspaceConfig,
+    fmt_bytes, manual_seed, memory_usage, Adam, ArrayKind, DType, Device, DistributedConfig,
+    LayerWorkspaceMgr, Manager, NDArray, Optimizer, OptimizerKind, ParallelTrainer, Prefetcher,
+    RecordOptions, Sgd, WorkspaceConfig,
 };
 
 const FEATURES: usize = 784;
@@ -103,6 +110,10 @@ struct Args {
     device: Device,
     /// `--devices N`: data-parallel over this many CUDA devices.
     devices: Option<usize>,
+    /// `--procs N`: launch this many ranks, one process each.
+    procs: Option<usize>,
+    /// This process is one rank of a world (RANK and WORLD_SIZE are set).
+    distributed: Option<DistributedConfig>,
     dtype: DType,
     trace: Option<String>,
     snapshot: Option<String>,
@@ -125,6 +136,8 @@ fn parse_args() -> Result<Args, String> {
         save: None,
         device: Device::Cpu,
         devices: None,
+        procs: None,
+        distributed: None,
         dtype: DType::F32,
         trace: None,
         snapshot: None,
@@ -160,6 +173,7 @@ fn parse_args() -> Result<Args, String> {
             "--no-graph" => args.graph = false,
             "--save" => args.save = Some(value("--save")?.into()),
             "--devices" => args.devices = Some(number(&value("--devices")?)?),
+            "--procs" => args.procs = Some(number(&value("--procs")?)?),
             "--device" => {
                 args.device = match value("--device")?.as_str() {
                     "cpu" => Device::Cpu,
@@ -178,7 +192,7 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => {
                 return Err("usage: train_mlp [--epochs N] [--batch N] [--hidden A,B] [--samples N] \
                             [--optimizer sgd|adam] [--manual-backward] [--lr X] [--momentum X] [--seed N] [--no-workspace] [--no-prefetch] [--save PATH] \
-                            [--device cpu|cuda] [--devices N] [--dtype f32|bf16|f16] [--no-graph] [--trace PATH] [--snapshot PATH]"
+                            [--device cpu|cuda] [--devices N] [--procs N] [--dtype f32|bf16|f16] [--no-graph] [--trace PATH] [--snapshot PATH]"
                     .into())
             }
             other => return Err(format!("unknown flag {other:?} (try --help)")),
@@ -200,7 +214,22 @@ fn parse_args() -> Result<Args, String> {
     if args.manual && args.dtype != DType::F32 {
         return Err("--manual-backward computes in f32: it takes no --dtype bf16 or f16".into());
     }
-    if let Some(n) = args.devices {
+    if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
+        // One rank of a world (launched by --procs or torchrun): one device, this rank's.
+        let config = DistributedConfig::from_env().map_err(|e| e.to_string())?;
+        args.procs = None;
+        args.devices = Some(1);
+        args.distributed = Some(config);
+    }
+    if let Some(n) = args.procs {
+        if n == 0 {
+            return Err("--procs must be at least 1".into());
+        }
+        if args.devices.is_some() {
+            return Err("--procs runs one device per process: it takes no --devices".into());
+        }
+    }
+    if let Some(n) = args.devices.or(args.procs) {
         if n == 0 {
             return Err("--devices must be at least 1".into());
         }
@@ -271,6 +300,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ndscope::start_recording(RecordOptions::default())?;
     }
     manual_seed(args.seed);
+    if let Some(n) = args.procs {
+        return launch(n);
+    }
     if let Some(n) = args.devices {
         return run_parallel(&args, n);
     }
@@ -550,8 +582,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
 /// `--devices N`: data-parallel training over cuda:0..N with a [`ParallelTrainer`]. The data
 /// and the source parameters are made on the host; each step's batch is split between the
-/// replicas; the held-out accuracy is measured with replica 0's parameters.
+/// replicas; the held-out accuracy is measured with replica 0's parameters. In a world of
+/// processes (`--procs`, torchrun) this process is one rank on its device: every rank makes the
+/// same data and parameters (the same seed), steps on its own rows of each batch, and rank 0
+/// reports.
 fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let lead = args.distributed.as_ref().is_none_or(|c| c.rank == 0);
     let total = args.samples + HELD_OUT;
     let host = Manager::new_base().with_name("data");
     let mut sizes = vec![FEATURES];
@@ -570,29 +606,49 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
         }
         .into()
     };
-    let devices: Vec<Device> = (0..n).map(Device::Cuda).collect();
     let model =
         |params: &[NDArray]| -> ndscope::Result<Mlp> { Ok(Mlp::from_parameters(params, CLASSES)) };
-    let mut trainer = ParallelTrainer::builder()
+    let builder = ParallelTrainer::builder()
         .name("train_mlp")
-        .devices(&devices)
         .optimizer(optimizer)
-        .workspace(WorkspaceConfig::builder().graph_replay(false).build()?)
-        .build(&source, model, |net: &Mlp, x: &NDArray, y: &NDArray| {
-            Mlp::loss(&net.logits(x)?, y)
-        })?;
-    println!(
-        "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {} split \
-         over {n} devices, {} epochs, {optimizer:?}, data-parallel (ParallelTrainer, NCCL; \
-         {} all-reduces in {} bucket(s), {} per step and device) (data generated in {:.2} s)",
-        args.samples,
-        args.batch,
-        args.epochs,
-        trainer.stats().collectives_per_step,
-        trainer.stats().buckets,
-        fmt_bytes(trainer.stats().bytes_per_step),
-        t0.elapsed().as_secs_f64()
-    );
+        .workspace(WorkspaceConfig::builder().graph_replay(false).build()?);
+    let builder = match &args.distributed {
+        Some(config) => builder.distributed(config.clone()),
+        None => builder.devices(&(0..n).map(Device::Cuda).collect::<Vec<_>>()),
+    };
+    let mut trainer = builder.build(&source, model, |net: &Mlp, x: &NDArray, y: &NDArray| {
+        Mlp::loss(&net.logits(x)?, y)
+    })?;
+    let devices = trainer.devices();
+    // This process's rows of each batch: all of them, or its rank's share (as the trainer
+    // splits a batch between devices: sizes differ by at most one, the larger first).
+    let (world, rank) = args
+        .distributed
+        .as_ref()
+        .map_or((1, 0), |c| (c.world_size, c.rank));
+    let share = |r: usize| args.batch / world + usize::from(r < args.batch % world);
+    let (offset, rows) = ((0..rank).map(share).sum::<usize>(), share(rank));
+    let over = match &args.distributed {
+        Some(c) => format!(
+            "{} processes (one device each, this one rank {})",
+            c.world_size, c.rank
+        ),
+        None => format!("{n} devices"),
+    };
+    if lead {
+        println!(
+            "train_mlp: MLP {sizes:?}, {} training + {HELD_OUT} held-out samples, batch {} split \
+             over {over}, {} epochs, {optimizer:?}, data-parallel (ParallelTrainer, NCCL; \
+             {} all-reduces in {} bucket(s), {} per step and device) (data generated in {:.2} s)",
+            args.samples,
+            args.batch,
+            args.epochs,
+            trainer.stats().collectives_per_step,
+            trainer.stats().buckets,
+            fmt_bytes(trainer.stats().bytes_per_step),
+            t0.elapsed().as_secs_f64()
+        );
+    }
     let live = || -> usize { devices.iter().map(|&d| memory_usage(d).in_use).sum() };
     let allocated = || -> u64 {
         devices
@@ -608,9 +664,9 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
         let allocated_before = allocated();
         let mut loss = 0.0;
         for step in 0..steps {
-            let start = step * args.batch;
-            let xb = x.narrow(0, start, args.batch)?;
-            let yb = y.narrow(0, start, args.batch)?;
+            let start = step * args.batch + offset;
+            let xb = x.narrow(0, start, rows)?;
+            let yb = y.narrow(0, start, rows)?;
             loss += f64::from(trainer.step(&xb, &yb)?.loss);
             xb.close()?;
             yb.close()?;
@@ -622,19 +678,32 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
             live: live(),
             allocations: allocated() - allocated_before,
         };
-        println!(
-            "epoch {epoch:>2}: loss {:.4}  {:>6.0} steps/s  live {} on {n} devices  allocations {}",
-            e.loss,
-            e.steps_per_s,
-            fmt_bytes(e.live),
-            e.allocations
-        );
+        if lead {
+            println!(
+                "epoch {epoch:>2}: loss {:.4}  {:>6.0} steps/s  live {} on {}  allocations {}",
+                e.loss,
+                e.steps_per_s,
+                fmt_bytes(e.live),
+                if args.distributed.is_some() {
+                    devices[0].to_string()
+                } else {
+                    format!("{n} devices")
+                },
+                e.allocations
+            );
+        }
         epochs.push(e);
     }
     let train_secs = train_start.elapsed().as_secs_f64();
-    // Held-out accuracy with replica 0's parameters, one cycle per batch on cuda:0.
+    if !lead {
+        // The other ranks hold the same parameters: rank 0 measures and reports.
+        trainer.close()?;
+        host.close()?;
+        return Ok(());
+    }
+    // Held-out accuracy with replica 0's parameters, one cycle per batch on its device.
     let net = model(trainer.parameters(0)?)?;
-    let eval = Manager::new_base_on(Device::Cuda(0))?.with_name("eval");
+    let eval = Manager::new_base_on(devices[0])?.with_name("eval");
     let eval_ws = eval.workspace("eval", WorkspaceConfig::default())?;
     let mut held_correct = 0i64;
     let mut start = args.samples;
@@ -664,8 +733,13 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
     eval.close()?;
     host.close()?;
     println!(
-        "closed: {} in use on {n} devices after closing the trainer",
-        fmt_bytes(live())
+        "closed: {} in use on {} after closing the trainer",
+        fmt_bytes(live()),
+        if args.distributed.is_some() {
+            devices[0].to_string()
+        } else {
+            format!("{n} devices")
+        }
     );
     if args.trace.is_some() || args.snapshot.is_some() {
         write_recording(args)?;
@@ -734,4 +808,77 @@ fn write_recording(args: &Args) -> ndscope::Result<()> {
         println!("wrote the PyTorch memory snapshot to {path}: open it in https://pytorch.org/memory_viz");
     }
     Ok(())
+}
+
+/// `--procs N`: starts `n` copies of this program with this one's arguments (less `--procs N`)
+/// and torchrun's variables (rank `r` on `cuda:r`, rank 0 at `127.0.0.1` on a free port), and
+/// waits for them all; the first that fails makes the others stop.
+fn launch(n: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let exe = std::env::current_exe()?;
+    let mut rest = Vec::new();
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--procs" {
+            it.next();
+        } else {
+            rest.push(a);
+        }
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    println!(
+        "train_mlp: launching {n} ranks (RANK 0..{n}, MASTER_ADDR 127.0.0.1, MASTER_PORT {port})"
+    );
+    let mut children = Vec::with_capacity(n);
+    for rank in 0..n {
+        let child = Command::new(&exe)
+            .args(&rest)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("cannot start rank {rank}: {e}").into());
+            }
+        }
+    }
+    let mut failed: Option<String> = None;
+    let mut done = vec![false; n];
+    while done.iter().any(|d| !d) {
+        for (rank, c) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = c.try_wait()? {
+                done[rank] = true;
+                if !status.success() && failed.is_none() {
+                    failed = Some(format!("rank {rank} failed ({status})"));
+                }
+            }
+        }
+        if failed.is_some() {
+            // The others are told to stop (their trainers would fail the step anyway).
+            for (rank, c) in children.iter_mut().enumerate() {
+                if !done[rank] {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    done[rank] = true;
+                }
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    match failed {
+        Some(why) => Err(why.into()),
+        None => Ok(()),
+    }
 }
