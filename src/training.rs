@@ -1219,6 +1219,32 @@ impl ParallelTrainer {
         }
     }
 
+    /// A step's next reply (its replica marked in `answered`), `None` when the threads are
+    /// gone, or, past `deadline`, the error naming the replica that did not answer (step
+    /// `number`, in its update's part with `update`; counted as failed).
+    fn step_reply(
+        &mut self,
+        ctx: &Ctx,
+        deadline: Instant,
+        answered: &mut [bool],
+        (number, update): (u64, bool),
+    ) -> Result<Option<(usize, Reply)>> {
+        match self.next(deadline) {
+            Got::Reply(slot, reply) => {
+                if let Some(a) = answered.get_mut(slot) {
+                    *a = true;
+                }
+                Ok(Some((slot, reply)))
+            }
+            Got::TimedOut => {
+                let e = self.unanswered(ctx, answered, number, update);
+                self.stats.failed += 1;
+                Err(e)
+            }
+            Got::Gone => Ok(None),
+        }
+    }
+
     /// `TimedOut` for `what`, waited for this trainer's timeout.
     fn timed_out(&self, ctx: &Ctx, what: String, why: &str) -> Error {
         Error::TimedOut {
@@ -1447,21 +1473,12 @@ impl ParallelTrainer {
         let mut world: Option<Vec<RankStep>> = None;
         let mut answered = vec![false; ranks];
         for _ in 0..ranks {
-            let (slot, reply) = match self.next(wait_until) {
-                Got::Reply(slot, reply) => (slot, reply),
-                Got::TimedOut => {
-                    let e = self.unanswered(&ctx, &answered, number, false);
-                    self.stats.failed += 1;
-                    return Err(e);
-                }
-                Got::Gone => {
-                    gone = true;
-                    break;
-                }
+            let Some((slot, reply)) =
+                self.step_reply(&ctx, wait_until, &mut answered, (number, false))?
+            else {
+                gone = true;
+                break;
             };
-            if let Some(a) = answered.get_mut(slot) {
-                *a = true;
-            }
             match reply {
                 Reply::Computed(Ok(parts), broken) => {
                     world = parts;
@@ -1535,21 +1552,12 @@ impl ParallelTrainer {
         let mut late: Option<Error> = None;
         let mut answered = vec![false; ranks];
         for _ in 0..ranks {
-            let (slot, reply) = match self.next(wait_until) {
-                Got::Reply(slot, reply) => (slot, reply),
-                Got::TimedOut => {
-                    let e = self.unanswered(&ctx, &answered, number, go);
-                    self.stats.failed += 1;
-                    return Err(e);
-                }
-                Got::Gone => {
-                    self.stats.broken = true;
-                    break;
-                }
+            let Some((slot, reply)) =
+                self.step_reply(&ctx, wait_until, &mut answered, (number, go))?
+            else {
+                self.stats.broken = true;
+                break;
             };
-            if let Some(a) = answered.get_mut(slot) {
-                *a = true;
-            }
             match reply {
                 Reply::Updated(Ok(loss), _) => {
                     if let (Some(l), Some(at)) = (loss, losses.get_mut(slot)) {
