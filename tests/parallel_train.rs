@@ -407,6 +407,7 @@ fn learned_steps_allocate_nothing_on_any_device() {
 
 #[test]
 fn bad_devices_are_refused() {
+    let _serial = serial();
     let host = Manager::new_base();
     let src = source(&host);
     let build = |devs: &[Device]| {
