@@ -15,7 +15,8 @@
 //! - `optim.rs`: the fused SGD and Adam/AdamW steps.
 //! - `shape.rs`: transpose, permute, narrow, interleave.
 //! - `nccl.rs`: NCCL communicators and in-place all-reduces of device buffers (several-device
-//!   training).
+//!   training); `nccl_memory.rs`: the communicators' own device memory, measured and counted in
+//!   `memory_usage(dev).cached` while they live.
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
 //! stream. Only reads (`to_vec`, `to_scalar`, `to_device(Cpu)`) and `Device::synchronize` wait,
@@ -31,6 +32,7 @@ mod elementwise;
 mod error;
 mod matmul;
 mod nccl;
+mod nccl_memory;
 mod nn;
 mod optim;
 mod reduce;
