@@ -179,6 +179,18 @@ impl Communicator {
         })
     }
 
+    /// Runs `call`, one NCCL group of `group_bytes` bytes on this communicator, counting the
+    /// device memory NCCL took for it if it is the communicator's first group or its largest
+    /// yet (`nccl_memory.rs`).
+    pub(crate) fn measuring<R>(
+        &self,
+        group_bytes: usize,
+        call: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        self.memory
+            .measuring(self.gpu, &self.comm, group_bytes, call)
+    }
+
     /// The rank's device ordinal.
     pub(crate) fn ordinal(&self) -> usize {
         self.gpu.ordinal

@@ -28,7 +28,8 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::nccl::Communicator;
+use parking_lot::Mutex;
+
 use crate::backend::cuda::device::Gpu;
 use crate::backend::cuda::driver::pretend;
 use crate::error::Ctx;
@@ -105,8 +106,8 @@ impl CommMemory {
         memory
     }
 
-    /// Counts `bytes` more for the communicator. Callers hold the communicator's lock with the
-    /// communicator live, so nothing is added after [`release`](Self::release).
+    /// Counts `bytes` more for the communicator: while it is being made, or under its lock
+    /// while it is live, so that nothing is added after [`release`](Self::release).
     pub(crate) fn add(&self, bytes: usize) {
         if bytes > 0 {
             self.bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -123,202 +124,56 @@ impl CommMemory {
     }
 }
 
-impl Communicator {
-    /// Runs `call`, one NCCL group of `group_bytes` bytes on this communicator, and, if it is
-    /// the first group or moves more bytes than any measured before, counts what the device's
-    /// memory grew by meanwhile as the communicator's (see the module's documentation). Other
-    /// groups cost one atomic load.
-    pub(crate) fn measuring<R>(
+impl CommMemory {
+    /// Runs `call`, one NCCL group of `group_bytes` bytes on the communicator of `gpu` whose
+    /// handle `live` holds (`None` once destroyed or aborted), and, if it is the first group or
+    /// moves more bytes than any measured before, counts what the device's memory grew by
+    /// meanwhile as the communicator's (see the module's documentation). Other groups cost one
+    /// atomic load.
+    pub(crate) fn measuring<T, R>(
         &self,
+        gpu: &Gpu,
+        live: &Mutex<Option<T>>,
         group_bytes: usize,
         call: impl FnOnce() -> Result<R>,
     ) -> Result<R> {
-        let largest = self.memory.largest.load(Ordering::Relaxed);
+        let largest = self.largest.load(Ordering::Relaxed);
         if group_bytes <= largest {
             return call();
         }
-        let before = match self.gpu.bind(&Ctx::new("ncclGroupEnd")) {
-            Ok(()) => snapshot(self.gpu),
-            Err(_) => None,
-        };
+        let bound = || gpu.bind(&Ctx::new("ncclGroupEnd")).ok();
+        let before = bound().and_then(|()| snapshot(gpu));
         let result = call();
         let extra = if largest == 0 {
             pretended("nccl_connect")
         } else {
             0
         };
-        // `call` left the context current (or failed before NCCL ran: then little grew).
-        let after = self
-            .gpu
-            .bind(&Ctx::new("ncclGroupEnd"))
-            .ok()
-            .and_then(|()| snapshot(self.gpu));
+        let after = bound().and_then(|()| snapshot(gpu));
         let measured = before.zip(after).map_or(0, |(b, a)| grown(b, a));
         // Under the communicator's lock: an abort (which releases the bytes) comes before or
         // after, never between the check and the count.
-        let live = self.comm.lock();
-        if live.is_some() {
-            self.memory.add(measured.saturating_add(extra));
-            self.memory
-                .largest
-                .fetch_max(group_bytes, Ordering::Relaxed);
+        let guard = live.lock();
+        if guard.is_some() {
+            self.add(measured.saturating_add(extra));
+            self.largest.fetch_max(group_bytes, Ordering::Relaxed);
         }
-        drop(live);
+        drop(guard);
         result
     }
 
-    /// The bytes of device memory counted for this communicator (0 once destroyed or aborted).
+    /// The bytes counted for the communicator now (0 once released).
     #[cfg(test)]
-    pub(crate) fn memory_bytes(&self) -> usize {
-        self.memory.bytes.load(Ordering::Relaxed)
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use super::super::nccl::{nccl_unique_id, Communicator};
     use super::{grown, Snapshot};
-    use crate::backend::cuda::device;
-    use crate::error::Ctx;
-    use crate::{memory, DType, Device, Error, Manager};
 
     const MIB: u64 = 1 << 20;
-    const MIBS: usize = 1 << 20;
-
-    /// The tests that make communicators take turns: the device's total is process-wide.
-    static COMMS: Mutex<()> = Mutex::new(());
-
-    /// A communicator of one rank on device 0, or `None` after saying why the test skips (no
-    /// GPU: a failure under `NDSCOPE_REQUIRE_GPU=1`; no NCCL library).
-    fn one_rank(ctx: &Ctx) -> Option<Communicator> {
-        if let Err(e) = device::gpu(ctx, 0) {
-            if std::env::var_os("NDSCOPE_REQUIRE_GPU").is_some_and(|v| v == "1") {
-                panic!("NDSCOPE_REQUIRE_GPU=1, but there is no usable GPU: {e}");
-            }
-            println!("skipped on cuda: {e}");
-            return None;
-        }
-        match nccl_unique_id(ctx).and_then(|id| Communicator::init(ctx, 0, id, 0, 1)) {
-            Ok(comm) => Some(comm),
-            Err(e @ Error::Unsupported { .. }) => {
-                println!("skipped: {e}");
-                None
-            }
-            Err(e) => panic!("a communicator of one rank: {e}"),
-        }
-    }
-
-    #[test]
-    fn a_communicators_bytes_count_until_it_is_destroyed_or_aborted_and_go_back_once() {
-        let _turn = COMMS.lock().unwrap_or_else(|e| e.into_inner());
-        let ctx = Ctx::new("test");
-        let dev = Device::Cuda(0);
-        // Another communicator stays meanwhile: a release counted twice would show (the
-        // device's total never goes below 0).
-        let Some(witness) = one_rank(&ctx) else {
-            return;
-        };
-        witness.memory.add(7 * MIBS);
-        let Some(comm) = one_rank(&ctx) else { return };
-        let base = memory::communicator_bytes(dev) - comm.memory_bytes();
-        assert!(base >= 7 * MIBS);
-        // What a measured group adds.
-        comm.memory.add(5 * MIBS);
-        let held = comm.memory_bytes();
-        assert!(held >= 5 * MIBS);
-        assert_eq!(memory::communicator_bytes(dev), base + held);
-        assert!(crate::memory_usage(dev).cached >= base + held);
-        drop(comm);
-        assert_eq!(
-            memory::communicator_bytes(dev),
-            base,
-            "destroyed: given back"
-        );
-
-        let Some(comm) = one_rank(&ctx) else { return };
-        comm.memory.add(3 * MIBS);
-        assert!(memory::communicator_bytes(dev) >= base + 3 * MIBS);
-        comm.abort();
-        assert_eq!(comm.memory_bytes(), 0);
-        assert_eq!(memory::communicator_bytes(dev), base, "aborted: given back");
-        comm.abort();
-        // A group after the abort is refused and counts nothing.
-        let refused = comm.measuring(1 << 30, || Ok(()));
-        assert!(refused.is_ok());
-        assert_eq!(memory::communicator_bytes(dev), base, "a second abort");
-        drop(comm);
-        assert_eq!(
-            memory::communicator_bytes(dev),
-            base,
-            "dropped after the abort"
-        );
-        let witnessed = witness.memory_bytes();
-        drop(witness);
-        assert_eq!(memory::communicator_bytes(dev), base - witnessed);
-    }
-
-    /// `measuring` around a group that allocates device memory outside ndscope (as NCCL does
-    /// when it connects) while ndscope allocates an array: the former is the communicator's,
-    /// the latter not; a group no larger than one measured before is not measured.
-    #[test]
-    fn the_first_and_every_larger_group_measure_what_the_device_grew_by_apart_from_ndscope() {
-        let _turn = COMMS.lock().unwrap_or_else(|e| e.into_inner());
-        let ctx = Ctx::new("test");
-        let dev = Device::Cuda(0);
-        let Some(comm) = one_rank(&ctx) else { return };
-        let m = Manager::new_base_on(dev).expect("a manager on cuda:0");
-        let gpu = device::gpu(&ctx, 0).expect("cuda:0");
-        // Device memory of the driver's, as NCCL takes it (not from ndscope's pool).
-        let take = |bytes: usize| {
-            gpu.bind(&ctx).expect("bind");
-            // SAFETY: a plain allocation on the current context, freed below.
-            unsafe { cudarc::driver::result::malloc_sync(bytes) }.expect("cuMemAlloc")
-        };
-        let at_init = comm.memory_bytes();
-        let (first, array) = comm
-            .measuring(64, || {
-                let array = m.zeros([MIBS], DType::F32)?; // 4 MiB of ndscope's
-                Ok((take(8 * MIBS), array))
-            })
-            .expect("the first group");
-        let after_first = comm.memory_bytes() - at_init;
-        assert!(
-            (8 * MIBS..12 * MIBS).contains(&after_first),
-            "the first group counted {after_first} bytes, want 8 MiB (ndscope's 4 MiB apart)"
-        );
-        let smaller = comm
-            .measuring(32, || Ok(take(8 * MIBS)))
-            .expect("a smaller group");
-        assert_eq!(
-            comm.memory_bytes() - at_init,
-            after_first,
-            "a smaller group is not measured"
-        );
-        let larger = comm
-            .measuring(128, || Ok(take(2 * MIBS)))
-            .expect("a larger group");
-        let after_larger = comm.memory_bytes() - at_init;
-        assert!(
-            after_larger >= after_first + 2 * MIBS,
-            "a larger group is measured: {after_larger} after {after_first}"
-        );
-        assert!(memory::communicator_bytes(dev) >= comm.memory_bytes());
-        let total = memory::communicator_bytes(dev);
-        drop(comm);
-        assert_eq!(
-            memory::communicator_bytes(dev),
-            total - at_init - after_larger
-        );
-        gpu.bind(&ctx).expect("bind");
-        for ptr in [first, smaller, larger] {
-            // SAFETY: allocated by `take` above, freed once.
-            unsafe { cudarc::driver::result::free_sync(ptr) }.expect("cuMemFree");
-        }
-        drop(array);
-        m.close().expect("close");
-    }
 
     fn at(used: u64, own: u64) -> Snapshot {
         Snapshot { used, own }
@@ -331,12 +186,12 @@ mod tests {
             grown(at(1000 * MIB, 600 * MIB), at(1096 * MIB, 600 * MIB)),
             96 << 20
         );
-        // Another thread's array grew the pool by 32 MiB meanwhile: not NCCL's.
+        // Another thread's array took 32 MiB more of ndscope's meanwhile: not NCCL's.
         assert_eq!(
             grown(at(1000 * MIB, 600 * MIB), at(1128 * MIB, 632 * MIB)),
             96 << 20
         );
-        // The pool was trimmed by 64 MiB meanwhile: NCCL's 96 MiB hide behind it.
+        // ndscope gave 64 MiB back meanwhile (its pool trimmed): NCCL's 96 MiB hide behind it.
         assert_eq!(
             grown(at(1000 * MIB, 600 * MIB), at(1032 * MIB, 536 * MIB)),
             96 << 20
@@ -359,7 +214,7 @@ mod tests {
             grown(at(1000 * MIB, 600 * MIB), at(896 * MIB, 600 * MIB)),
             0
         );
-        // The pool grew more than the device (the figures are of different moments).
+        // ndscope's grew more than the device (the figures are of different moments).
         assert_eq!(
             grown(at(1000 * MIB, 600 * MIB), at(1010 * MIB, 620 * MIB)),
             0
