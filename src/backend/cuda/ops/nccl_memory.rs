@@ -3,11 +3,11 @@
 //!
 //! NCCL before 2.29 has no call that says how much device memory a communicator holds (its
 //! channel buffers, work FIFOs, the connections' buffers; 2.29 brought `ncclCommMemStats`), so
-//! it is measured: the device's used memory
-//! as the driver reports it (`cuMemGetInfo`) just before and just after NCCL sets something up,
-//! minus what ndscope's own memory grew by meanwhile (`in_use` and `cached` of
-//! `memory_usage(dev)` without the communicators' term: another thread of this process may
-//! allocate on the device at the same time), never below 0. NCCL sets up at two moments:
+//! it is measured: the device's used memory as the driver reports it (`cuMemGetInfo`) just
+//! before and just after NCCL sets something up, minus what ndscope's own memory grew by
+//! meanwhile (`in_use` and `cached` of `memory_usage(dev)` without the communicators' term:
+//! another thread of this process may allocate on the device at the same time), never below 0.
+//! NCCL sets up at two moments:
 //!
 //! - `ncclCommInitRank` (the communicator, its channels and, before NCCL 2.22 or with
 //!   `NCCL_RUNTIME_CONNECT=0`, every connection);
@@ -122,9 +122,7 @@ impl CommMemory {
         let bytes = self.bytes.swap(0, Ordering::Relaxed);
         memory::communicators_released(self.device, bytes);
     }
-}
 
-impl CommMemory {
     /// Runs `call`, one NCCL group of `group_bytes` bytes on the communicator of `gpu` whose
     /// handle `live` holds (`None` once destroyed or aborted), and, if it is the first group or
     /// moves more bytes than any measured before, counts what the device's memory grew by
