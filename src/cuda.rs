@@ -8,6 +8,10 @@
 //! [`release_cached`] gives them back (like `torch.cuda.empty_cache`); the next op that needs
 //! one of them allocates it again. A refused allocation releases them and tries once more by
 //! itself, and they are released when the process exits.
+//!
+//! `cached` also counts the device memory of the live NCCL communicators of a
+//! [`ParallelTrainer`](crate::ParallelTrainer) ([`communicator_bytes`]), which only closing the
+//! trainer gives back.
 
 use crate::error::Ctx;
 use crate::{Device, Result};
@@ -43,4 +47,27 @@ pub fn release_cached(device: Device) -> Result<usize> {
             Ok(crate::backend::cuda_release_cached(ordinal))
         }
     }
+}
+
+/// Bytes of device memory the live NCCL communicators on `device` hold (those of
+/// [`ParallelTrainer`](crate::ParallelTrainer)s, one per device and trainer), counted in
+/// [`memory_usage(device).cached`](crate::DeviceUsage::cached) until they are destroyed (the
+/// trainer closed or dropped) or aborted; 0 on the CPU and without communicators.
+///
+/// NCCL does not report its memory, so it is measured: how much the device's used memory grew
+/// (as the driver reports it) while `ncclCommInitRank` ran, and while the communicator's first
+/// collective (and any larger than those before) made its connections, minus what ndscope's
+/// own memory pool grew meanwhile, never below 0. Memory NCCL allocates once per process with
+/// the first communicator (its kernels' code) is counted with it, though destroying it does not
+/// give that back; another process allocating on the same device at that moment is counted
+/// too. The figure is read on the host, with no wait for the device.
+///
+/// ```
+/// use ndscope::{cuda, Device};
+/// assert_eq!(cuda::communicator_bytes(Device::Cpu), 0);
+/// let held = cuda::communicator_bytes(Device::Cuda(0));
+/// assert!(ndscope::memory_usage(Device::Cuda(0)).cached >= held);
+/// ```
+pub fn communicator_bytes(device: Device) -> usize {
+    crate::memory::communicator_bytes(device)
 }

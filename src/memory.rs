@@ -100,7 +100,12 @@ pub struct DeviceUsage {
     /// Bytes the backend holds for reuse that no array uses, apart from `in_use` (PyTorch's
     /// reserved minus allocated): on a CUDA device the cache of freed array memory, the
     /// reduction scratch, the page-locked staging buffers, cuBLAS's workspace and memory the
-    /// driver's pool keeps. 0 on the CPU. `ndscope::cuda::release_cached` gives it back.
+    /// driver's pool keeps; and the device memory of the live NCCL communicators on the device
+    /// (a [`ParallelTrainer`](crate::ParallelTrainer)'s, one per device: NCCL's channel
+    /// buffers and the like, measured as the device's memory grew while NCCL set them up, see
+    /// `ndscope::cuda::communicator_bytes`), until they are destroyed or aborted. 0 on the CPU.
+    /// `ndscope::cuda::release_cached` gives back all but the communicators' memory, which
+    /// goes back when the trainer is closed.
     pub cached: usize,
 }
 
@@ -123,6 +128,9 @@ pub(crate) struct Counters {
     driver_allocations: AtomicU64,
     /// Bytes of the backend's caches (see [`DeviceUsage::cached`]), without the driver pool's.
     cached: AtomicUsize,
+    /// Bytes of device memory the live NCCL communicators on the device hold (see
+    /// [`DeviceUsage::cached`]).
+    communicators: AtomicUsize,
     limit: AtomicUsize,
     source: AtomicU8,
     env_var: &'static str,
@@ -152,6 +160,7 @@ impl Counters {
             at_reset: Default::default(),
             driver_allocations: AtomicU64::new(0),
             cached: AtomicUsize::new(0),
+            communicators: AtomicUsize::new(0),
             limit: AtomicUsize::new(limit),
             source: AtomicU8::new(source),
             env_var,
@@ -346,6 +355,46 @@ pub(crate) fn cache_dropped(device: Device, bytes: usize) {
     }
 }
 
+/// Counts `bytes` more of device memory held by the live NCCL communicators on `device`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn communicators_hold(device: Device, bytes: usize) {
+    if let Some(c) = counters(device) {
+        c.communicators.fetch_add(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Counts `bytes` of a communicator's device memory on `device` given back (it was destroyed or
+/// aborted).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn communicators_released(device: Device, bytes: usize) {
+    if let Some(c) = counters(device) {
+        let _ = c
+            .communicators
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(bytes))
+            });
+    }
+}
+
+/// What ndscope holds on `device` from its allocator, the NCCL communicators' memory apart:
+/// [`memory_usage`]'s `in_use` and `cached` without the communicators' bytes (reservations,
+/// the backend's caches and what the driver's pool keeps after frees).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn held(device: Device) -> usize {
+    let Some(c) = counters(device) else {
+        return 0;
+    };
+    c.in_use
+        .load(Ordering::Relaxed)
+        .saturating_add(c.cached.load(Ordering::Relaxed))
+        .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device)))
+}
+
+/// Bytes of device memory the live NCCL communicators on `device` hold (0 on the CPU).
+pub(crate) fn communicator_bytes(device: Device) -> usize {
+    counters(device).map_or(0, |c| c.communicators.load(Ordering::Relaxed))
+}
+
 /// What a backend reports of the memory its driver keeps for reuse beyond ndscope's own caches
 /// (a CUDA memory pool's reserved minus used bytes), per device; registered by the backend when
 /// it sets a device up, so this layer needs no knowledge of it.
@@ -464,7 +513,8 @@ pub fn memory_usage(device: Device) -> DeviceUsage {
         cached: c
             .cached
             .load(Ordering::Relaxed)
-            .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device))),
+            .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device)))
+            .saturating_add(c.communicators.load(Ordering::Relaxed)),
     }
 }
 

@@ -9,6 +9,14 @@ use ndscope::{bf16, f16, manual_seed, Activation, DType, Error, HostArray, Manag
 
 const HALVES: [DType; 2] = [DType::F16, DType::BF16];
 
+/// The random stream is one per process and the tests of this file run at once: a test that
+/// seeds it or draws from it takes its turn, so no other test's seed or draws come between its
+/// own (two seedings of one test would otherwise give different numbers).
+fn seeded() -> std::sync::MutexGuard<'static, ()> {
+    static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SEEDED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn values(a: &NDArray) -> Vec<f64> {
     match a.dtype() {
         DType::F16 => a
@@ -218,6 +226,7 @@ fn to_dtype_rounds_to_nearest_even_once_and_keeps_nan_and_infinities() {
 
 #[test]
 fn random_draws_are_the_f64_draws_rounded_once_and_rand_stays_below_high() {
+    let _turn = seeded();
     let m = Manager::new_base();
     for dtype in HALVES {
         manual_seed(11);
@@ -318,6 +327,7 @@ fn elementwise_ops_compute_in_f32_and_round_once() {
 
 #[test]
 fn reductions_softmax_products_and_losses_accumulate_in_f32() {
+    let _turn = seeded();
     let m = Manager::new_base();
     manual_seed(3);
     for dtype in HALVES {
@@ -505,6 +515,7 @@ fn optimizer_steps_on_half_parameters_compute_in_f32() {
 
 #[test]
 fn softmax_of_halves_is_the_f32_softmax_rounded() {
+    let _turn = seeded();
     let m = Manager::new_base();
     manual_seed(3);
     let x = m
@@ -611,6 +622,7 @@ fn le<T: Copy>(v: &[T], bytes: fn(T) -> [u8; 2]) -> Vec<u8> {
 
 #[test]
 fn a_half_checkpoint_in_the_reference_layout_loads_and_runs_as_its_f32_twin() {
+    let _turn = seeded();
     let dir = std::env::temp_dir().join(format!("ndscope-half-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("model.safetensors");

@@ -407,6 +407,7 @@ fn learned_steps_allocate_nothing_on_any_device() {
 
 #[test]
 fn bad_devices_are_refused() {
+    let _serial = serial();
     let host = Manager::new_base();
     let src = source(&host);
     let build = |devs: &[Device]| {
@@ -738,5 +739,115 @@ fn caps_and_growth_checks_hold_on_every_device() {
         .expect("a step after the refusal");
     t.close().expect("close");
     assert_eq!(in_use(&devs), before, "memory left after close");
+    host.close().expect("close");
+}
+
+/// Set in the child run of the test below, where NCCL seems to take device memory.
+const PRETEND_CHILD: &str = "NDSCOPE_TEST_COMM_MEMORY_CHILD";
+/// What each communicator seems to take there at its initialisation and at its first
+/// collective (`NDSCOPE_CUDA_PRETEND=nccl_init=...,nccl_connect=...`).
+const INIT_BYTES: usize = 48 << 20;
+const CONNECT_BYTES: usize = 16 << 20;
+
+/// The NCCL communicators' own device memory is in `memory_usage(dev).cached` while the trainer
+/// lives (`release_cached` does not give it back) and goes back when it is closed. The
+/// simulated NCCL takes no device memory (a GPU's takes some), so the test runs again in a
+/// child process where each communicator seems to take `INIT_BYTES` at its initialisation and
+/// `CONNECT_BYTES` at its first collective.
+#[test]
+fn communicators_memory_is_cached_while_they_live_and_given_back_on_close() {
+    let _serial = serial();
+    let n = Device::cuda_count().clamp(2, 4);
+    let Some(devs) = devices(n) else { return };
+    let pretended = std::env::var_os(PRETEND_CHILD).is_some();
+    communicators_memory(&devs, pretended);
+    if pretended {
+        return;
+    }
+    let test = "communicators_memory_is_cached_while_they_live_and_given_back_on_close";
+    let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(PRETEND_CHILD, "1")
+        .env(
+            "NDSCOPE_CUDA_PRETEND",
+            format!("nccl_init={INIT_BYTES},nccl_connect={CONNECT_BYTES}"),
+        )
+        .output()
+        .expect("the child run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "the child run failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn communicators_memory(devs: &[Device], pretended: bool) {
+    use ndscope::cuda::{communicator_bytes, release_cached};
+    use ndscope::memory_usage;
+    let exact = common::sim::stats().is_some();
+    let host = Manager::new_base();
+    let src = source(&host);
+    let data = batches(&host, 1, 16);
+    // Every device set up and its caches given back: what `cached` is without the trainer.
+    let start: Vec<usize> = devs
+        .iter()
+        .map(|&d| {
+            let m = Manager::new_base_on(d).expect("manager");
+            m.zeros([64], ndscope::DType::F32).expect("zeros");
+            m.close().expect("close");
+            release_cached(d).expect("release");
+            assert_eq!(communicator_bytes(d), 0, "{d}: no communicator yet");
+            memory_usage(d).cached
+        })
+        .collect();
+    let mut t = trainer(devs, &src, momentum());
+    let at_init: Vec<usize> = devs.iter().map(|&d| communicator_bytes(d)).collect();
+    t.step(&data[0].0, &data[0].1).expect("step");
+    t.step(&data[0].0, &data[0].1).expect("step");
+    for (i, &d) in devs.iter().enumerate() {
+        let live = communicator_bytes(d);
+        println!(
+            "{d}: communicators {} bytes after init, {live} after 2 steps",
+            at_init[i]
+        );
+        assert!(
+            live >= at_init[i],
+            "{d}: counted bytes never shrink while it lives"
+        );
+        if pretended {
+            assert!(at_init[i] >= INIT_BYTES, "{d}: {} at init", at_init[i]);
+            assert!(
+                live >= INIT_BYTES + CONNECT_BYTES,
+                "{d}: {live} once connected"
+            );
+            if exact {
+                // The simulated NCCL takes nothing itself: exactly what it seemed to take.
+                assert_eq!(at_init[i], INIT_BYTES, "{d}: at init");
+                assert_eq!(live, INIT_BYTES + CONNECT_BYTES, "{d}: once connected");
+            }
+        }
+        // Counted in `cached`, and not given back with the caches.
+        release_cached(d).expect("release");
+        let cached = memory_usage(d).cached;
+        assert!(
+            cached >= live,
+            "{d}: cached {cached} < communicators' {live}"
+        );
+    }
+    let live: Vec<usize> = devs.iter().map(|&d| communicator_bytes(d)).collect();
+    t.close().expect("close");
+    for (i, &d) in devs.iter().enumerate() {
+        assert_eq!(communicator_bytes(d), 0, "{d}: given back on close");
+        release_cached(d).expect("release");
+        let end = memory_usage(d).cached;
+        assert!(
+            end.saturating_sub(start[i]) < live[i].max(1),
+            "{d}: cached {end} after close, {} before the trainer: the communicators' {} \
+             bytes stayed",
+            start[i],
+            live[i]
+        );
+    }
     host.close().expect("close");
 }

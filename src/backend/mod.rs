@@ -129,14 +129,18 @@ impl Ctx {
 
 /// Sums each `(storage, dtype, count)` over every rank of `comm` in place (one NCCL group):
 /// the storages must be memory of `comm`'s device (`DeviceMismatch` otherwise, nothing queued).
-/// Every rank passes the same dtypes and counts in the same order.
+/// Every rank passes the same dtypes and counts in the same order. The communicator's first
+/// group, and any larger than those before, measure what NCCL allocated for it (its
+/// connections are made then).
 pub(crate) fn all_reduce_sum(
     ctx: &Ctx,
     comm: &Communicator,
     buffers: &mut [(&mut Storage, crate::DType, usize)],
 ) -> crate::Result<()> {
     let mut device = Vec::with_capacity(buffers.len());
+    let mut group_bytes = 0usize;
     for (storage, dtype, count) in buffers.iter_mut() {
+        group_bytes = group_bytes.saturating_add(count.saturating_mul(dtype.size_in_bytes()));
         match &mut **storage {
             Storage::Cuda(buffer) => device.push((buffer, *dtype, *count)),
             Storage::Host(_) => {
@@ -146,5 +150,5 @@ pub(crate) fn all_reduce_sum(
             }
         }
     }
-    comm.all_reduce_sum(ctx, &mut device)
+    comm.measuring(group_bytes, || comm.all_reduce_sum(ctx, &mut device))
 }

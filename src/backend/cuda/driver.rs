@@ -18,7 +18,8 @@ pub(crate) fn describe(e: DriverError) -> String {
 
 /// A value of `NDSCOPE_CUDA_PRETEND` (for tests: `driver=12040,cc=70,nvrtc_max=89` makes the
 /// backend see that driver version, compute capability or newest NVRTC target instead of the
-/// machine's), or `None`.
+/// machine's; `nccl_init=N,nccl_connect=M` makes each NCCL communicator seem to take N bytes
+/// of device memory more at its initialisation and M more at its first collective), or `None`.
 pub(crate) fn pretend(key: &str) -> Option<i32> {
     let text = std::env::var("NDSCOPE_CUDA_PRETEND").ok()?;
     text.split(',').find_map(|pair| {

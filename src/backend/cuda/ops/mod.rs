@@ -15,7 +15,8 @@
 //! - `optim.rs`: the fused SGD and Adam/AdamW steps.
 //! - `shape.rs`: transpose, permute, narrow, interleave.
 //! - `nccl.rs`: NCCL communicators and in-place all-reduces of device buffers (several-device
-//!   training).
+//!   training); `nccl_memory.rs`: the communicators' own device memory, measured and counted in
+//!   `memory_usage(dev).cached` while they live.
 //!
 //! Launches are asynchronous: a function returns once its work is queued on the device's
 //! stream. Only reads (`to_vec`, `to_scalar`, `to_device(Cpu)`) and `Device::synchronize` wait,
@@ -31,6 +32,7 @@ mod elementwise;
 mod error;
 mod matmul;
 mod nccl;
+mod nccl_memory;
 mod nn;
 mod optim;
 mod reduce;
@@ -226,5 +228,142 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// The tests that make communicators take turns: the device's total is process-wide.
+    static COMMS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    const MIBS: usize = 1 << 20;
+
+    /// A communicator of one rank on device 0, or `None` after saying why the test skips (no
+    /// GPU: a failure under `NDSCOPE_REQUIRE_GPU=1`; no NCCL library).
+    fn one_rank(ctx: &Ctx) -> Option<Communicator> {
+        test_gpu(ctx)?;
+        match nccl_unique_id(ctx).and_then(|id| Communicator::init(ctx, 0, id, 0, 1)) {
+            Ok(comm) => Some(comm),
+            Err(e @ Error::Unsupported { .. }) => {
+                println!("skipped: {e}");
+                None
+            }
+            Err(e) => panic!("a communicator of one rank: {e}"),
+        }
+    }
+
+    #[test]
+    fn a_communicators_bytes_count_until_it_is_destroyed_or_aborted_and_go_back_once() {
+        let _turn = COMMS.lock().unwrap_or_else(|e| e.into_inner());
+        let ctx = Ctx::new("test");
+        let dev = crate::Device::Cuda(0);
+        // Another communicator stays meanwhile: a release counted twice would show (the
+        // device's total never goes below 0).
+        let Some(witness) = one_rank(&ctx) else {
+            return;
+        };
+        witness.memory.add(7 * MIBS);
+        let Some(comm) = one_rank(&ctx) else { return };
+        let base = crate::memory::communicator_bytes(dev) - comm.memory.bytes();
+        assert!(base >= 7 * MIBS);
+        // What a measured group adds.
+        comm.memory.add(5 * MIBS);
+        let held = comm.memory.bytes();
+        assert!(held >= 5 * MIBS);
+        assert_eq!(crate::memory::communicator_bytes(dev), base + held);
+        assert!(crate::memory_usage(dev).cached >= base + held);
+        drop(comm);
+        assert_eq!(
+            crate::memory::communicator_bytes(dev),
+            base,
+            "destroyed: given back"
+        );
+
+        let Some(comm) = one_rank(&ctx) else { return };
+        comm.memory.add(3 * MIBS);
+        assert!(crate::memory::communicator_bytes(dev) >= base + 3 * MIBS);
+        comm.abort();
+        assert_eq!(comm.memory.bytes(), 0);
+        assert_eq!(
+            crate::memory::communicator_bytes(dev),
+            base,
+            "aborted: given back"
+        );
+        comm.abort();
+        // A group after the abort is refused and counts nothing.
+        let refused = comm.measuring(1 << 30, || Ok(()));
+        assert!(refused.is_ok());
+        assert_eq!(
+            crate::memory::communicator_bytes(dev),
+            base,
+            "a second abort"
+        );
+        drop(comm);
+        assert_eq!(
+            crate::memory::communicator_bytes(dev),
+            base,
+            "dropped after the abort"
+        );
+        let witnessed = witness.memory.bytes();
+        drop(witness);
+        assert_eq!(crate::memory::communicator_bytes(dev), base - witnessed);
+    }
+
+    /// `measuring` around a group that allocates device memory outside ndscope (as NCCL does
+    /// when it connects) while ndscope allocates an array: the former is the communicator's,
+    /// the latter not; a group no larger than one measured before is not measured.
+    #[test]
+    fn the_first_and_every_larger_group_measure_what_the_device_grew_by_apart_from_ndscope() {
+        let _turn = COMMS.lock().unwrap_or_else(|e| e.into_inner());
+        let ctx = Ctx::new("test");
+        let dev = crate::Device::Cuda(0);
+        let Some(comm) = one_rank(&ctx) else { return };
+        let m = crate::Manager::new_base_on(dev).expect("a manager on cuda:0");
+        let gpu = super::super::device::gpu(&ctx, 0).expect("cuda:0");
+        // Device memory of the driver's, as NCCL takes it (not from ndscope's pool).
+        let take = |bytes: usize| {
+            gpu.bind(&ctx).expect("bind");
+            // SAFETY: a plain allocation on the current context, freed below.
+            unsafe { cudarc::driver::result::malloc_sync(bytes) }.expect("cuMemAlloc")
+        };
+        let at_init = comm.memory.bytes();
+        let (first, array) = comm
+            .measuring(64, || {
+                let array = m.zeros([MIBS], DType::F32)?; // 4 MiB of ndscope's
+                Ok((take(8 * MIBS), array))
+            })
+            .expect("the first group");
+        let after_first = comm.memory.bytes() - at_init;
+        assert!(
+            (8 * MIBS..12 * MIBS).contains(&after_first),
+            "the first group counted {after_first} bytes, want 8 MiB (ndscope's 4 MiB apart)"
+        );
+        let smaller = comm
+            .measuring(32, || Ok(take(8 * MIBS)))
+            .expect("a smaller group");
+        assert_eq!(
+            comm.memory.bytes() - at_init,
+            after_first,
+            "a smaller group is not measured"
+        );
+        let larger = comm
+            .measuring(128, || Ok(take(2 * MIBS)))
+            .expect("a larger group");
+        let after_larger = comm.memory.bytes() - at_init;
+        assert!(
+            after_larger >= after_first + 2 * MIBS,
+            "a larger group is measured: {after_larger} after {after_first}"
+        );
+        assert!(crate::memory::communicator_bytes(dev) >= comm.memory.bytes());
+        let total = crate::memory::communicator_bytes(dev);
+        drop(comm);
+        assert_eq!(
+            crate::memory::communicator_bytes(dev),
+            total - at_init - after_larger
+        );
+        gpu.bind(&ctx).expect("bind");
+        for ptr in [first, smaller, larger] {
+            // SAFETY: allocated by `take` above, freed once.
+            unsafe { cudarc::driver::result::free_sync(ptr) }.expect("cuMemFree");
+        }
+        drop(array);
+        m.close().expect("close");
     }
 }

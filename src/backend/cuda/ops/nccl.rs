@@ -115,15 +115,18 @@ fn nccl_type(ctx: &Ctx, dtype: DType) -> Result<nccl::ncclDataType_t> {
 /// if aborted.
 pub(crate) struct Communicator {
     /// `None` once aborted or destroyed.
-    comm: Mutex<Option<CommPtr>>,
+    pub(super) comm: Mutex<Option<CommPtr>>,
     /// The event [`wait`](Self::wait) records and polls, made at its first use.
     done: Mutex<Option<CudaEvent>>,
-    gpu: &'static Gpu,
+    pub(super) gpu: &'static Gpu,
     rank: usize,
     ranks: usize,
+    /// Its device memory, counted in `memory_usage(dev).cached` until it is destroyed or
+    /// aborted (`nccl_memory.rs`).
+    pub(super) memory: super::nccl_memory::CommMemory,
 }
 
-struct CommPtr(nccl::ncclComm_t);
+pub(super) struct CommPtr(nccl::ncclComm_t);
 
 // SAFETY: an NCCL communicator handle may be used from any thread (NCCL only asks that one
 // thread at a time issues calls on it, which the mutex around it ensures).
@@ -159,6 +162,7 @@ impl Communicator {
             return Err(ctx.invalid(format!("rank {rank} of {ranks} is out of NCCL's range")));
         };
         let mut comm: nccl::ncclComm_t = std::ptr::null_mut();
+        let before = super::nccl_memory::CommMemory::before_init(gpu);
         // SAFETY: an out-parameter, the id from ncclGetUniqueId (copied by value) and the
         // rank's numbers; the device's context is current on this thread (NCCL takes the
         // rank's device from it).
@@ -171,7 +175,20 @@ impl Communicator {
             gpu,
             rank,
             ranks,
+            memory: super::nccl_memory::CommMemory::after_init(gpu, before),
         })
+    }
+
+    /// Runs `call`, one NCCL group of `group_bytes` bytes on this communicator, counting the
+    /// device memory NCCL took for it if it is the communicator's first group or its largest
+    /// yet (`nccl_memory.rs`).
+    pub(crate) fn measuring<R>(
+        &self,
+        group_bytes: usize,
+        call: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        self.memory
+            .measuring(self.gpu, &self.comm, group_bytes, call)
     }
 
     /// The rank's device ordinal.
@@ -374,6 +391,8 @@ impl Communicator {
             let _ = self.gpu.bind(&Ctx::new("ncclCommAbort"));
             // SAFETY: a live communicator, taken out of the slot so that no call uses it again.
             let _ = unsafe { nccl::ncclCommAbort(comm.0) };
+            // Its memory is given back (still under the lock: no group counts more after).
+            self.memory.release();
         }
     }
 }
@@ -384,6 +403,7 @@ impl Drop for Communicator {
             let _ = self.gpu.bind(&Ctx::new("ncclCommDestroy"));
             // SAFETY: a live communicator, never used again; destroy waits for its queued work.
             let _ = unsafe { nccl::ncclCommDestroy(comm.0) };
+            self.memory.release();
         }
     }
 }
