@@ -934,9 +934,7 @@ fn run_step<M>(
         }
     };
     let _ = replies.send((rank, Reply::Computed(reply, broken)));
-    let go_on = wait_go(r, loss, jobs, replies, rank, during);
-    drop(scope);
-    go_on
+    wait_go(r, (scope, loss), jobs, replies, rank, during)
 }
 
 /// Multiplies every gradient of the replica by `scale`.
@@ -1030,10 +1028,11 @@ fn remote_failure<M>(r: &Replica<M>, world: &[RankStep]) -> Option<Error> {
     })
 }
 
-/// Waits for the trainer's decision after the forward and backward passes, and carries it out.
+/// Waits for the trainer's decision after the forward and backward passes, carries it out, and
+/// ends the step's cycle (`scope`) before it answers.
 fn wait_go<M>(
     r: &mut Replica<M>,
-    loss: Option<NDArray>,
+    (scope, loss): (Option<crate::Scope>, Option<NDArray>),
     jobs: &mpsc::Receiver<Job>,
     replies: &mpsc::Sender<(usize, Reply)>,
     rank: usize,
@@ -1081,6 +1080,9 @@ fn wait_go<M>(
         _ => caught(STEP, during, || r.optimizer.zero_gradients().map(|_| None)),
     };
     let waited = updated.is_err() && waited.get();
+    // The step's cycle ends before the trainer hears of it: when `step` returns, no array of
+    // the step is alive on any device.
+    drop(scope);
     let _ = replies.send((rank, Reply::Updated(updated, waited)));
     true
 }
