@@ -494,9 +494,11 @@ struct Ready {
 enum Reply {
     Ready(Result<Ready>),
     /// Forward and backward done (the gradients scaled; distributed: with every rank's part),
-    /// or the error, and whether the communicator may now be unusable (the exchange failed:
-    /// the trainer aborts it and is broken).
-    Computed(Result<Option<Vec<RankStep>>>, bool),
+    /// or the error, and, distributed, whether the communicator may now be unusable (the
+    /// trainer aborts it and is broken): the exchange failed (`Waited`: whose fault is not
+    /// known here), or this rank failed after it while the others go on to the all-reduce
+    /// (`Culprit`).
+    Computed(Result<Option<Vec<RankStep>>>, Option<Seen>),
     /// Distributed: the exchange of a refused step joined (`true`: it failed, the trainer is
     /// broken).
     Skipped(bool),
@@ -904,11 +906,11 @@ fn run_step<M>(
         r.phase.store(EXCHANGE, Ordering::Relaxed);
         let local = computed.as_ref().ok().map(|(_, v)| (rows, *v));
         match exchange(r, scope.as_ref(), local) {
-            Err(e) => (Err(e), true, None),
+            Err(e) => (Err(e), Some(Seen::Waited), None),
             Ok(world) => match computed {
-                Err(e) => (Err(e), false, None),
+                Err(e) => (Err(e), None, None),
                 Ok((loss, _)) => match remote_failure(r, &world) {
-                    Some(e) => (Err(e), false, None),
+                    Some(e) => (Err(e), None, None),
                     None => {
                         let total: usize = world.iter().map(|w| w.rows).sum();
                         let scaled = if rows != total {
@@ -920,8 +922,8 @@ fn run_step<M>(
                         };
                         match scaled {
                             // The others go on to the all-reduce: this rank cannot follow.
-                            Err(e) => (Err(e), true, None),
-                            Ok(()) => (Ok(Some(world)), false, Some(loss)),
+                            Err(e) => (Err(e), Some(Seen::Culprit), None),
+                            Ok(()) => (Ok(Some(world)), None, Some(loss)),
                         }
                     }
                 },
@@ -929,8 +931,8 @@ fn run_step<M>(
         }
     } else {
         match computed {
-            Ok((loss, _)) => (Ok(None), false, Some(loss)),
-            Err(e) => (Err(e), false, None),
+            Ok((loss, _)) => (Ok(None), None, Some(loss)),
+            Err(e) => (Err(e), None, None),
         }
     };
     let _ = replies.send((rank, Reply::Computed(reply, broken)));
@@ -1470,8 +1472,9 @@ impl ParallelTrainer {
         // Forward and backward on every rank.
         let mut first_error: Option<Error> = None;
         let mut gone = false;
-        // Distributed: the ranks' exchange failed here (this rank cannot tell whose fault).
-        let mut unattributed: Option<Error> = None;
+        // Distributed: the ranks' exchange failed here (this rank cannot tell whose fault), or
+        // this rank failed after it: what to post on rank 0's board.
+        let mut unattributed: Option<(Error, Seen)> = None;
         let mut world: Option<Vec<RankStep>> = None;
         let mut answered = vec![false; ranks];
         for _ in 0..ranks {
@@ -1484,16 +1487,16 @@ impl ParallelTrainer {
             match reply {
                 Reply::Computed(Ok(parts), broken) => {
                     world = parts;
-                    if broken {
+                    if broken.is_some() {
                         gone = true;
                     }
                 }
-                Reply::Computed(Err(e), true) if self.distributed.is_some() => {
+                Reply::Computed(Err(e), Some(seen)) if self.distributed.is_some() => {
                     gone = true;
-                    unattributed = Some(e);
+                    unattributed = Some((e, seen));
                 }
                 Reply::Computed(Err(e), broken) => {
-                    if broken {
+                    if broken.is_some() {
                         // The exchange failed: the other ranks may wait for this one.
                         gone = true;
                     }
@@ -1538,8 +1541,8 @@ impl ParallelTrainer {
         for w in &self.workers {
             let _ = w.jobs.send(Job::Go(go));
         }
-        if let Some(local) = unattributed {
-            let e = self.blame(&ctx, number, Seen::Waited, false, local);
+        if let Some((local, seen)) = unattributed {
+            let e = self.blame(&ctx, number, seen, false, local);
             self.stats.failed += 1;
             return Err(e);
         }
