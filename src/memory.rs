@@ -347,12 +347,15 @@ pub(crate) fn cache_held(device: Device, bytes: usize) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn cache_dropped(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        let _ = c
-            .cached
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                Some(v.saturating_sub(bytes))
-            });
+        take_back(&c.cached, bytes);
     }
+}
+
+/// Subtracts `bytes` from `counter`, never below 0.
+fn take_back(counter: &AtomicUsize, bytes: usize) {
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(bytes))
+    });
 }
 
 /// Counts `bytes` more of device memory held by the live NCCL communicators on `device`.
@@ -368,11 +371,7 @@ pub(crate) fn communicators_hold(device: Device, bytes: usize) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn communicators_released(device: Device, bytes: usize) {
     if let Some(c) = counters(device) {
-        let _ = c
-            .communicators
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                Some(v.saturating_sub(bytes))
-            });
+        take_back(&c.communicators, bytes);
     }
 }
 
@@ -386,7 +385,13 @@ pub(crate) fn held(device: Device) -> usize {
     };
     c.in_use
         .load(Ordering::Relaxed)
-        .saturating_add(c.cached.load(Ordering::Relaxed))
+        .saturating_add(backend_cached(c, device))
+}
+
+/// The backend's caches on `device` and what its driver's pool keeps, the communicators apart.
+fn backend_cached(c: &Counters, device: Device) -> usize {
+    c.cached
+        .load(Ordering::Relaxed)
         .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device)))
 }
 
@@ -510,11 +515,7 @@ pub fn memory_usage(device: Device) -> DeviceUsage {
         spills: since(4),
         reallocations: since(5),
         ooms: since(6),
-        cached: c
-            .cached
-            .load(Ordering::Relaxed)
-            .saturating_add(POOL_PROBE.get().map_or(0, |probe| probe(device)))
-            .saturating_add(c.communicators.load(Ordering::Relaxed)),
+        cached: backend_cached(c, device).saturating_add(c.communicators.load(Ordering::Relaxed)),
     }
 }
 

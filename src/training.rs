@@ -1072,12 +1072,7 @@ fn wait_go<M>(
             waited.set(true);
             r.comm.wait(&ctx, r.deadline, r.timeout)?;
             waited.set(false);
-            let loss = if loss.dtype() == DType::F32 {
-                loss
-            } else {
-                loss.to_dtype(DType::F32)?
-            };
-            loss.to_scalar::<f32>().map(Some)
+            loss_value(&loss).map(Some)
         }),
         _ => caught(STEP, during, || r.optimizer.zero_gradients().map(|_| None)),
     };
