@@ -64,6 +64,22 @@ pub(crate) struct Gemm {
     /// kept in f32 (a weight gradient of an autocast step, written into the f32 parameter's
     /// gradient). `None`: all three hold the product's dtype.
     pub operands: Option<DType>,
+    /// `b` holds f32 values, each read rounded to the product's half dtype exactly as
+    /// `to_dtype` rounds it (an autocast weight read without a half copy of it). Only on a
+    /// device whose [`rounds_operands`](super::rounds_operands) says so.
+    pub rounded_b: bool,
+}
+
+/// A dense layer's forward product: `out = act(x · w + bias)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Linear {
+    /// `x` `[m, k]`, `w` `[k, n]`.
+    pub dims: Mnk,
+    /// ReLU applied as the result is written (else none).
+    pub relu: bool,
+    /// `w` holds f32 values, each read rounded to the layer's half dtype (as
+    /// [`Gemm::rounded_b`]).
+    pub rounded_w: bool,
 }
 
 /// An array seen as `[outer, len, inner]`, the op running along the middle axis (reductions
@@ -413,10 +429,9 @@ macro_rules! backend_contract {
                 fn linear(
                     ctx: &Ctx,
                     dtype: DType,
-                    dims: Mnk,
+                    spec: Linear,
                     xw: (&Self::Buffer, &Self::Buffer),
                     bias: Option<&Self::Buffer>,
-                    relu: bool,
                     out: &mut Self::Buffer,
                 ) -> Result<()> => xw.0;
                 /// One SGD-with-momentum step of a dense layer: `v ← momentum·v + xᵀ·g;

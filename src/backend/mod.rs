@@ -76,6 +76,14 @@ pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
     device.is_cpu()
 }
 
+/// Whether products on `device` can read an f32 operand rounded to a half type as they pack it
+/// ([`Gemm::rounded_b`](contract::Gemm::rounded_b), [`Linear::rounded_w`](contract::Linear)):
+/// an autocast step then needs no half copy of its f32 weights. The CPU packs every operand it
+/// multiplies anyway; cuBLAS takes operands of one type only.
+pub(crate) fn rounds_operands(device: crate::Device) -> bool {
+    device.is_cpu()
+}
+
 // Methods of lower-layer types that need the backend: they live here, so that `device.rs` and
 // `error.rs` (layer 0) import nothing above them.
 

@@ -13,7 +13,7 @@
 //! CPU product) stay free functions at the end.
 
 use super::contract::{
-    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
+    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, Linear, MatmulOps, Mnk, NnOps, Operand,
     OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, StepTensor, StepTensors, SumOf,
     TransferOps,
 };
@@ -348,19 +348,18 @@ impl MatmulOps for AnyDevice {
     fn linear(
         ctx: &Ctx,
         dtype: DType,
-        dims: Mnk,
+        spec: Linear,
         (x, w): (&Storage, &Storage),
         bias: Option<&Storage>,
-        relu: bool,
         out: &mut Storage,
     ) -> Result<()> {
         match bias {
             None => on_device!(ctx, (x, w, out),
-                host => Cpu::linear(ctx, dtype, dims, (x, w), None, relu, out),
-                cuda => Cuda::linear(ctx, dtype, dims, (x, w), None, relu, out)),
+                host => Cpu::linear(ctx, dtype, spec, (x, w), None, out),
+                cuda => Cuda::linear(ctx, dtype, spec, (x, w), None, out)),
             Some(b) => on_device!(ctx, (x, w, b, out),
-                host => Cpu::linear(ctx, dtype, dims, (x, w), Some(b), relu, out),
-                cuda => Cuda::linear(ctx, dtype, dims, (x, w), Some(b), relu, out)),
+                host => Cpu::linear(ctx, dtype, spec, (x, w), Some(b), out),
+                cuda => Cuda::linear(ctx, dtype, spec, (x, w), Some(b), out)),
         }
     }
 

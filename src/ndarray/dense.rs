@@ -1,12 +1,12 @@
 //! [`Dense`]: a fully connected layer prepared for inference, its weights packed once.
 
-use crate::backend::contract::{MatmulOps, Mnk};
+use crate::backend::contract::{Linear, MatmulOps, Mnk};
 use crate::backend::{self, AnyDevice};
 use crate::error::Ctx;
 use crate::{DType, Device, NDArray, Result, Shape};
 
 use super::exec::{self, Target};
-use super::ops::check_same;
+use super::ops::{check_device, check_same};
 
 /// What a [`Dense`] layer applies to `x · w + b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -76,7 +76,7 @@ impl Dense {
     #[track_caller]
     pub fn new(w: &NDArray, bias: Option<&NDArray>, activation: Activation) -> Result<Dense> {
         let ctx = Ctx::new("Dense::new");
-        let (k, n) = check_layer(&ctx, w, bias)?;
+        let (k, n) = check_layer(&ctx, w, bias, w)?;
         let mut layer = Dense {
             w: w.clone(),
             bias: bias.cloned(),
@@ -249,7 +249,8 @@ impl Drop for Dense {
 }
 
 /// A layer's input, weights and bias in the autocast dtype (PyTorch's autocast converts
-/// `linear`'s bias too), when a guard is open and any of them is a float of another dtype.
+/// `linear`'s bias too), when a guard is open and any of them is a float of another dtype; the
+/// weights stay f32 where the product reads them rounded ([`reads_rounded`]).
 #[allow(clippy::type_complexity)]
 fn lowered_layer(
     x: &NDArray,
@@ -260,7 +261,11 @@ fn lowered_layer(
         return Ok(None);
     }
     let lx = super::autocast::lowered(x)?;
-    let lw = super::autocast::lowered(w)?;
+    let lw = if reads_rounded(w) {
+        None
+    } else {
+        super::autocast::lowered(w)?
+    };
     let lb = bias.map(super::autocast::lowered).transpose()?.flatten();
     if lx.is_none() && lw.is_none() && lb.is_none() {
         return Ok(None);
@@ -272,9 +277,33 @@ fn lowered_layer(
     )))
 }
 
-/// The checks of a layer's weights `[in, out]` (floats) and bias `[out]` (their dtype and
-/// device): `(in, out)`, or the error naming what is wrong.
-fn check_layer(ctx: &Ctx, w: &NDArray, bias: Option<&NDArray>) -> Result<(usize, usize)> {
+/// Whether a layer under autocast reads its f32 weights `w` rounded to the half type as its
+/// product packs them, so that no half copy of them is made (none kept in the step's
+/// workspace): on a device whose products can ([`backend::rounds_operands`]: the CPU), for
+/// weights that are not the result of a recorded op (a parameter, or weights outside autograd),
+/// whose gradient, a product of halves, then goes straight into their f32 gradient.
+fn reads_rounded(w: &NDArray) -> bool {
+    w.dtype() == DType::F32
+        && backend::rounds_operands(w.device())
+        && !super::autograd::is_recorded_result(w)
+}
+
+/// Whether `x · w` is a layer under autocast reading f32 weights rounded to `x`'s half type.
+fn rounded_layer(x: &NDArray, w: &NDArray) -> bool {
+    super::autocast::autocast_dtype() == Some(x.dtype())
+        && x.dtype() != w.dtype()
+        && reads_rounded(w)
+}
+
+/// The checks of a layer's weights `[in, out]` (floats) and bias `[out]` (of the dtype and
+/// device of `like`: the weights, or the input of a layer reading its weights rounded):
+/// `(in, out)`, or the error naming what is wrong.
+fn check_layer(
+    ctx: &Ctx,
+    w: &NDArray,
+    bias: Option<&NDArray>,
+    like: &NDArray,
+) -> Result<(usize, usize)> {
     let &[k, n] = w.dims() else {
         return Err(ctx.shape(format!(
             "the weights must be 2-D [in, out], got {} {}",
@@ -289,7 +318,7 @@ fn check_layer(ctx: &Ctx, w: &NDArray, bias: Option<&NDArray>) -> Result<(usize,
         ));
     }
     if let Some(b) = bias {
-        check_same(ctx, w, b)?;
+        check_same(ctx, like, b)?;
         if b.dims() != [n] {
             return Err(ctx.shape(format!(
                 "the bias must be [{n}] for weights {}, got {} {}",
@@ -302,7 +331,8 @@ fn check_layer(ctx: &Ctx, w: &NDArray, bias: Option<&NDArray>) -> Result<(usize,
     Ok((k, n))
 }
 
-/// `act(x · w + b)` as one op: `x` `[m, k]` flat, the result of `shape` (`[…, n]`).
+/// `act(x · w + b)` as one op: `x` `[m, k]` flat, the result of `shape` (`[…, n]`), in `x`'s
+/// dtype (f32 weights read rounded to it when they differ: [`rounded_layer`]).
 fn linear_unrecorded(
     ctx: &Ctx,
     x: &NDArray,
@@ -312,7 +342,12 @@ fn linear_unrecorded(
     (m, shape): (usize, Shape),
 ) -> Result<NDArray> {
     let (k, n) = (w.dims()[0], w.dims()[1]);
-    let dtype = w.dtype();
+    let dtype = x.dtype();
+    let spec = Linear {
+        dims: Mnk { m, k, n },
+        relu,
+        rounded_w: w.dtype() != dtype,
+    };
     // The inputs on the stack (no list allocated per call): the bias last, when there is one.
     let all = [x, w, bias.unwrap_or(x)];
     let inputs = &all[..2 + usize::from(bias.is_some())];
@@ -320,10 +355,9 @@ fn linear_unrecorded(
         AnyDevice::linear(
             ctx,
             dtype,
-            Mnk { m, k, n },
+            spec,
             (buffers[0], buffers[1]),
             buffers.get(2).copied(),
-            relu,
             out,
         )
     })
@@ -373,8 +407,13 @@ impl NDArray {
         if let Some((x, w, b)) = lowered_layer(self, w, bias)? {
             return x.linear(&w, b.as_ref(), activation);
         }
-        let (k, n) = check_layer(&ctx, w, bias)?;
-        check_same(&ctx, self, w)?;
+        let rounded = rounded_layer(self, w);
+        let (k, n) = check_layer(&ctx, w, bias, if rounded { self } else { w })?;
+        if rounded {
+            check_device(&ctx, self, w)?;
+        } else {
+            check_same(&ctx, self, w)?;
+        }
         let Some((_, lead)) = self.dims().split_last().filter(|(&last, _)| last == k) else {
             return Err(ctx.shape(format!(
                 "the input must be [..., {k}] for weights {}, got {} {}",

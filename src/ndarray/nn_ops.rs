@@ -175,10 +175,45 @@ impl NDArray {
                     trans_b: tb,
                     accumulate: None,
                     operands: None,
+                    rounded_b: false,
                 };
                 AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
             },
         )
+    }
+
+    /// `op(self) · op(w)` in `self`'s half type with `w` f32, each of its values read rounded to
+    /// that type as the product packs it ([`Gemm::rounded_b`]): the gradient of a layer that
+    /// read its f32 weights rounded (on a device where [`backend::rounds_operands`]). Not
+    /// recorded.
+    pub(crate) fn matmul_t_rounded(&self, w: &NDArray, transpose: Transpose) -> Result<NDArray> {
+        let ctx = Ctx::new("matmul_t");
+        super::ops::check_device(&ctx, self, w)?;
+        if !self.dtype().is_half() || w.dtype() != DType::F32 {
+            return Err(ctx.dtype(
+                w.dtype(),
+                format!(
+                    "a product reading f32 weights rounded takes a half operand and f32 weights, \
+                     got {} and {}",
+                    self.dtype(),
+                    w.dtype()
+                ),
+            ));
+        }
+        let (m, k, n) = product_dims(&ctx, self, w, transpose)?;
+        let (ta, tb) = transpose.flags();
+        let dtype = self.dtype();
+        exec::op2(&ctx, self, w, Shape::new(&[m, n]), dtype, |a, b, out| {
+            let spec = Gemm {
+                dims: Mnk { m, k, n },
+                trans_a: ta,
+                trans_b: tb,
+                accumulate: None,
+                operands: None,
+                rounded_b: true,
+            };
+            AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
+        })
     }
 
     /// `op(a) · bᵀ` for floats. `gemm` is fast only when its destination is contiguous along
@@ -203,6 +238,7 @@ impl NDArray {
                     trans_b: !ta,
                     accumulate: None,
                     operands: None,
+                    rounded_b: false,
                 };
                 AnyDevice::gemm(ctx, dtype, spec, b, a, out)
             })?;
@@ -228,6 +264,7 @@ impl NDArray {
                 trans_b: false,
                 accumulate: None,
                 operands: None,
+                rounded_b: false,
             };
             AnyDevice::gemm(ctx, dtype, spec, a, b, out)
         });
@@ -302,6 +339,7 @@ impl NDArray {
                 trans_b: tb,
                 accumulate: Some(Accumulate { alpha, beta }),
                 operands,
+                rounded_b: false,
             };
             AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
         })

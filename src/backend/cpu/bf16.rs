@@ -90,9 +90,49 @@ pub(crate) fn available() -> bool {
 ///
 /// See the module's documentation for how the rounding differs from the widening path.
 pub(crate) fn gemm_bf16(
+    dims: (usize, usize, usize),
+    a: (&[bf16], bool),
+    (b, tb): (&[bf16], bool),
+    out: &mut [f32],
+    accumulate: Option<(f32, f32)>,
+) -> bool {
+    gemm_with(dims, a, (Right::Bf16(b), tb), out, accumulate)
+}
+
+/// [`gemm_bf16`] with `b` in f32, each value rounded to bf16 (to nearest even, as `to_dtype`
+/// rounds it) as it is packed: the same result as a bf16 copy of `b` would give, with no copy
+/// made (an autocast product reading an f32 weight).
+pub(crate) fn gemm_bf16_rounded_b(
+    dims: (usize, usize, usize),
+    a: (&[bf16], bool),
+    (b, tb): (&[f32], bool),
+    out: &mut [f32],
+    accumulate: Option<(f32, f32)>,
+) -> bool {
+    gemm_with(dims, a, (Right::F32(b), tb), out, accumulate)
+}
+
+/// The right operand of a product as stored: bf16, or f32 read rounded to bf16.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+enum Right<'a> {
+    Bf16(&'a [bf16]),
+    F32(&'a [f32]),
+}
+
+impl Right<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Right::Bf16(b) => b.len(),
+            Right::F32(b) => b.len(),
+        }
+    }
+}
+
+fn gemm_with(
     (m, k, n): (usize, usize, usize),
     (a, ta): (&[bf16], bool),
-    (b, tb): (&[bf16], bool),
+    (b, tb): (Right<'_>, bool),
     out: &mut [f32],
     accumulate: Option<(f32, f32)>,
 ) -> bool {
@@ -136,8 +176,8 @@ mod x86 {
 
     use super::super::matmul::{split, Split};
     use super::super::pool::{self, SendPtr};
-    use super::super::wide::Wide;
-    use super::{KC, MR, NS, STRIP};
+    use super::super::wide::{Half, Wide};
+    use super::{Right, KC, MR, NS, STRIP};
 
     /// See [`gemm_bf16`], whose checks this assumes (`k ≥ 1`, `m, n ≥ 1`, lengths).
     /// `(beta, alpha)`: `out = beta·out + alpha·product` with `beta = Some`, else
@@ -145,7 +185,7 @@ mod x86 {
     pub(super) fn product(
         (m, k, n): (usize, usize, usize),
         (a, ta): (&[bf16], bool),
-        (b, tb): (&[bf16], bool),
+        (b, tb): (Right<'_>, bool),
         out: &mut [f32],
         (beta, alpha): (Option<f32>, f32),
     ) {
@@ -298,7 +338,7 @@ mod x86 {
         kp: usize,
         left: Left,
         /// `b` as stored, and whether transposed (`[n, k]`).
-        src_b: (&'a [bf16], bool),
+        src_b: (Right<'a>, bool),
         /// Packed `op(b)` (see `interleave`), `b_len = n.div_ceil(16)·kp·16` u32.
         b: SendPtr<u32>,
         b_len: usize,
@@ -321,13 +361,20 @@ mod x86 {
         /// The CPU has AVX-512 F and BW; `cols` ⊂ `0..n` starts at a multiple of 16 and ends at
         /// one or at `n`; no other thread touches those strips meanwhile.
         unsafe fn pack_b(&self, cols: std::ops::Range<usize>) {
-            let (b, tb) = self.src_b;
-            if tb {
+            let (dst, len) = (self.b.get(), self.b_len);
+            let (n, k) = (self.n, self.k);
+            let round = |v: f32| <bf16 as Half>::narrow(v).to_bits();
+            match self.src_b {
                 // SAFETY: the caller's promises.
-                unsafe { pack_pairs(b, self.n, self.k, cols, self.b.get(), self.b_len) };
-            } else {
+                (Right::Bf16(b), true) => unsafe {
+                    pack_pairs(b, bf16::to_bits, n, k, cols, dst, len)
+                },
                 // SAFETY: the caller's promises.
-                unsafe { interleave(b, self.k, self.n, cols, self.b.get(), self.b_len) };
+                (Right::Bf16(b), false) => unsafe { interleave(b, k, n, cols, dst, len) },
+                // SAFETY: the caller's promises.
+                (Right::F32(b), true) => unsafe { pack_pairs(b, round, n, k, cols, dst, len) },
+                // SAFETY: the caller's promises.
+                (Right::F32(b), false) => unsafe { interleave_rounded(b, k, n, cols, dst, len) },
             }
         }
 
@@ -545,17 +592,18 @@ mod x86 {
         Strips(*const u32),
     }
 
-    /// Packs the rows `cols` of `src`, `width` rows of `k` bf16 (row-major: `op(b)` stored
-    /// transposed, `[n, k]`), into the strips of `interleave`: `dst[((j / 16)·kp + p)·16 + j %
-    /// 16] = src[j][2p] | src[j][2p+1] << 16`, the missing value past an odd `k` and the
-    /// columns past `width` zero. Writes every element of the strips `cols` covers, and nothing
-    /// else.
+    /// Packs the rows `cols` of `src`, `width` rows of `k` values (row-major: `op(b)` stored
+    /// transposed, `[n, k]`), each value's bf16 bits given by `bits`, into the strips of
+    /// `interleave`: `dst[((j / 16)·kp + p)·16 + j % 16] = src[j][2p] | src[j][2p+1] << 16`, the
+    /// missing value past an odd `k` and the columns past `width` zero. Writes every element of
+    /// the strips `cols` covers, and nothing else.
     ///
     /// # Safety
     ///
     /// As `interleave`, but for the CPU features (none needed).
-    unsafe fn pack_pairs(
-        src: &[bf16],
+    unsafe fn pack_pairs<T: Copy>(
+        src: &[T],
+        bits: impl Fn(T) -> u16,
         width: usize,
         k: usize,
         cols: std::ops::Range<usize>,
@@ -577,9 +625,69 @@ mod x86 {
                     continue;
                 }
                 for (p, pair) in src[j * k..(j + 1) * k].chunks(2).enumerate() {
-                    let hi = pair.get(1).map_or(0, |h| u32::from(h.to_bits()));
-                    strip[p * STRIP + lane] = u32::from(pair[0].to_bits()) | (hi << 16);
+                    let hi = pair.get(1).map_or(0, |&h| u32::from(bits(h)));
+                    strip[p * STRIP + lane] = u32::from(bits(pair[0])) | (hi << 16);
                 }
+            }
+        }
+    }
+
+    /// `interleave` for f32 values, each rounded to bf16 (to nearest even, NaN kept quiet, as
+    /// `to_dtype` rounds) as it is packed: `src` holds `k` rows of `width` f32. A pair of one
+    /// column is one u32 lane, so 16 columns are rounded and packed with integer ops on one zmm
+    /// per row, no shuffles.
+    ///
+    /// # Safety
+    ///
+    /// As `interleave`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn interleave_rounded(
+        src: &[f32],
+        k: usize,
+        width: usize,
+        cols: std::ops::Range<usize>,
+        dst: *mut u32,
+        dst_len: usize,
+    ) {
+        let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
+        assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
+        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        /// f32 bits → bf16 bits in the low half of each lane: `(b + 0x7fff + ((b >> 16) & 1))
+        /// >> 16`, and for a NaN (`|b| > 0x7f800000`) `(b >> 16) | 0x40` (made quiet).
+        #[target_feature(enable = "avx512f")]
+        fn round(b: __m512i) -> __m512i {
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+            let near = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+                b,
+                _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd),
+            ));
+            let magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+            let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+            _mm512_mask_blend_epi32(nan, near, quiet)
+        }
+        let src = src.as_ptr().cast::<i32>();
+        for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
+            let c = s * STRIP;
+            let lanes = STRIP.min(width - c);
+            let mask: u16 = if lanes == STRIP { !0 } else { (1 << lanes) - 1 };
+            for p in 0..kp {
+                // SAFETY: rows 2p (< k) and 2p + 1 (when < k) exist; the mask limits the loads
+                // to columns c.. < width of the row (masked lanes are not read, and are zero).
+                let (x, y) = unsafe {
+                    let x = _mm512_maskz_loadu_epi32(mask, src.add(2 * p * width + c));
+                    let y = if 2 * p + 1 < k {
+                        _mm512_maskz_loadu_epi32(mask, src.add((2 * p + 1) * width + c))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    (x, y)
+                };
+                // Columns past `width` are zero: 0 rounds to 0.
+                let pair = _mm512_or_si512(round(x), _mm512_slli_epi32::<16>(round(y)));
+                // SAFETY: strip s < strips and p < kp: 16 u32 inside `dst`, the caller's to
+                // write (the strip covers columns of `cols`).
+                unsafe { _mm512_storeu_si512(dst.add((s * kp + p) * STRIP).cast(), pair) };
             }
         }
     }
@@ -692,6 +800,84 @@ mod tests {
                              {got}, expected {expect} ± {tol}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// f32 values that exercise the rounding to bf16: ties to even both ways, values that
+    /// round up into the next binade or overflow to infinity, subnormals, infinities, NaN
+    /// (quiet and signalling), signed zeros, and ordinary values.
+    fn rounding_cases(len: usize, seed: u64) -> Vec<f32> {
+        let special = [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            -(1.0 + 2f32.powi(-8)),
+            1.0 + 2f32.powi(-8) + 2f32.powi(-20),
+            f32::from_bits(0x3fff_ffff),
+            f32::MAX,
+            -f32::MAX,
+            f32::from_bits(0x0000_8001),
+            f32::from_bits(0x0000_7fff),
+            f32::MIN_POSITIVE,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xff80_8000),
+            0.0,
+            -0.0,
+        ];
+        let ordinary = values(len, seed);
+        (0..len)
+            .map(|i| match i % 3 {
+                0 => special[(i / 3) % special.len()],
+                _ => ordinary[i].to_f32() * (1.0 + 2f32.powi(-12) * (i % 5) as f32),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_f32_operand_read_rounded_gives_the_product_of_its_bf16_copy_bit_for_bit() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX512-BF16");
+            return;
+        }
+        let shapes = [
+            (1, 1, 1),
+            (3, 7, 33),
+            (9, 17, 49),
+            (16, 33, 97),
+            (33, 130, 47),
+            (67, 257, 129),
+        ];
+        for (si, &(m, k, n)) in shapes.iter().enumerate() {
+            let a = values(m * k, 7 * si as u64 + 3);
+            let b = rounding_cases(k * n, 7 * si as u64 + 4);
+            // The copy `to_dtype` would make (half's conversion: round to nearest even).
+            let copy: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
+            let bt: Vec<f32> = (0..k * n).map(|i| b[(i % k) * n + i / k]).collect();
+            let copy_t = transpose(&copy, k, n);
+            for tb in [false, true] {
+                let (rounded, copied) = if tb { (&bt, &copy_t) } else { (&b, &copy) };
+                for acc in [None, Some((0.5f32, 2.0f32))] {
+                    let init: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 - 3.0).collect();
+                    let (mut got, mut want) = (init.clone(), init);
+                    let left = (a.as_slice(), false);
+                    assert!(gemm_bf16_rounded_b(
+                        (m, k, n),
+                        left,
+                        (rounded, tb),
+                        &mut got,
+                        acc
+                    ));
+                    assert!(gemm_bf16((m, k, n), left, (copied, tb), &mut want, acc));
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "[{m}, {k}]·[{k}, {n}] tb {tb} {acc:?}"
+                    );
                 }
             }
         }

@@ -10,7 +10,7 @@ use super::num::{CastTo, Float, Num};
 use super::wide::{self, dispatch_half, Half};
 use super::{bf16, matmul, nn, optim, packed, random, reduce, sgd, shape};
 use crate::backend::contract::{
-    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, MatmulOps, Mnk, NnOps, Operand,
+    AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, Linear, MatmulOps, Mnk, NnOps, Operand,
     OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps, StepTensors, SumOf, TransferOps,
 };
 use crate::backend::op_table::{binary_ops, compare_ops, unary_ops};
@@ -530,7 +530,7 @@ impl MatmulOps for Cpu {
     }
 
     fn gemm(
-        _: &Ctx,
+        ctx: &Ctx,
         dtype: DType,
         spec: Gemm,
         a: &HostBuffer,
@@ -539,6 +539,9 @@ impl MatmulOps for Cpu {
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
         let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
+        if spec.rounded_b {
+            return rounded_gemm(ctx, dtype, spec, a, b, out);
+        }
         if let Some(operands) = spec.operands {
             // Halves multiplied into f32 (`dtype`): accumulated in f32, no rounding to the half
             // type; bf16 on the AVX512-BF16 kernel where the CPU has it, else widened exactly.
@@ -603,25 +606,34 @@ impl MatmulOps for Cpu {
     fn linear(
         ctx: &Ctx,
         dtype: DType,
-        dims: Mnk,
+        Linear {
+            dims,
+            relu,
+            rounded_w,
+        }: Linear,
         (x, w): (&HostBuffer, &HostBuffer),
         bias: Option<&HostBuffer>,
-        relu: bool,
         out: &mut HostBuffer,
     ) -> Result<()> {
+        if rounded_w && !dtype.is_half() {
+            return Err(ctx.invalid(format!(
+                "an f32 weight is read rounded to a half type, not {dtype}"
+            )));
+        }
         if dtype == DType::BF16 && bf16::available() {
             // The product (AVX512-BF16) and its epilogue in f32, rounded once.
-            let (x, w) = (x.as_slice::<half::bf16>(), w.as_slice::<half::bf16>());
+            let x = x.as_slice::<half::bf16>();
             let bias = bias.map(|b| wide::widen(b.as_slice::<half::bf16>()));
             let out = out.as_mut_slice::<half::bf16>();
             let mut wide_out = wide::Wide::scratch(out.len()); // written entirely by the kernel
-            let done = bf16::gemm_bf16(
-                (dims.m, dims.k, dims.n),
-                (x, false),
-                (w, false),
-                &mut wide_out,
-                None,
-            );
+            let (mkn, left) = ((dims.m, dims.k, dims.n), (x, false));
+            let done = if rounded_w {
+                let w = (w.as_slice::<f32>(), false);
+                bf16::gemm_bf16_rounded_b(mkn, left, w, &mut wide_out, None)
+            } else {
+                let w = (w.as_slice::<half::bf16>(), false);
+                bf16::gemm_bf16(mkn, left, w, &mut wide_out, None)
+            };
             assert!(done, "bf16 kernel refused after `available`");
             nn::bias_act(&mut wide_out, dims.n, bias.as_deref(), relu);
             wide::narrow(&wide_out, out);
@@ -629,7 +641,12 @@ impl MatmulOps for Cpu {
         }
         dispatch_half!(dtype, H => {
             // The product and its epilogue in f32, rounded once.
-            let (x, w) = (wide::widen(x.as_slice::<H>()), wide::widen(w.as_slice::<H>()));
+            let x = wide::widen(x.as_slice::<H>());
+            let w = if rounded_w {
+                wide::widen_rounded::<H>(w.as_slice::<f32>(), None)
+            } else {
+                wide::widen(w.as_slice::<H>())
+            };
             let bias = bias.map(|b| wide::widen(b.as_slice::<H>()));
             let out = out.as_mut_slice::<H>();
             let mut wide_out = wide::Wide::zeros(out.len());
@@ -669,6 +686,54 @@ impl MatmulOps for Cpu {
         ), _ => {});
         Ok(())
     }
+}
+
+/// [`Gemm::rounded_b`]: `a` and `out` in the half type `dtype`, `b` f32 read rounded to it (on
+/// the AVX512-BF16 kernel as it packs `b`, else as it is widened), the result rounded once.
+fn rounded_gemm(
+    ctx: &Ctx,
+    dtype: DType,
+    spec: Gemm,
+    a: &HostBuffer,
+    b: &HostBuffer,
+    out: &mut HostBuffer,
+) -> Result<()> {
+    let Mnk { m, k, n } = spec.dims;
+    if !dtype.is_half() || spec.operands.is_some() {
+        return Err(ctx.invalid(format!(
+            "an f32 operand is read rounded to a half type, not {dtype}, into a result of that \
+             type"
+        )));
+    }
+    let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
+    let b32 = b.as_slice::<f32>();
+    if dtype == DType::BF16 && bf16::available() {
+        let a = a.as_slice::<half::bf16>();
+        let out = out.as_mut_slice::<half::bf16>();
+        let mut wide_out = match spec.accumulate {
+            Some(_) => wide::widen(out),
+            None => wide::Wide::scratch(out.len()), // written, not read
+        };
+        let ops = ((a, spec.trans_a), (b32, spec.trans_b));
+        if bf16::gemm_bf16_rounded_b((m, k, n), ops.0, ops.1, &mut wide_out, accumulate) {
+            wide::narrow(&wide_out, out);
+            return Ok(());
+        }
+    }
+    dispatch_half!(dtype, H => {
+        let a = wide::widen(a.as_slice::<H>());
+        // op(b) widened as stored [k, n] (a transposed one transposed as it is widened: the f32
+        // kernel reads a transposed right operand slowly).
+        let b = wide::widen_rounded::<H>(b32, spec.trans_b.then_some((n, k)));
+        let out = out.as_mut_slice::<H>();
+        let mut wide_out = match spec.accumulate {
+            Some(_) => wide::widen(out),
+            None => wide::Wide::zeros(out.len()),
+        };
+        matmul::gemm_general((m, k, n), (&a, spec.trans_a), (&b, false), &mut wide_out, accumulate);
+        wide::narrow(&wide_out, out);
+    }, _ => {});
+    Ok(())
 }
 
 impl OptimOps for Cpu {

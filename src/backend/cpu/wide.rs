@@ -170,6 +170,34 @@ pub(crate) fn widen<H: Half>(x: &[H]) -> Wide {
     out
 }
 
+/// f32 values rounded to `H` (as `to_dtype` rounds them) and widened back, exactly: what a half
+/// copy of `x` would widen to, with no copy made. `transpose = Some((rows, cols))` reads `x` as
+/// `[rows, cols]` and gives its transpose `[cols, rows]` (so a product reads it as stored).
+pub(crate) fn widen_rounded<H: Half>(x: &[f32], transpose: Option<(usize, usize)>) -> Wide {
+    let mut rounded = Wide::scratch(x.len()); // every element written below
+    map_chunks(x, &mut rounded, |src, dst| {
+        // Through a small buffer of halves: the slice conversions are vectorised.
+        let mut halves = [H::narrow(0.0); 256];
+        for (src, dst) in src.chunks(256).zip(dst.chunks_mut(256)) {
+            let halves = &mut halves[..src.len()];
+            H::narrow_slice(src, halves);
+            H::widen_slice(halves, dst);
+        }
+    });
+    let Some((rows, cols)) = transpose else {
+        return rounded;
+    };
+    assert_eq!(
+        x.len(),
+        rows * cols,
+        "widen_rounded: {} values for [{rows}, {cols}]",
+        x.len()
+    );
+    let mut out = Wide::scratch(x.len()); // every element written by the transpose
+    super::shape::transpose(&rounded, rows, cols, &mut out);
+    out
+}
+
 /// `out[i] = x[i]` rounded to nearest even.
 pub(crate) fn narrow<H: Half>(x: &[f32], out: &mut [H]) {
     map_chunks(x, out, H::narrow_slice);
@@ -197,6 +225,29 @@ pub(crate) use dispatch_half;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widening_a_rounded_f32_gives_what_its_half_copy_widens_to() {
+        fn check<H: Half>() {
+            // Every 61st f32 bit pattern over the whole range: ties, overflows, subnormals,
+            // infinities and NaN among them; 5000 values, more than one chunk of the pool's.
+            let x: Vec<f32> = (0..5000u32)
+                .map(|i| f32::from_bits(i.wrapping_mul(858_993_459) ^ (i << 3)))
+                .collect();
+            let want: Vec<u32> = x.iter().map(|&v| H::narrow(v).widen().to_bits()).collect();
+            let got = widen_rounded::<H>(&x, None);
+            assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+            let (rows, cols) = (50, 100);
+            let t = widen_rounded::<H>(&x, Some((rows, cols)));
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(t[c * rows + r].to_bits(), want[r * cols + c], "({r}, {c})");
+                }
+            }
+        }
+        check::<half::bf16>();
+        check::<half::f16>();
+    }
 
     #[test]
     fn widening_is_exact_and_narrowing_rounds_to_nearest_even() {

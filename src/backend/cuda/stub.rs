@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::backend::contract::{
-    backend_contract, first_tensor, AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes,
+    backend_contract, first_tensor, AdamCoeffs, Backend, Draw, ElementwiseOps, Gemm, Lanes, Linear,
     MatmulOps, Mnk, NnOps, Operand, OperandMut, OptimOps, ReduceOps, SgdCoeffs, SgdStep, ShapeOps,
     StepTensors, SumOf, TransferOps,
 };

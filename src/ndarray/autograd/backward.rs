@@ -700,7 +700,12 @@ fn input_grads(node: &Node, g: &NDArray) -> Result<Grads> {
             };
             let gz2 = flat(&gz, n)?;
             if wants(0) {
-                let gx = gz2.matmul_t(w, Transpose::Right)?;
+                // f32 weights that the forward read rounded to the half type are read so again.
+                let gx = if w.dtype() == gz2.dtype() {
+                    gz2.matmul_t(w, Transpose::Right)?
+                } else {
+                    gz2.matmul_t_rounded(w, Transpose::Right)?
+                };
                 out[0] = arr(if a.ndim() == 2 {
                     gx
                 } else {

@@ -35,7 +35,9 @@ use crate::manager::Manager;
 use crate::ndarray::hooks::{ExecObserver, Observer};
 use crate::{NDArray, Result};
 
-pub(crate) use tape::{check_inplace_sources, record, recording, tracked, Backward, Pause};
+pub(crate) use tape::{
+    check_inplace_sources, is_recorded_result, record, recording, tracked, Backward, Pause,
+};
 
 /// The tape observes how ops run: exec settles a gradient's pending product before any access
 /// to its bytes, and asks before an in-place op reads arrays the recording collector tracks.

@@ -275,6 +275,15 @@ pub(crate) fn track(a: &NDArray, id: u32) -> Track {
     }
 }
 
+/// Whether `a` is the result of an op recorded on this thread's current tape (its gradient
+/// flows back through that op, not into `a` as a leaf's).
+pub(crate) fn is_recorded_result(a: &NDArray) -> bool {
+    TAPE.with(|t| {
+        let id = t.borrow().id;
+        id != 0 && matches!(track(a, id), Track::Node(_))
+    })
+}
+
 /// Whether an op on `inputs` would be recorded now: a collector records and one of them depends
 /// on an array that requires gradients. An op whose record saves work done for its backward
 /// does that work only then.

@@ -13,13 +13,13 @@ use super::launch::{
     elements, linear, memset, opmath_scalar, same_gpu, scalar, Strided, MODE_SAME,
 };
 use super::Cuda;
-use crate::backend::contract::{Accumulate, Gemm, MatmulOps, Mnk, SgdStep};
+use crate::backend::contract::{Accumulate, Gemm, Linear, MatmulOps, Mnk, SgdStep};
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{blas_error, Gpu};
 use crate::backend::cuda::lt::{Operands, Shape as LtShape};
 use crate::backend::Batched;
 use crate::error::Ctx;
-use crate::{DType, Result};
+use crate::{DType, Error, Result};
 
 // ---- matrix products ----
 
@@ -171,6 +171,7 @@ impl Products {
                     0 => None,
                     code => Some(float_of(code)),
                 },
+                rounded_b: false,
             },
             a: w[6],
             b: w[7],
@@ -635,6 +636,7 @@ impl MatmulOps for Cuda {
             trans_b: false,
             accumulate: None,
             operands: None,
+            rounded_b: false,
         };
         let products = Products {
             spec,
@@ -656,6 +658,9 @@ impl MatmulOps for Cuda {
         b: &DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        if spec.rounded_b {
+            return Err(no_rounded_operands(ctx));
+        }
         let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
         let products = Products {
             spec,
@@ -672,12 +677,18 @@ impl MatmulOps for Cuda {
     fn linear(
         ctx: &Ctx,
         dtype: DType,
-        dims: Mnk,
+        Linear {
+            dims,
+            relu,
+            rounded_w,
+        }: Linear,
         (x, w): (&DeviceBuffer, &DeviceBuffer),
         bias: Option<&DeviceBuffer>,
-        relu: bool,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        if rounded_w {
+            return Err(no_rounded_operands(ctx));
+        }
         let gpu = match bias {
             Some(b) => same_gpu(ctx, &[x.gpu(), w.gpu(), b.gpu(), out.gpu()])?,
             None => same_gpu(ctx, &[x.gpu(), w.gpu(), out.gpu()])?,
@@ -741,6 +752,7 @@ impl MatmulOps for Cuda {
                 beta: momentum,
             }),
             operands: None,
+            rounded_b: false,
         };
         let products = Products {
             spec,
@@ -761,6 +773,12 @@ impl MatmulOps for Cuda {
             (v.ptr(), MODE_SAME, Strided::none()),
         )
     }
+}
+
+/// A product asked to round an f32 operand as it reads it: cuBLAS takes operands of one type
+/// (the front end converts first on CUDA, `backend::rounds_operands`).
+fn no_rounded_operands(ctx: &Ctx) -> Error {
+    ctx.unsupported("CUDA products take operands of one type: convert the f32 operand first")
 }
 
 #[cfg(test)]
@@ -789,6 +807,7 @@ mod tests {
                         beta: 0.5,
                     }),
                     operands,
+                    rounded_b: false,
                 },
                 a: 0x1000,
                 b: 0x2000,
