@@ -21,6 +21,16 @@
 //!
 //! `--dtype bf16|f16` runs the autograd step in mixed precision (autocast in the half type,
 //! f32 parameters and optimizer, a `GradScaler` for f16); `--sizes` sets the layer widths.
+//!
+//! On the CPU a second line gives the step's GFLOP/s (its products: forward, weight gradients,
+//! and input gradients but the first layer's) and their share of the CPU's f32 FMA peak, which
+//! [`ndscope::measure_cpu_peak`] measures on [`ndscope::num_threads`] threads after the timed
+//! steps (the f32 peak whatever `--dtype` says):
+//!
+//! ```text
+//! batch 256: 14.3609 ms/step (median of 30 steps, autograd, sizes [784, 1024, 1024, 10]) on cpu
+//! batch 256: 170.5 GFLOP/s, 73% of the CPU's f32 FMA peak of 233.3 GFLOP/s (2 threads × 116.7, avx512f FMA, measured)
+//! ```
 
 #[path = "mlp/mod.rs"]
 mod mlp;
@@ -29,8 +39,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use ndscope::{
-    manual_seed, DType, Device, GraphReplayStats, LayerWorkspaceMgr, Manager, Optimizer, Result,
-    Sgd, WorkspaceConfig,
+    manual_seed, measure_cpu_peak, num_threads, DType, Device, GraphReplayStats, LayerWorkspaceMgr,
+    Manager, Optimizer, Result, Sgd, WorkspaceConfig,
 };
 
 fn main() -> ExitCode {
@@ -84,7 +94,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     match run(batch, steps, device, manual, graph, dtype, &sizes) {
-        Ok((ms, replay)) => {
+        Ok((ms, replay, flops)) => {
             let how = if manual {
                 "hand-written backward"
             } else {
@@ -116,6 +126,27 @@ fn main() -> ExitCode {
                     replay.graphs
                 );
             }
+            if device.is_cpu() {
+                // After the timed steps, so the measurement does not warm or cool the timing.
+                let peak = match measure_cpu_peak(num_threads()) {
+                    Ok(peak) => peak,
+                    Err(e) => {
+                        eprintln!("mlp_step: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let gflops = flops / (ms * 1e-3) / 1e9;
+                let plural = if peak.threads == 1 { "" } else { "s" };
+                println!(
+                    "batch {batch}: {gflops:.1} GFLOP/s, {:.0}% of the CPU's f32 FMA peak of \
+                     {:.1} GFLOP/s ({} thread{plural} × {:.1}, {} FMA, measured)",
+                    100.0 * gflops / peak.gflops,
+                    peak.gflops,
+                    peak.threads,
+                    peak.per_thread,
+                    peak.isa
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -126,8 +157,8 @@ fn main() -> ExitCode {
 }
 
 /// The median milliseconds of `steps` training steps at `batch` on `device`, after 10 warm-up
-/// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation), and the
-/// workspace's graph replay figures.
+/// steps (on a GPU: of groups of 10 steps, each group ending with a synchronisation), the
+/// workspace's graph replay figures, and the floating-point operations of one step's products.
 fn run(
     batch: usize,
     steps: usize,
@@ -136,7 +167,7 @@ fn run(
     graph: bool,
     dtype: DType,
     sizes: &[usize],
-) -> Result<(f64, GraphReplayStats)> {
+) -> Result<(f64, GraphReplayStats, f64)> {
     let trainer = Manager::new_base_on(device)?.with_name("trainer");
     let config = WorkspaceConfig::builder().graph_replay(graph).build()?;
     let ws = trainer.workspace("batch", config)?;
@@ -187,7 +218,8 @@ fn run(
     }
     times.sort_by(f64::total_cmp);
     let replay = ws.stats().graph;
+    let flops = net.step_flops(batch);
     model.close()?;
     trainer.close()?;
-    Ok((times[times.len() / 2], replay))
+    Ok((times[times.len() / 2], replay, flops))
 }

@@ -123,3 +123,6 @@ pub fn num_threads() -> usize {
 pub fn set_num_threads(n: usize) -> usize {
     backend::cpu::pool::set_limit(n)
 }
+
+// The CPU's measured f32 FMA peak, to compare the kernels' GFLOP/s with.
+pub use backend::cpu::peak::{measure_cpu_peak, CpuPeak};

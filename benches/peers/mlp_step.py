@@ -7,6 +7,11 @@ The two are timed in turns (PyTorch, then ndscope's `examples/mlp_step.rs`, then
 again, ...) and the ratio is taken round by round, so a comparison holds when a shared machine's
 speed drifts; the median round is printed with the range.
 
+Each ndscope run also prints the CPU's f32 FMA peak, measured on as many threads
+(`ndscope::measure_cpu_peak`); with the step's floating-point operations (its products, counted
+as in `examples/mlp/mod.rs`) this gives each step's GFLOP/s and share of that peak, and how much
+faster than PyTorch any implementation could be at most (peak / PyTorch).
+
 Run from anywhere: `python3 benches/peers/mlp_step.py` (it builds the example with cargo first,
 or takes it from `NDSCOPE_BIN_DIR` where that names a folder of prebuilt binaries).
 Needs `torch`; not part of CI.
@@ -26,6 +31,16 @@ except ImportError:
 
 SIZES = [784, 1024, 1024, 10]
 LR, MOMENTUM = 0.01, 0.9
+
+
+def step_flops(batch):
+    """Floating-point operations of one step's products, as `Mlp::step_flops` counts them: per
+    layer 2·batch·in·out for the forward product, as many for the weight gradient, and (except
+    for the first layer) as many for the input gradient."""
+    return sum(
+        2.0 * batch * fan_in * fan_out * (2 if i == 0 else 3)
+        for i, (fan_in, fan_out) in enumerate(zip(SIZES, SIZES[1:]))
+    )
 
 
 def params(gen):
@@ -103,7 +118,8 @@ def median_ms(step, steps):
 
 def ndscope_ms(binary, batch, steps, manual=False):
     """The median ms/step that examples/mlp_step.rs prints (autograd, or the hand-written
-    backward pass with manual=True)."""
+    backward pass with manual=True), and the CPU's f32 FMA peak in GFLOP/s it measured after
+    its steps."""
     # PyTorch's OpenMP workers keep spinning for a while after its last parallel region (up to
     # 200 ms with Intel's runtime): let them go to sleep first, or they take the cores from the
     # process being timed.
@@ -115,9 +131,10 @@ def ndscope_ms(binary, batch, steps, manual=False):
         text=True,
     ).stdout
     match = re.search(r"([0-9.]+) ms/step", out)
-    if not match:
+    peak = re.search(r"peak of ([0-9.]+) GFLOP/s", out)
+    if not match or not peak:
         sys.exit(f"mlp_step.py: unexpected output from {binary}: {out!r}")
-    return float(match.group(1))
+    return float(match.group(1)), float(peak.group(1))
 
 
 def main():
@@ -138,11 +155,14 @@ def main():
         steps_fns = [("autograd + optim.SGD", autograd_step_fn(batch, gen)), ("manual backward", manual_step_fn(batch, gen))]
         times = {name: [] for name, _ in steps_fns}
         ours = {"autograd": [], "hand-written backward": []}
+        peaks = []
         for _ in range(rounds):
             for name, step in steps_fns:
                 times[name].append(median_ms(step, steps))
-            ours["autograd"].append(ndscope_ms(binary, batch, steps))
-            ours["hand-written backward"].append(ndscope_ms(binary, batch, steps, manual=True))
+            for kind, manual in [("autograd", False), ("hand-written backward", True)]:
+                ms, peak = ndscope_ms(binary, batch, steps, manual=manual)
+                ours[kind].append(ms)
+                peaks.append(peak)
         for kind, mine in ours.items():
             print(
                 f"batch {batch:>3}: ndscope {kind:<21} {statistics.median(mine):7.3f} ms/step"
@@ -160,6 +180,23 @@ def main():
             f"  ndscope autograd / hand-written: {statistics.median(ratios):.3f}"
             f" (rounds: {ratios[0]:.3f} to {ratios[-1]:.3f})"
         )
+        flops = step_flops(batch)
+        peak = statistics.median(peaks)
+        print(
+            f"  the step's products: {flops / 1e9:.3f} GFLOP; the CPU's f32 FMA peak: {peak:.1f} GFLOP/s"
+            f" (median of {len(peaks)} measurements on {threads} threads, {min(peaks):.1f} to {max(peaks):.1f})"
+        )
+        rates = [(f"ndscope {kind}", statistics.median(mine)) for kind, mine in ours.items()]
+        rates += [(f"PyTorch {name}", statistics.median(ms)) for name, ms in times.items()]
+        for name, ms in rates:
+            gflops = flops / (ms * 1e-3) / 1e9
+            print(f"  {name:<29} {gflops:7.1f} GFLOP/s, {100 * gflops / peak:5.1f}% of the peak")
+        for name, ms in times.items():
+            gflops = flops / (statistics.median(ms) * 1e-3) / 1e9
+            print(
+                f"  the most any implementation could be faster than PyTorch ({name}) here:"
+                f" peak / PyTorch = {peak / gflops:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ pub(crate) mod num;
 pub(crate) mod ops;
 pub(crate) mod optim;
 pub(crate) mod packed;
+pub(crate) mod peak;
 pub(crate) mod pool;
 pub(crate) mod random;
 pub(crate) mod reduce;

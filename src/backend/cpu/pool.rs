@@ -113,9 +113,7 @@ static LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
 pub(crate) fn threads_from_env(value: Option<&str>, available: usize) -> (usize, Option<String>) {
     const VAR: &str = "NDSCOPE_NUM_THREADS";
     let available = available.clamp(1, MAX_THREADS);
-    let max = available
-        .saturating_mul(OVERSUBSCRIBE)
-        .clamp(MIN_MAX_THREADS, MAX_THREADS);
+    let max = max_threads(available);
     let Some(text) = value.map(str::trim).filter(|t| !t.is_empty()) else {
         return (available, None);
     };
@@ -151,6 +149,15 @@ pub(crate) fn threads_from_env(value: Option<&str>, available: usize) -> (usize,
             )),
         ),
     }
+}
+
+/// The most threads a pool may have on `available` cores: the larger of [`OVERSUBSCRIBE`] ×
+/// `available` and [`MIN_MAX_THREADS`], at most [`MAX_THREADS`]. Also the most
+/// [`measure_cpu_peak`](super::peak::measure_cpu_peak) runs on.
+pub(crate) fn max_threads(available: usize) -> usize {
+    available
+        .saturating_mul(OVERSUBSCRIBE)
+        .clamp(MIN_MAX_THREADS, MAX_THREADS)
 }
 
 fn pool() -> &'static Pool {
