@@ -176,7 +176,7 @@ mod x86 {
 
     use super::super::matmul::{split, Split};
     use super::super::pool::{self, SendPtr};
-    use super::super::wide::{Half, Wide};
+    use super::super::wide::Wide;
     use super::{Right, KC, MR, NS, STRIP};
 
     /// See [`gemm_bf16`], whose checks this assumes (`k ≥ 1`, `m, n ≥ 1`, lengths).
@@ -363,7 +363,6 @@ mod x86 {
         unsafe fn pack_b(&self, cols: std::ops::Range<usize>) {
             let (dst, len) = (self.b.get(), self.b_len);
             let (n, k) = (self.n, self.k);
-            let round = |v: f32| <bf16 as Half>::narrow(v).to_bits();
             match self.src_b {
                 // SAFETY: the caller's promises.
                 (Right::Bf16(b), true) => unsafe {
@@ -372,7 +371,7 @@ mod x86 {
                 // SAFETY: the caller's promises.
                 (Right::Bf16(b), false) => unsafe { interleave(b, k, n, cols, dst, len) },
                 // SAFETY: the caller's promises.
-                (Right::F32(b), true) => unsafe { pack_pairs(b, round, n, k, cols, dst, len) },
+                (Right::F32(b), true) => unsafe { pack_pairs_rounded(b, n, k, cols, dst, len) },
                 // SAFETY: the caller's promises.
                 (Right::F32(b), false) => unsafe { interleave_rounded(b, k, n, cols, dst, len) },
             }
@@ -632,6 +631,94 @@ mod x86 {
         }
     }
 
+    /// f32 bits → bf16 bits in the low half of each lane: `(b + 0x7fff + ((b >> 16) & 1))
+    /// >> 16`, and for a NaN (`|b| > 0x7f800000`) `(b >> 16) | 0x40` (made quiet).
+    #[target_feature(enable = "avx512f")]
+    fn round(b: __m512i) -> __m512i {
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let near = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+            b,
+            _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd),
+        ));
+        let magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
+        let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+        _mm512_mask_blend_epi32(nan, near, quiet)
+    }
+
+    /// `pack_pairs` for f32 values, each rounded to bf16 as `interleave_rounded` rounds it:
+    /// `src` holds `width` rows of `k` f32 (`op(b)` stored transposed). Blocks of 16 rows × 16
+    /// pairs: each row's 32 values are rounded and paired in two zmm (a word shuffle keeps the
+    /// bf16 halves), written to a small buffer, and the buffer's columns gathered into the
+    /// strip's 16 lanes.
+    ///
+    /// # Safety
+    ///
+    /// As `interleave`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn pack_pairs_rounded(
+        src: &[f32],
+        width: usize,
+        k: usize,
+        cols: std::ops::Range<usize>,
+        dst: *mut u32,
+        dst_len: usize,
+    ) {
+        let kp = k.div_ceil(2);
+        assert!(src.len() == width * k && dst_len == width.div_ceil(STRIP) * kp * STRIP);
+        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        // Word 2i of the rounded values of elements 0..32 (two zmm, as 32-bit lanes) is element
+        // i's bf16: pair q takes words 4q and 4q + 2.
+        let words: [i16; 32] = std::array::from_fn(|i| (2 * i) as i16);
+        // SAFETY: reads 64 bytes from an array of 64 bytes.
+        let words = unsafe { _mm512_loadu_si512(words.as_ptr().cast()) };
+        let rows: [i32; 16] = std::array::from_fn(|i| (i * STRIP) as i32);
+        // SAFETY: reads 64 bytes from an array of 64 bytes.
+        let rows = unsafe { _mm512_loadu_si512(rows.as_ptr().cast()) };
+        let mut buf = [0u32; STRIP * STRIP];
+        let src = src.as_ptr().cast::<i32>();
+        for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
+            let lanes = STRIP.min(width - s * STRIP);
+            for p0 in (0..kp).step_by(STRIP) {
+                let (first, count) = (2 * p0, (k - 2 * p0).min(2 * STRIP));
+                let lo: u16 = if count >= STRIP { !0 } else { (1 << count) - 1 };
+                let hi: u16 = match count.saturating_sub(STRIP) {
+                    STRIP => !0,
+                    c => (1 << c) - 1,
+                };
+                for lane in 0..STRIP {
+                    let pairs = if lane < lanes {
+                        let row = (s * STRIP + lane) * k + first;
+                        // SAFETY: row s·16 + lane < width has k values; the masks limit the
+                        // loads to its values first.. < k (masked lanes are zero).
+                        let (x, y) = unsafe {
+                            (
+                                _mm512_maskz_loadu_epi32(lo, src.add(row)),
+                                _mm512_maskz_loadu_epi32(hi, src.add(row + STRIP)),
+                            )
+                        };
+                        _mm512_permutex2var_epi16(round(x), words, round(y))
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    // SAFETY: row `lane` of the 16 × 16 buffer.
+                    unsafe {
+                        _mm512_storeu_si512(buf.as_mut_ptr().add(lane * STRIP).cast(), pairs)
+                    };
+                }
+                for p in p0..(p0 + STRIP).min(kp) {
+                    // SAFETY: the gather reads buf[lane·16 + p − p0], inside the buffer; strip
+                    // s and pair p < kp lie inside `dst`, the caller's to write.
+                    unsafe {
+                        let column = buf.as_ptr().add(p - p0).cast::<i32>();
+                        let v = _mm512_i32gather_epi32::<4>(rows, column);
+                        _mm512_storeu_si512(dst.add((s * kp + p) * STRIP).cast(), v);
+                    }
+                }
+            }
+        }
+    }
+
     /// `interleave` for f32 values, each rounded to bf16 (to nearest even, NaN kept quiet, as
     /// `to_dtype` rounds) as it is packed: `src` holds `k` rows of `width` f32. A pair of one
     /// column is one u32 lane, so 16 columns are rounded and packed with integer ops on one zmm
@@ -652,20 +739,6 @@ mod x86 {
         let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
         assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
         assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
-        /// f32 bits → bf16 bits in the low half of each lane: `(b + 0x7fff + ((b >> 16) & 1))
-        /// >> 16`, and for a NaN (`|b| > 0x7f800000`) `(b >> 16) | 0x40` (made quiet).
-        #[target_feature(enable = "avx512f")]
-        fn round(b: __m512i) -> __m512i {
-            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
-            let near = _mm512_srli_epi32::<16>(_mm512_add_epi32(
-                b,
-                _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd),
-            ));
-            let magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
-            let nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f80_0000));
-            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
-            _mm512_mask_blend_epi32(nan, near, quiet)
-        }
         let src = src.as_ptr().cast::<i32>();
         for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
             let c = s * STRIP;
