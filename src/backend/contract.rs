@@ -70,6 +70,20 @@ pub(crate) struct Gemm {
     pub rounded_b: bool,
 }
 
+impl Gemm {
+    /// `out = op(a) · op(b)`, all three in the product's dtype.
+    pub fn plain(dims: Mnk, trans_a: bool, trans_b: bool) -> Gemm {
+        Gemm {
+            dims,
+            trans_a,
+            trans_b,
+            accumulate: None,
+            operands: None,
+            rounded_b: false,
+        }
+    }
+}
+
 /// A dense layer's forward product: `out = act(x · w + bias)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Linear {

@@ -169,14 +169,7 @@ impl NDArray {
             Shape::new(&[m, n]),
             dtype,
             |a, b, out| {
-                let spec = Gemm {
-                    dims: Mnk { m, k, n },
-                    trans_a: ta,
-                    trans_b: tb,
-                    accumulate: None,
-                    operands: None,
-                    rounded_b: false,
-                };
+                let spec = Gemm::plain(Mnk { m, k, n }, ta, tb);
                 AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
             },
         )
@@ -205,12 +198,8 @@ impl NDArray {
         let dtype = self.dtype();
         exec::op2(&ctx, self, w, Shape::new(&[m, n]), dtype, |a, b, out| {
             let spec = Gemm {
-                dims: Mnk { m, k, n },
-                trans_a: ta,
-                trans_b: tb,
-                accumulate: None,
-                operands: None,
                 rounded_b: true,
+                ..Gemm::plain(Mnk { m, k, n }, ta, tb)
             };
             AnyDevice::gemm(&ctx, dtype, spec, a, b, out)
         })
@@ -232,14 +221,7 @@ impl NDArray {
         let dtype = self.dtype();
         if m.saturating_mul(8) <= n {
             let ct = exec::op2(ctx, self, other, Shape::new(&[n, m]), dtype, |a, b, out| {
-                let spec = Gemm {
-                    dims: Mnk { m: n, k, n: m },
-                    trans_a: false,
-                    trans_b: !ta,
-                    accumulate: None,
-                    operands: None,
-                    rounded_b: false,
-                };
+                let spec = Gemm::plain(Mnk { m: n, k, n: m }, false, !ta);
                 AnyDevice::gemm(ctx, dtype, spec, b, a, out)
             })?;
             let c = exec::op1(ctx, &ct, Shape::new(&[m, n]), dtype, |ct, out| {
@@ -258,14 +240,7 @@ impl NDArray {
             |inputs, out| AnyDevice::transpose(ctx, dtype, inputs[1], (n, k), out),
         )?;
         let c = exec::op2(ctx, self, &bt, Shape::new(&[m, n]), dtype, |a, b, out| {
-            let spec = Gemm {
-                dims: Mnk { m, k, n },
-                trans_a: ta,
-                trans_b: false,
-                accumulate: None,
-                operands: None,
-                rounded_b: false,
-            };
+            let spec = Gemm::plain(Mnk { m, k, n }, ta, false);
             AnyDevice::gemm(ctx, dtype, spec, a, b, out)
         });
         bt.close()?;

@@ -539,8 +539,11 @@ impl MatmulOps for Cpu {
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
         let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
-        if spec.rounded_b {
-            return rounded_gemm(ctx, dtype, spec, a, b, out);
+        if spec.rounded_b && (!dtype.is_half() || spec.operands.is_some()) {
+            return Err(ctx.invalid(format!(
+                "an f32 operand is read rounded to a half type, not {dtype}, into a result of \
+                 that type"
+            )));
         }
         if let Some(operands) = spec.operands {
             // Halves multiplied into f32 (`dtype`): accumulated in f32, no rounding to the half
@@ -569,17 +572,28 @@ impl MatmulOps for Cpu {
             }, _ => {});
         }
         if dtype == DType::BF16 && bf16::available() {
-            let (a, b) = (a.as_slice::<half::bf16>(), b.as_slice::<half::bf16>());
+            let left = (a.as_slice::<half::bf16>(), spec.trans_a);
             let out = out.as_mut_slice::<half::bf16>();
             let mut wide_out = match spec.accumulate {
                 Some(_) => wide::widen(out),
                 None => wide::Wide::scratch(out.len()), // written, not read
             };
-            let ops = ((a, spec.trans_a), (b, spec.trans_b));
-            if bf16::gemm_bf16((m, k, n), ops.0, ops.1, &mut wide_out, accumulate) {
+            let (dims, tb) = ((m, k, n), spec.trans_b);
+            let done = if spec.rounded_b {
+                let right = (b.as_slice::<f32>(), tb);
+                bf16::gemm_bf16_rounded_b(dims, left, right, &mut wide_out, accumulate)
+            } else {
+                let right = (b.as_slice::<half::bf16>(), tb);
+                bf16::gemm_bf16(dims, left, right, &mut wide_out, accumulate)
+            };
+            if done {
                 wide::narrow(&wide_out, out);
                 return Ok(());
             }
+        }
+        if spec.rounded_b {
+            rounded_gemm(dtype, spec, a, b, out);
+            return Ok(());
         }
         dispatch_half!(dtype, H => {
             let (a, b) = (wide::widen(a.as_slice::<H>()), wide::widen(b.as_slice::<H>()));
@@ -688,43 +702,16 @@ impl MatmulOps for Cpu {
     }
 }
 
-/// [`Gemm::rounded_b`]: `a` and `out` in the half type `dtype`, `b` f32 read rounded to it (on
-/// the AVX512-BF16 kernel as it packs `b`, else as it is widened), the result rounded once.
-fn rounded_gemm(
-    ctx: &Ctx,
-    dtype: DType,
-    spec: Gemm,
-    a: &HostBuffer,
-    b: &HostBuffer,
-    out: &mut HostBuffer,
-) -> Result<()> {
+/// [`Gemm::rounded_b`] without the AVX512-BF16 kernel: `a` and `out` in the half type `dtype`,
+/// `b` f32 rounded to it as it is widened, the result rounded once.
+fn rounded_gemm(dtype: DType, spec: Gemm, a: &HostBuffer, b: &HostBuffer, out: &mut HostBuffer) {
     let Mnk { m, k, n } = spec.dims;
-    if !dtype.is_half() || spec.operands.is_some() {
-        return Err(ctx.invalid(format!(
-            "an f32 operand is read rounded to a half type, not {dtype}, into a result of that \
-             type"
-        )));
-    }
     let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
-    let b32 = b.as_slice::<f32>();
-    if dtype == DType::BF16 && bf16::available() {
-        let a = a.as_slice::<half::bf16>();
-        let out = out.as_mut_slice::<half::bf16>();
-        let mut wide_out = match spec.accumulate {
-            Some(_) => wide::widen(out),
-            None => wide::Wide::scratch(out.len()), // written, not read
-        };
-        let ops = ((a, spec.trans_a), (b32, spec.trans_b));
-        if bf16::gemm_bf16_rounded_b((m, k, n), ops.0, ops.1, &mut wide_out, accumulate) {
-            wide::narrow(&wide_out, out);
-            return Ok(());
-        }
-    }
     dispatch_half!(dtype, H => {
         let a = wide::widen(a.as_slice::<H>());
         // op(b) widened as stored [k, n] (a transposed one transposed as it is widened: the f32
         // kernel reads a transposed right operand slowly).
-        let b = wide::widen_rounded::<H>(b32, spec.trans_b.then_some((n, k)));
+        let b = wide::widen_rounded::<H>(b.as_slice::<f32>(), spec.trans_b.then_some((n, k)));
         let out = out.as_mut_slice::<H>();
         let mut wide_out = match spec.accumulate {
             Some(_) => wide::widen(out),
@@ -733,7 +720,6 @@ fn rounded_gemm(
         matmul::gemm_general((m, k, n), (&a, spec.trans_a), (&b, false), &mut wide_out, accumulate);
         wide::narrow(&wide_out, out);
     }, _ => {});
-    Ok(())
 }
 
 impl OptimOps for Cpu {

@@ -630,14 +630,7 @@ impl MatmulOps for Cuda {
             Some((Batched::Both, batch)) => (batch, (m, (m * k, k * n, m * n))),
             Some((Batched::Right, batch)) => (batch, (m, (0, k * n, m * n))),
         };
-        let spec = Gemm {
-            dims: Mnk { m, k, n },
-            trans_a: false,
-            trans_b: false,
-            accumulate: None,
-            operands: None,
-            rounded_b: false,
-        };
+        let spec = Gemm::plain(Mnk { m, k, n }, false, false);
         let products = Products {
             spec,
             a: a.ptr(),
