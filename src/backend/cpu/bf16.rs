@@ -264,6 +264,23 @@ mod x86 {
         }
     }
 
+    /// The pairs of depth (`k.div_ceil(2)`) of an operand packed into strips, after checking,
+    /// in release builds too (the packers write through raw pointers), that `src_len` values
+    /// are `width` columns of depth `k`, that `dst_len` u32 hold all their strips, and that
+    /// `cols` starts a strip and lies within the width.
+    fn checked_pairs(
+        src_len: usize,
+        k: usize,
+        width: usize,
+        cols: &std::ops::Range<usize>,
+        dst_len: usize,
+    ) -> usize {
+        let kp = k.div_ceil(2);
+        assert!(src_len == k * width && dst_len == width.div_ceil(STRIP) * kp * STRIP);
+        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        kp
+    }
+
     /// Packs the columns `cols` of `src`, `k` rows of `width` bf16 (row-major), into strips of
     /// 16 columns of pairs: `dst[((j / 16)·kp + p)·16 + j % 16] = src[2p][j] | src[2p + 1][j]
     /// << 16`, a missing row `k` (odd `k`) and the columns past `width` zero. Writes every
@@ -283,9 +300,7 @@ mod x86 {
         dst: *mut u32,
         dst_len: usize,
     ) {
-        let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
-        assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
-        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        let kp = checked_pairs(src.len(), k, width, &cols, dst_len);
         // permutex2var indices: 0..32 pick from the first operand, 32..64 from the second.
         let lo: [i16; 32] = std::array::from_fn(|i| (i / 2 + (i % 2) * 32) as i16);
         let hi: [i16; 32] = std::array::from_fn(|i| (16 + i / 2 + (i % 2) * 32) as i16);
@@ -609,9 +624,7 @@ mod x86 {
         dst: *mut u32,
         dst_len: usize,
     ) {
-        let kp = k.div_ceil(2);
-        assert!(src.len() == width * k && dst_len == width.div_ceil(STRIP) * kp * STRIP);
-        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        let kp = checked_pairs(src.len(), k, width, &cols, dst_len);
         for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
             // SAFETY: strip s < width.div_ceil(16) lies inside `dst`, and is the caller's to
             // write (it covers columns of `cols`).
@@ -664,9 +677,7 @@ mod x86 {
         dst: *mut u32,
         dst_len: usize,
     ) {
-        let kp = k.div_ceil(2);
-        assert!(src.len() == width * k && dst_len == width.div_ceil(STRIP) * kp * STRIP);
-        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        let kp = checked_pairs(src.len(), k, width, &cols, dst_len);
         // Word 2i of the rounded values of elements 0..32 (two zmm, as 32-bit lanes) is element
         // i's bf16: pair q takes words 4q and 4q + 2.
         let words: [i16; 32] = std::array::from_fn(|i| (2 * i) as i16);
@@ -736,9 +747,7 @@ mod x86 {
         dst: *mut u32,
         dst_len: usize,
     ) {
-        let (kp, strips) = (k.div_ceil(2), width.div_ceil(STRIP));
-        assert!(src.len() == k * width && dst_len == strips * kp * STRIP);
-        assert!(cols.start.is_multiple_of(STRIP) && cols.end <= width);
+        let kp = checked_pairs(src.len(), k, width, &cols, dst_len);
         let src = src.as_ptr().cast::<i32>();
         for s in cols.start / STRIP..cols.end.div_ceil(STRIP) {
             let c = s * STRIP;
