@@ -115,10 +115,10 @@ fn nccl_type(ctx: &Ctx, dtype: DType) -> Result<nccl::ncclDataType_t> {
 /// if aborted.
 pub(crate) struct Communicator {
     /// `None` once aborted or destroyed.
-    pub(super) comm: Mutex<Option<CommPtr>>,
+    comm: Mutex<Option<CommPtr>>,
     /// The event [`wait`](Self::wait) records and polls, made at its first use.
     done: Mutex<Option<CudaEvent>>,
-    pub(super) gpu: &'static Gpu,
+    gpu: &'static Gpu,
     rank: usize,
     ranks: usize,
     /// Its device memory, counted in `memory_usage(dev).cached` until it is destroyed or
@@ -126,7 +126,7 @@ pub(crate) struct Communicator {
     pub(super) memory: super::nccl_memory::CommMemory,
 }
 
-pub(super) struct CommPtr(nccl::ncclComm_t);
+struct CommPtr(nccl::ncclComm_t);
 
 // SAFETY: an NCCL communicator handle may be used from any thread (NCCL only asks that one
 // thread at a time issues calls on it, which the mutex around it ensures).
