@@ -649,6 +649,11 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
             t0.elapsed().as_secs_f64()
         );
     }
+    // Where this process's memory is reported: its rank's device, or all of them.
+    let on = match &args.distributed {
+        Some(_) => devices[0].to_string(),
+        None => format!("{n} devices"),
+    };
     let live = || -> usize { devices.iter().map(|&d| memory_usage(d).in_use).sum() };
     let allocated = || -> u64 {
         devices
@@ -684,11 +689,7 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
                 e.loss,
                 e.steps_per_s,
                 fmt_bytes(e.live),
-                if args.distributed.is_some() {
-                    devices[0].to_string()
-                } else {
-                    format!("{n} devices")
-                },
+                on,
                 e.allocations
             );
         }
@@ -735,11 +736,7 @@ fn run_parallel(args: &Args, n: usize) -> Result<(), Box<dyn std::error::Error>>
     println!(
         "closed: {} in use on {} after closing the trainer",
         fmt_bytes(live()),
-        if args.distributed.is_some() {
-            devices[0].to_string()
-        } else {
-            format!("{n} devices")
-        }
+        on
     );
     if args.trace.is_some() || args.snapshot.is_some() {
         write_recording(args)?;
