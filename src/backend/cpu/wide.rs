@@ -229,10 +229,30 @@ mod tests {
     #[test]
     fn widening_a_rounded_f32_gives_what_its_half_copy_widens_to() {
         fn check<H: Half>() {
-            // Every 61st f32 bit pattern over the whole range: ties, overflows, subnormals,
-            // infinities and NaN among them; 5000 values, more than one chunk of the pool's.
+            // 5000 bit patterns spread over the whole f32 range (more than one chunk of the
+            // pool's), the first ones the cases that matter: ties of both types, values that
+            // round into the next binade or overflow, subnormals, infinities and NaN.
+            let special = [
+                1.0 + 2f32.powi(-8),
+                1.0 + 3.0 * 2f32.powi(-8),
+                1.0 + 2f32.powi(-11),
+                -(1.0 + 3.0 * 2f32.powi(-11)),
+                f32::from_bits(0x3fff_ffff),
+                f32::MAX,
+                65520.0,
+                f32::from_bits(0x0000_8001),
+                f32::MIN_POSITIVE,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                f32::from_bits(0x7f80_0001),
+                -0.0,
+            ];
             let x: Vec<f32> = (0..5000u32)
-                .map(|i| f32::from_bits(i.wrapping_mul(858_993_459) ^ (i << 3)))
+                .map(|i| match special.get(i as usize) {
+                    Some(&v) => v,
+                    None => f32::from_bits(i.wrapping_mul(858_993_459) ^ (i << 3)),
+                })
                 .collect();
             let want: Vec<u32> = x.iter().map(|&v| H::narrow(v).widen().to_bits()).collect();
             let got = widen_rounded::<H>(&x, None);
