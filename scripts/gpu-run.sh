@@ -119,8 +119,11 @@ else
     echo "- PyTorch with CUDA is not available: no comparison with PyTorch" >> "$report"
 fi
 # Mixed-precision training steps on the GPU, each against the f32 step in the same run: the
-# wide MLP at batch 1024 and the small one at batch 256.
-for sizes_batch in "4096,4096,4096,10 1024" "784,1024,1024,10 256"; do
+# wide MLP at batch 1024 and the small one at batch 256 (products on tensor cores, the weights
+# converted once per step), then the small one at batch 16 and train_mlp's at batch 128, whose
+# products read the f32 weights rounded through our own kernel (at most 2^25 multiply-adds).
+for sizes_batch in "4096,4096,4096,10 1024" "784,1024,1024,10 256" "784,1024,1024,10 16" \
+    "784,256,128,10 128"; do
     set -- $sizes_batch
     for dtype in f32 bf16 f16; do
         "$bin/mlp_step" --device cuda --dtype "$dtype" --sizes "$1" --batch "$2" --steps 200 \

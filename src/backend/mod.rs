@@ -76,12 +76,28 @@ pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
     device.is_cpu()
 }
 
-/// Whether products on `device` can read an f32 operand rounded to a half type as they pack it
-/// ([`Gemm::rounded_b`](contract::Gemm::rounded_b), [`Linear::rounded_w`](contract::Linear)):
-/// an autocast step then needs no half copy of its f32 weights. The CPU packs every operand it
-/// multiplies anyway; cuBLAS takes operands of one type only.
-pub(crate) fn rounds_operands(device: crate::Device) -> bool {
-    device.is_cpu()
+/// The most multiply-adds (`m·k·n`) of a product that CUDA runs with an f32 operand read
+/// rounded, 2^25 (train_mlp's first layer at batch 128 is 25.7 million). cuBLAS takes operands
+/// of one type, so such a product runs our own kernel, f32 multiply-adds on shared-memory tiles
+/// instead of tensor cores: for products this small it costs about what a launch and the cast
+/// it replaces cost, and the half copy of the weights it saves is larger than the activations
+/// (a layer `[m, k] · [k, n]` with `m·k·n ≤ 2^25` and `k·n` large means a small batch `m`).
+/// Larger products convert the weights once per guard and run on tensor cores.
+pub(crate) const ROUNDED_PRODUCT_MAX_MACS: usize = 1 << 25;
+
+/// Whether a product `[m, k] · [k, n]` on `device` reads an f32 operand rounded to a half type
+/// as it reads it ([`Gemm::rounded_b`](contract::Gemm::rounded_b),
+/// [`Linear::rounded_w`](contract::Linear)): an autocast layer then needs no half copy of its
+/// f32 weights. The CPU packs every operand it multiplies anyway, so it always does; CUDA up to
+/// [`ROUNDED_PRODUCT_MAX_MACS`].
+pub(crate) fn rounds_operands(device: crate::Device, (m, k, n): (usize, usize, usize)) -> bool {
+    match device {
+        crate::Device::Cpu => true,
+        crate::Device::Cuda(_) => m
+            .checked_mul(k)
+            .and_then(|mk| mk.checked_mul(n))
+            .is_some_and(|macs| macs <= ROUNDED_PRODUCT_MAX_MACS),
+    }
 }
 
 // Methods of lower-layer types that need the backend: they live here, so that `device.rs` and

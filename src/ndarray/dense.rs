@@ -261,7 +261,7 @@ fn lowered_layer(
         return Ok(None);
     }
     let lx = super::autocast::lowered(x)?;
-    let lw = if reads_rounded(w) {
+    let lw = if reads_rounded(x, w) {
         None
     } else {
         super::autocast::lowered(w)?
@@ -277,14 +277,23 @@ fn lowered_layer(
     )))
 }
 
-/// Whether a layer under autocast reads its f32 weights `w` rounded to the half type as its
-/// product packs them, so that no half copy of them is made (none kept in the step's
-/// workspace): on a device whose products can ([`backend::rounds_operands`]: the CPU), for
-/// weights that are not the result of a recorded op (a parameter, or weights outside autograd),
-/// whose gradient, a product of halves, then goes straight into their f32 gradient.
-fn reads_rounded(w: &NDArray) -> bool {
+/// Whether a layer under autocast with input `x` reads its f32 weights `w` rounded to the half
+/// type as its product reads them, so that no half copy of them is made (none kept in the
+/// step's workspace): where the device's products do for the layer's sizes
+/// ([`backend::rounds_operands`]: the CPU always, CUDA for small products), for weights that are
+/// not the result of a recorded op (a parameter, or weights outside autograd), whose gradient,
+/// a product of halves, then goes straight into their f32 gradient. Backward reads them
+/// rounded again wherever the forward did (the weights' dtype says so), whatever the sizes.
+fn reads_rounded(x: &NDArray, w: &NDArray) -> bool {
+    let &[k, n] = w.dims() else {
+        return false;
+    };
+    let m = x
+        .dims()
+        .split_last()
+        .map_or(1, |(_, lead)| lead.iter().product::<usize>());
     w.dtype() == DType::F32
-        && backend::rounds_operands(w.device())
+        && backend::rounds_operands(w.device(), (m, k, n))
         && !super::autograd::is_recorded_result(w)
 }
 
@@ -292,7 +301,7 @@ fn reads_rounded(w: &NDArray) -> bool {
 fn rounded_layer(x: &NDArray, w: &NDArray) -> bool {
     super::autocast::autocast_dtype() == Some(x.dtype())
         && x.dtype() != w.dtype()
-        && reads_rounded(w)
+        && reads_rounded(x, w)
 }
 
 /// The checks of a layer's weights `[in, out]` (floats) and bias `[out]` (of the dtype and
@@ -372,7 +381,10 @@ impl NDArray {
     /// It computes what `matmul`, `add` and `relu` compute, with one array made instead of
     /// three: on the CPU the bias and activation are applied in one pass over the product; on
     /// CUDA the product runs through cuBLASLt with the bias and ReLU as its epilogue, one
-    /// launch (where cuBLASLt cannot be loaded, a cuBLAS product and one kernel). The gradient
+    /// launch (where cuBLASLt cannot be loaded, a cuBLAS product and one kernel; under
+    /// [`autocast`](crate::autocast) with f32 weights and a product of up to 2^25
+    /// multiply-adds, one launch of a kernel of ours that reads the weights rounded, so that no
+    /// half copy of them is made, as the CPU's products always do). The gradient
     /// (with a [`GradientCollector`](crate::GradientCollector)) is fused too: the ReLU mask and
     /// the bias gradient in one pass, the bias gradient written straight into the bias's
     /// `gradient()`, the weight gradient left as a pending product.

@@ -88,6 +88,8 @@ const OPTIONS: [&str; 2] = ["--fmad=false", "-std=c++17"];
 enum Types {
     All,
     Float,
+    /// f16 and bf16 only.
+    Half,
     Int,
     /// The index dtypes of `one_hot` and `pick`: i32, i64, u8.
     Index,
@@ -100,6 +102,7 @@ impl Types {
             .filter(|d| match self {
                 Types::All => true,
                 Types::Float => d.is_float(),
+                Types::Half => d.is_half(),
                 Types::Int | Types::Index => !d.is_float(),
             })
             .collect()
@@ -126,6 +129,7 @@ const ONE_DTYPE: &[(&str, Types)] = &[
     ("softmax_split", Types::Float),
     ("bias_act", Types::Float),
     ("bias_act_grad", Types::Float),
+    ("gemm_rounded", Types::Half),
     ("matmul", Types::Int),
     ("sgd_update", Types::Float),
     ("adam_update", Types::Float),
@@ -344,7 +348,8 @@ impl Kernels {
         (major, minor): (i32, i32),
     ) -> std::result::Result<Kernels, String> {
         let device = u32::try_from(major * 10 + minor).unwrap_or(0);
-        let arch = target(device, &supported_archs()?)?;
+        let arch = target(device, &supported_archs()?)
+            .map_err(|why| format!("NVRTC {} {why}", nvrtc_version().unwrap_or_default()))?;
         let (module, functions) = load_program(ctx, &arch, Program::Main, None)?;
         Ok(Kernels {
             _module: module,
@@ -584,7 +589,8 @@ fn supported_archs() -> std::result::Result<Vec<u32>, String> {
 /// What to compile for a device of architecture `device` (`90` for sm_90) with an NVRTC that
 /// knows `supported`: `sm_XY`, a CUBIN, when it knows the device's own; else `compute_XY`, PTX of
 /// the newest architecture below the device's (the driver compiles PTX for newer GPUs); an
-/// error for a device older than everything NVRTC knows.
+/// error for a device older than everything NVRTC knows (which the caller prefixes with NVRTC's
+/// name and version: this needs no NVRTC loaded).
 fn target(device: u32, supported: &[u32]) -> std::result::Result<String, String> {
     if supported.contains(&device) {
         return Ok(format!("sm_{device}"));
@@ -592,8 +598,7 @@ fn target(device: u32, supported: &[u32]) -> std::result::Result<String, String>
     match supported.iter().copied().filter(|&a| a < device).max() {
         Some(older) => Ok(format!("compute_{older}")),
         None => Err(format!(
-            "NVRTC {} compiles for sm_{} to sm_{}, none of which runs on this sm_{device} GPU",
-            nvrtc_version().unwrap_or_default(),
+            "compiles for sm_{} to sm_{}, none of which runs on this sm_{device} GPU",
             supported.first().copied().unwrap_or(0),
             supported.last().copied().unwrap_or(0),
         )),
@@ -1346,10 +1351,14 @@ mod tests {
             [2832, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 8, 8, 8, 8]
         );
         assert_eq!(sizes("adam_count_f32"), [8, 8]);
+        // Four addresses, seven sizes and strides, then int, f32, f32, int.
+        let mut rounded = vec![8; 11];
+        rounded.extend([4; 4]);
+        assert_eq!(sizes("gemm_rounded_bf16"), rounded);
     }
 
     /// Kernel templates (`__global__` functions in macros) of the half-precision source.
-    const HALF_TEMPLATES: usize = 33;
+    const HALF_TEMPLATES: usize = 34;
 
     /// The include search: the override alone when set (a directory without the headers is an
     /// error naming it, nothing else is tried), else the variables, the directory beside the

@@ -524,6 +524,70 @@ FOR_HALF(HBIAS_ACT)
     }
 FOR_HALF(HBIAS_ACT_GRAD)
 
+// ---- products reading an f32 operand rounded (an autocast layer's weights, with no half copy) ----
+
+// c = act(alpha·op(a)·op(round(b)) [+ beta·c] [+ bias]): `a`, `c` and the bias in H, `b` f32 with
+// each value rounded to H as it is read (as `to_dtype` rounds it). Element (i, p) of op(a) is at
+// a[i·a_rs + p·a_cs], (p, j) of op(b) at b[p·b_rs + j·b_cs]; `c` is [m, n] row-major. Each output
+// is one chain of f32 fused multiply-adds in order of k from 0 (as the simulated cuBLAS sums; a
+// GPU's cuBLAS tiles k in an order of its own), then alpha, beta·c (not read when `accumulate`
+// is 0 or beta is 0), the bias and the ReLU (NaN kept, as `relu`) in f32, rounded once.
+// A block of 16×16 threads computes 32×32 outputs (2×2 each), k in slices of 32 through shared
+// memory; blocks stride over the tiles. Operand slices are read along whichever of their axes is
+// contiguous.
+#define RTILE 32
+#define RSLICE 32
+#define HGEMM_ROUNDED(H)                                                                           \
+    extern "C" __global__ void gemm_rounded_##H(const H* a, const f32* b, H* c, const H* bias,    \
+                                                u64 m, u64 k, u64 n, u64 a_rs, u64 a_cs,           \
+                                                u64 b_rs, u64 b_cs, int accumulate, f32 beta,      \
+                                                f32 alpha, int relu) {                             \
+        __shared__ f32 sa[RSLICE][RTILE + 1];                                                      \
+        __shared__ f32 sb[RSLICE][RTILE + 1];                                                      \
+        const u32 tx = threadIdx.x, ty = threadIdx.y, t = ty * 16 + tx;                            \
+        const u64 rows = (m + RTILE - 1) / RTILE, cols = (n + RTILE - 1) / RTILE;                  \
+        for (u64 tile = blockIdx.x; tile < rows * cols; tile += gridDim.x) {                       \
+            const u64 i0 = (tile / cols) * RTILE, j0 = (tile % cols) * RTILE;                      \
+            f32 acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};                                          \
+            for (u64 p0 = 0; p0 < k; p0 += RSLICE) {                                               \
+                for (u32 e = t; e < RSLICE * RTILE; e += 256) {                                    \
+                    u32 p = a_cs == 1 ? e % RSLICE : e / RTILE;                                    \
+                    u32 r = a_cs == 1 ? e / RSLICE : e % RTILE;                                    \
+                    u64 gi = i0 + r, gp = p0 + p;                                                  \
+                    sa[p][r] = (gi < m && gp < k) ? to_f(a[gi * a_rs + gp * a_cs]) : 0.0f;         \
+                    p = b_cs == 1 ? e / RTILE : e % RSLICE;                                        \
+                    r = b_cs == 1 ? e % RTILE : e / RSLICE;                                        \
+                    u64 gj = j0 + r;                                                               \
+                    gp = p0 + p;                                                                   \
+                    sb[p][r] = (gj < n && gp < k) ? to_f(from_f<H>(b[gp * b_rs + gj * b_cs]))      \
+                                                  : 0.0f;                                          \
+                }                                                                                  \
+                __syncthreads();                                                                   \
+                for (u32 p = 0; p < RSLICE; ++p) {                                                 \
+                    f32 a0 = sa[p][ty], a1 = sa[p][ty + 16];                                       \
+                    f32 b0 = sb[p][tx], b1 = sb[p][tx + 16];                                       \
+                    acc[0][0] = fmaf(a0, b0, acc[0][0]);                                           \
+                    acc[0][1] = fmaf(a0, b1, acc[0][1]);                                           \
+                    acc[1][0] = fmaf(a1, b0, acc[1][0]);                                           \
+                    acc[1][1] = fmaf(a1, b1, acc[1][1]);                                           \
+                }                                                                                  \
+                __syncthreads();                                                                   \
+            }                                                                                      \
+            for (u32 di = 0; di < 2; ++di) {                                                       \
+                for (u32 dj = 0; dj < 2; ++dj) {                                                   \
+                    u64 i = i0 + ty + 16 * di, j = j0 + tx + 16 * dj;                              \
+                    if (i >= m || j >= n) continue;                                                \
+                    f32 v = alpha * acc[di][dj];                                                   \
+                    if (accumulate && beta != 0.0f) v = v + beta * to_f(c[i * n + j]);             \
+                    if (bias) v = v + to_f(bias[j]);                                               \
+                    if (relu) v = op_max(v, 0.0f);                                                 \
+                    c[i * n + j] = from_f<H>(v);                                                   \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+FOR_HALF(HGEMM_ROUNDED)
+
 // ---- the fused optimizer steps: optim.cu's f32 operations on widened values ----
 
 template <typename H>

@@ -40,6 +40,16 @@ pub(super) fn blocks(gpu: &Gpu, n: u64, per_block: u64) -> u32 {
     wanted.min(u64::from(gpu.sms) * 16) as u32
 }
 
+/// One block per 32×32 tile of a `rows × cols` result, `threads` per block: at most as many
+/// blocks as fill the device (the kernels stride over the tiles).
+pub(super) fn tiles32(gpu: &Gpu, (rows, cols): (usize, usize), threads: (u32, u32)) -> Config {
+    let tiles = (rows.div_ceil(32) as u64).saturating_mul(cols.div_ceil(32) as u64);
+    Config {
+        blocks: blocks(gpu, tiles, 1),
+        threads,
+    }
+}
+
 pub(super) fn linear(gpu: &Gpu, n: u64) -> Config {
     Config {
         blocks: blocks(gpu, n, u64::from(THREADS)),

@@ -10,7 +10,7 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use super::capture::{self, Call, LibCall, LIB_WORDS};
 use super::elementwise::axpy_raw;
 use super::launch::{
-    elements, linear, memset, opmath_scalar, same_gpu, scalar, Strided, MODE_SAME,
+    elements, linear, memset, opmath_scalar, same_gpu, scalar, tiles32, Strided, MODE_SAME,
 };
 use super::Cuda;
 use crate::backend::contract::{Accumulate, Gemm, Linear, MatmulOps, Mnk, SgdStep};
@@ -651,10 +651,21 @@ impl MatmulOps for Cuda {
         b: &DeviceBuffer,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
-        if spec.rounded_b {
-            return Err(no_rounded_operands(ctx));
-        }
         let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        if spec.rounded_b {
+            if !dtype.is_half() || spec.operands.is_some() {
+                return Err(no_rounded_operands(ctx, dtype));
+            }
+            let call = Rounded {
+                spec,
+                a: a.ptr(),
+                b: b.ptr(),
+                c: out.ptr(),
+                bias: 0,
+                relu: false,
+            };
+            return rounded_product(ctx, gpu, dtype, call);
+        }
         let products = Products {
             spec,
             a: a.ptr(),
@@ -679,18 +690,29 @@ impl MatmulOps for Cuda {
         bias: Option<&DeviceBuffer>,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
-        if rounded_w {
-            return Err(no_rounded_operands(ctx));
-        }
         let gpu = match bias {
             Some(b) => same_gpu(ctx, &[x.gpu(), w.gpu(), b.gpu(), out.gpu()])?,
             None => same_gpu(ctx, &[x.gpu(), w.gpu(), out.gpu()])?,
         };
+        let bias_ptr = bias.map_or(0, DeviceBuffer::ptr);
+        if rounded_w {
+            if !dtype.is_half() {
+                return Err(no_rounded_operands(ctx, dtype));
+            }
+            let call = Rounded {
+                spec: Gemm::plain(dims, false, false),
+                a: x.ptr(),
+                b: w.ptr(),
+                c: out.ptr(),
+                bias: bias_ptr,
+                relu,
+            };
+            return rounded_product(ctx, gpu, dtype, call);
+        }
         let Mnk { m, k, n } = dims;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let bias_ptr = bias.map_or(0, DeviceBuffer::ptr);
         let call = LtCall {
             dtype,
             dims,
@@ -768,10 +790,72 @@ impl MatmulOps for Cuda {
     }
 }
 
-/// A product asked to round an f32 operand as it reads it: cuBLAS takes operands of one type
-/// (the front end converts first on CUDA, `backend::rounds_operands`).
-fn no_rounded_operands(ctx: &Ctx) -> Error {
-    ctx.unsupported("CUDA products take operands of one type: convert the f32 operand first")
+/// A product reading an f32 operand rounded to a half type ([`Gemm::rounded_b`],
+/// [`Linear::rounded_w`]): `c = act(alpha·op(a)·op(round(b)) [+ beta·c] [+ bias])` with `a`, `c`
+/// and the bias (0: none) in the half dtype.
+#[derive(Clone, Copy)]
+struct Rounded {
+    /// Sizes, transposes and accumulation (`operands` is `None`).
+    spec: Gemm,
+    /// The half left operand.
+    a: CUdeviceptr,
+    /// The f32 right operand, read rounded.
+    b: CUdeviceptr,
+    /// The half result, `[m, n]` row-major.
+    c: CUdeviceptr,
+    /// The half bias `[n]`, or 0.
+    bias: CUdeviceptr,
+    /// ReLU applied as the result is written.
+    relu: bool,
+}
+
+/// cuBLAS takes operands of one type, so a product whose f32 right operand is read rounded
+/// runs our own kernel (`gemm_rounded_<H>` in kernels/half.cu: f32 multiply-adds on shared-memory
+/// tiles, not tensor cores). The front end asks for it only for products small enough that the
+/// kernel costs about what a launch costs ([`backend::rounds_operands`](crate::backend::rounds_operands)):
+/// there the half copy it saves would be larger than the activations. `k == 0` gives
+/// `act(beta·c + bias)` (or the bias and zeros) as the other products do.
+fn rounded_product(ctx: &Ctx, gpu: &Gpu, dtype: DType, call: Rounded) -> Result<()> {
+    let Gemm {
+        dims: Mnk { m, k, n },
+        trans_a,
+        trans_b,
+        accumulate,
+        ..
+    } = call.spec;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let (a_rs, a_cs) = if trans_a { (1, m) } else { (k, 1) };
+    let (b_rs, b_cs) = if trans_b { (1, k) } else { (n, 1) };
+    let Accumulate { alpha, beta } = accumulate.unwrap_or(Accumulate {
+        alpha: 1.0,
+        beta: 0.0,
+    });
+    let f = gpu.kernels.one(ctx, "gemm_rounded", dtype)?;
+    let cfg = tiles32(gpu, (m, n), (16, 16));
+    // SAFETY: gemm_rounded_<H>(const H* a, const f32* b, H* c, const H* bias, u64 m, u64 k,
+    // u64 n, u64 a_rs, u64 a_cs, u64 b_rs, u64 b_cs, int accumulate, f32 beta, f32 alpha,
+    // int relu) with 16×16 threads per block; `a` holds op(a)'s m·k elements, `b` the k·n f32
+    // ones, `c` m·n and the bias (when not null) n, all locked storage of `gpu` as the
+    // strides describe (the callers checked the sizes).
+    unsafe {
+        launch!(ctx, gpu, f, cfg;
+            pa = call.a, pb = call.b, pc = call.c, pbias = call.bias,
+            rows = m as u64, inner = k as u64, cols = n as u64,
+            ars = a_rs as u64, acs = a_cs as u64, brs = b_rs as u64, bcs = b_cs as u64,
+            acc = i32::from(accumulate.is_some()), be = opmath_scalar(dtype, beta),
+            al = opmath_scalar(dtype, alpha), act = i32::from(call.relu))
+    }
+}
+
+/// A product asked to read an operand rounded that is not a half product of a half operand and
+/// f32 weights into a half result.
+fn no_rounded_operands(ctx: &Ctx, dtype: DType) -> Error {
+    ctx.unsupported(format!(
+        "a product reading f32 weights rounded computes in f16 or bf16 with a result of that \
+         type, not {dtype}"
+    ))
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use cudarc::driver::sys::CUdeviceptr;
 
 use super::elementwise::gather;
-use super::launch::{blocks, linear, same_gpu, size, Config, Src};
+use super::launch::{linear, same_gpu, size, tiles32, Src};
 use super::Cuda;
 use crate::backend::contract::{Lanes, ShapeOps};
 use crate::backend::cuda::buffer::DeviceBuffer;
@@ -51,11 +51,7 @@ impl ShapeOps for Cuda {
             return Ok(());
         }
         let f = gpu.kernels.sized(ctx, "transpose", dtype.size_in_bytes())?;
-        let tiles = (rows.div_ceil(32) * cols.div_ceil(32)) as u64;
-        let cfg = Config {
-            blocks: blocks(gpu, tiles, 1),
-            threads: (32, 8),
-        };
+        let cfg = tiles32(gpu, (rows, cols), (32, 8));
         // SAFETY: transpose_b<N>(const T* src, T* dst, u64 rows, u64 cols); locked storage of `gpu`
         // holding rows·cols elements each.
         unsafe {
