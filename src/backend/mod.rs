@@ -79,9 +79,9 @@ pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
 /// The most multiply-adds (`m·k·n`) of a product that CUDA runs with an f32 operand read
 /// rounded, 2^25 (train_mlp's first layer at batch 128 is 25.7 million). cuBLAS takes operands
 /// of one type, so such a product runs our own kernel, f32 multiply-adds on shared-memory tiles
-/// instead of tensor cores: for products this small it costs about what a launch and the cast
-/// it replaces cost, and the half copy of the weights it saves is larger than the activations
-/// (a layer `[m, k] · [k, n]` with `m·k·n ≤ 2^25` and `k·n` large means a small batch `m`).
+/// instead of tensor cores: for products this small it should cost about what a launch and the
+/// cast it replaces cost (not yet timed on a GPU), and the half copy of the weights it saves is
+/// larger than the activations (a layer `[m, k] · [k, n]` with `m·k·n ≤ 2^25` and `k·n` large means a small batch `m`).
 /// Larger products convert the weights once per guard and run on tensor cores.
 pub(crate) const ROUNDED_PRODUCT_MAX_MACS: usize = 1 << 25;
 
