@@ -811,9 +811,9 @@ struct Rounded {
 
 /// cuBLAS takes operands of one type, so a product whose f32 right operand is read rounded
 /// runs our own kernel (`gemm_rounded_<H>` in kernels/half.cu: f32 multiply-adds on shared-memory
-/// tiles, not tensor cores). The front end asks for it only for products small enough that the
-/// kernel costs about what a launch costs ([`backend::rounds_operands`](crate::backend::rounds_operands)):
-/// there the half copy it saves would be larger than the activations. `k == 0` gives
+/// tiles, not tensor cores). The front end asks for it only for small products
+/// ([`backend::rounds_operands`](crate::backend::rounds_operands)), where the half copy it
+/// saves would be larger than the activations. `k == 0` gives
 /// `act(beta·c + bias)` (or the bias and zeros) as the other products do.
 fn rounded_product(ctx: &Ctx, gpu: &Gpu, dtype: DType, call: Rounded) -> Result<()> {
     let Gemm {
