@@ -81,8 +81,9 @@ pub(crate) fn prefers_materialized_transpose(device: crate::Device) -> bool {
 /// of one type, so such a product runs our own kernel, f32 multiply-adds on shared-memory tiles
 /// instead of tensor cores: for products this small it should cost about what a launch and the
 /// cast it replaces cost (not yet timed on a GPU), and the half copy of the weights it saves is
-/// larger than the activations (a layer `[m, k] · [k, n]` with `m·k·n ≤ 2^25` and `k·n` large means a small batch `m`).
-/// Larger products convert the weights once per guard and run on tensor cores.
+/// larger than the activations (a layer `[m, k] · [k, n]` with `m·k·n ≤ 2^25` and `k·n` large
+/// has a small batch `m`). Larger products convert the weights once per guard and run on
+/// tensor cores.
 pub(crate) const ROUNDED_PRODUCT_MAX_MACS: usize = 1 << 25;
 
 /// Whether a product `[m, k] · [k, n]` on `device` reads an f32 operand rounded to a half type
