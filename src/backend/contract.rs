@@ -82,6 +82,24 @@ impl Gemm {
             rounded_b: false,
         }
     }
+
+    /// Checks what a backend asked for [`Gemm::rounded_b`] needs: a product in a half `dtype`
+    /// with its result in that type (no `operands`). One check for every backend.
+    pub fn check_rounded(&self, ctx: &Ctx, dtype: DType) -> Result<()> {
+        if self.rounded_b && (!dtype.is_half() || self.operands.is_some()) {
+            return Err(no_rounded_read(ctx, dtype));
+        }
+        Ok(())
+    }
+}
+
+/// The error of a product asked to read an f32 operand rounded outside a half product with a
+/// result of that type.
+fn no_rounded_read(ctx: &Ctx, dtype: DType) -> Error {
+    ctx.unsupported(format!(
+        "an f32 operand is read rounded to a half type (f16 or bf16) in a product computed in \
+         and giving that type, not {dtype}"
+    ))
 }
 
 /// A dense layer's forward product: `out = act(x · w + bias)`.
@@ -94,6 +112,16 @@ pub(crate) struct Linear {
     /// `w` holds f32 values, each read rounded to the layer's half dtype (as
     /// [`Gemm::rounded_b`]).
     pub rounded_w: bool,
+}
+
+impl Linear {
+    /// As [`Gemm::check_rounded`]: `rounded_w` needs a layer in a half `dtype`.
+    pub fn check_rounded(&self, ctx: &Ctx, dtype: DType) -> Result<()> {
+        if self.rounded_w && !dtype.is_half() {
+            return Err(no_rounded_read(ctx, dtype));
+        }
+        Ok(())
+    }
 }
 
 /// An array seen as `[outer, len, inner]`, the op running along the middle axis (reductions
@@ -654,4 +682,46 @@ backend_contract!(define_backend);
 pub(crate) trait Backend {
     /// The backend's memory: host bytes, or memory of one CUDA device.
     type Buffer;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rounded reads are refused outside a half product with a half result, on every
+    /// backend alike (they all call these checks).
+    #[test]
+    fn a_rounded_read_needs_a_half_product_with_a_half_result() {
+        let ctx = Ctx::new("gemm");
+        let dims = Mnk { m: 2, k: 3, n: 4 };
+        let rounded = Gemm {
+            rounded_b: true,
+            ..Gemm::plain(dims, false, true)
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            assert!(rounded.check_rounded(&ctx, dtype).is_ok());
+            let into_f32 = Gemm {
+                operands: Some(dtype),
+                ..rounded
+            };
+            let err = into_f32.check_rounded(&ctx, DType::F32).unwrap_err();
+            assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+        }
+        assert!(rounded.check_rounded(&ctx, DType::F32).is_err());
+        assert!(Gemm::plain(dims, false, false)
+            .check_rounded(&ctx, DType::F32)
+            .is_ok());
+        let layer = Linear {
+            dims,
+            relu: true,
+            rounded_w: true,
+        };
+        assert!(layer.check_rounded(&ctx, DType::BF16).is_ok());
+        assert!(layer.check_rounded(&ctx, DType::F64).is_err());
+        let plain = Linear {
+            rounded_w: false,
+            ..layer
+        };
+        assert!(plain.check_rounded(&ctx, DType::F64).is_ok());
+    }
 }

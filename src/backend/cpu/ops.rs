@@ -539,12 +539,7 @@ impl MatmulOps for Cpu {
     ) -> Result<()> {
         let Mnk { m, k, n } = spec.dims;
         let accumulate = spec.accumulate.map(|s| (s.beta as f32, s.alpha as f32));
-        if spec.rounded_b && (!dtype.is_half() || spec.operands.is_some()) {
-            return Err(ctx.invalid(format!(
-                "an f32 operand is read rounded to a half type, not {dtype}, into a result of \
-                 that type"
-            )));
-        }
+        spec.check_rounded(ctx, dtype)?;
         if let Some(operands) = spec.operands {
             // Halves multiplied into f32 (`dtype`): accumulated in f32, no rounding to the half
             // type; bf16 on the AVX512-BF16 kernel where the CPU has it, else widened exactly.
@@ -620,20 +615,17 @@ impl MatmulOps for Cpu {
     fn linear(
         ctx: &Ctx,
         dtype: DType,
-        Linear {
-            dims,
-            relu,
-            rounded_w,
-        }: Linear,
+        spec: Linear,
         (x, w): (&HostBuffer, &HostBuffer),
         bias: Option<&HostBuffer>,
         out: &mut HostBuffer,
     ) -> Result<()> {
-        if rounded_w && !dtype.is_half() {
-            return Err(ctx.invalid(format!(
-                "an f32 weight is read rounded to a half type, not {dtype}"
-            )));
-        }
+        spec.check_rounded(ctx, dtype)?;
+        let Linear {
+            dims,
+            relu,
+            rounded_w,
+        } = spec;
         if dtype == DType::BF16 && bf16::available() {
             // The product (AVX512-BF16) and its epilogue in f32, rounded once.
             let x = x.as_slice::<half::bf16>();

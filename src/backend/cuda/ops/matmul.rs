@@ -19,7 +19,7 @@ use crate::backend::cuda::device::{blas_error, Gpu};
 use crate::backend::cuda::lt::{Operands, Shape as LtShape};
 use crate::backend::Batched;
 use crate::error::Ctx;
-use crate::{DType, Error, Result};
+use crate::{DType, Result};
 
 // ---- matrix products ----
 
@@ -652,10 +652,8 @@ impl MatmulOps for Cuda {
         out: &mut DeviceBuffer,
     ) -> Result<()> {
         let gpu = same_gpu(ctx, &[a.gpu(), b.gpu(), out.gpu()])?;
+        spec.check_rounded(ctx, dtype)?;
         if spec.rounded_b {
-            if !dtype.is_half() || spec.operands.is_some() {
-                return Err(no_rounded_operands(ctx, dtype));
-            }
             let call = Rounded {
                 spec,
                 a: a.ptr(),
@@ -681,24 +679,23 @@ impl MatmulOps for Cuda {
     fn linear(
         ctx: &Ctx,
         dtype: DType,
-        Linear {
-            dims,
-            relu,
-            rounded_w,
-        }: Linear,
+        spec: Linear,
         (x, w): (&DeviceBuffer, &DeviceBuffer),
         bias: Option<&DeviceBuffer>,
         out: &mut DeviceBuffer,
     ) -> Result<()> {
+        spec.check_rounded(ctx, dtype)?;
+        let Linear {
+            dims,
+            relu,
+            rounded_w,
+        } = spec;
         let gpu = match bias {
             Some(b) => same_gpu(ctx, &[x.gpu(), w.gpu(), b.gpu(), out.gpu()])?,
             None => same_gpu(ctx, &[x.gpu(), w.gpu(), out.gpu()])?,
         };
         let bias_ptr = bias.map_or(0, DeviceBuffer::ptr);
         if rounded_w {
-            if !dtype.is_half() {
-                return Err(no_rounded_operands(ctx, dtype));
-            }
             let call = Rounded {
                 spec: Gemm::plain(dims, false, false),
                 a: x.ptr(),
@@ -847,15 +844,6 @@ fn rounded_product(ctx: &Ctx, gpu: &Gpu, dtype: DType, call: Rounded) -> Result<
             acc = i32::from(accumulate.is_some()), be = opmath_scalar(dtype, beta),
             al = opmath_scalar(dtype, alpha), act = i32::from(call.relu))
     }
-}
-
-/// A product asked to read an operand rounded that is not a half product of a half operand and
-/// f32 weights into a half result.
-fn no_rounded_operands(ctx: &Ctx, dtype: DType) -> Error {
-    ctx.unsupported(format!(
-        "a product reading f32 weights rounded computes in f16 or bf16 with a result of that \
-         type, not {dtype}"
-    ))
 }
 
 #[cfg(test)]
