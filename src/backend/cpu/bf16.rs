@@ -779,6 +779,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::backend::cpu::matmul::split;
+    use crate::backend::cpu::num::ROUNDING_CASES;
     use crate::backend::cpu::pool;
 
     /// Deterministic values in [-1, 1), rounded to bf16.
@@ -795,7 +796,7 @@ mod tests {
     }
 
     /// `x` stored `[rows, cols]`, transposed to `[cols, rows]`.
-    fn transpose(x: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    fn transpose<T: Copy>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
         (0..rows * cols)
             .map(|i| x[(i % rows) * cols + i / rows])
             .collect()
@@ -887,29 +888,10 @@ mod tests {
         }
     }
 
-    /// f32 values that exercise the rounding to bf16: ties to even both ways, values that
-    /// round up into the next binade or overflow to infinity, subnormals, infinities, NaN
-    /// (quiet and signalling), signed zeros, and ordinary values.
+    /// f32 values that exercise the rounding to bf16 ([`ROUNDING_CASES`] every third value)
+    /// among ordinary ones.
     fn rounding_cases(len: usize, seed: u64) -> Vec<f32> {
-        let special = [
-            1.0 + 2f32.powi(-8),
-            1.0 + 3.0 * 2f32.powi(-8),
-            -(1.0 + 2f32.powi(-8)),
-            1.0 + 2f32.powi(-8) + 2f32.powi(-20),
-            f32::from_bits(0x3fff_ffff),
-            f32::MAX,
-            -f32::MAX,
-            f32::from_bits(0x0000_8001),
-            f32::from_bits(0x0000_7fff),
-            f32::MIN_POSITIVE,
-            f32::INFINITY,
-            f32::NEG_INFINITY,
-            f32::NAN,
-            f32::from_bits(0x7f80_0001),
-            f32::from_bits(0xff80_8000),
-            0.0,
-            -0.0,
-        ];
+        let special = ROUNDING_CASES;
         let ordinary = values(len, seed);
         (0..len)
             .map(|i| match i % 3 {
@@ -938,7 +920,7 @@ mod tests {
             let b = rounding_cases(k * n, 7 * si as u64 + 4);
             // The copy `to_dtype` would make (half's conversion: round to nearest even).
             let copy: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
-            let bt: Vec<f32> = (0..k * n).map(|i| b[(i % k) * n + i / k]).collect();
+            let bt = transpose(&b, k, n);
             let copy_t = transpose(&copy, k, n);
             for tb in [false, true] {
                 let (rounded, copied) = if tb { (&bt, &copy_t) } else { (&b, &copy) };

@@ -463,3 +463,31 @@ impl CastTo<half::f16> for half::bf16 {
         half::f16::from_f32(self.to_f32())
     }
 }
+
+/// f32 values that exercise rounding to f16 and bf16, for the tests of every path that rounds
+/// (the bf16 kernel's packing, the widening path): ties to even both ways in each type, values
+/// that round up into the next binade or overflow to infinity (65520 in f16, `f32::MAX` in
+/// bf16), subnormals, infinities, NaN (quiet and signalling), and signed zeros.
+#[cfg(test)]
+pub(crate) const ROUNDING_CASES: [f32; 20] = [
+    1.0 + 1.0 / 256.0,
+    1.0 + 3.0 / 256.0,
+    -(1.0 + 1.0 / 256.0),
+    1.0 + 1.0 / 256.0 + 1.0 / 1_048_576.0,
+    1.0 + 1.0 / 2048.0,
+    -(1.0 + 3.0 / 2048.0),
+    f32::from_bits(0x3fff_ffff),
+    f32::MAX,
+    -f32::MAX,
+    65520.0,
+    f32::from_bits(0x0000_8001),
+    f32::from_bits(0x0000_7fff),
+    f32::MIN_POSITIVE,
+    f32::INFINITY,
+    f32::NEG_INFINITY,
+    f32::NAN,
+    f32::from_bits(0x7f80_0001),
+    f32::from_bits(0xff80_8000),
+    0.0,
+    -0.0,
+];

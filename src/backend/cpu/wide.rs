@@ -225,6 +225,7 @@ pub(crate) use dispatch_half;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::num::ROUNDING_CASES;
 
     #[test]
     fn widening_a_rounded_f32_gives_what_its_half_copy_widens_to() {
@@ -232,22 +233,7 @@ mod tests {
             // 5000 bit patterns spread over the whole f32 range (more than one chunk of the
             // pool's), the first ones the cases that matter: ties of both types, values that
             // round into the next binade or overflow, subnormals, infinities and NaN.
-            let special = [
-                1.0 + 2f32.powi(-8),
-                1.0 + 3.0 * 2f32.powi(-8),
-                1.0 + 2f32.powi(-11),
-                -(1.0 + 3.0 * 2f32.powi(-11)),
-                f32::from_bits(0x3fff_ffff),
-                f32::MAX,
-                65520.0,
-                f32::from_bits(0x0000_8001),
-                f32::MIN_POSITIVE,
-                f32::INFINITY,
-                f32::NEG_INFINITY,
-                f32::NAN,
-                f32::from_bits(0x7f80_0001),
-                -0.0,
-            ];
+            let special = ROUNDING_CASES;
             let x: Vec<f32> = (0..5000u32)
                 .map(|i| match special.get(i as usize) {
                     Some(&v) => v,
