@@ -1,7 +1,8 @@
-//! Core overheads (issue: manager tree): create+close of a small array, manager open+close,
-//! the per-op overhead of a 1-element `add`, and `debug_dump` of 100k arrays. Each group has a
-//! baseline measured in the same run: the system allocator doing the least an eager array
-//! library must do (allocate and free the result's bytes), or formatting the same lines by hand.
+//! Core overheads (issue: manager tree): create+close of a small array (and of one carved from a
+//! learned workspace block), manager open+close, the per-op overhead of a 1-element `add`, and
+//! `debug_dump` of 100k arrays. Each group has a baseline measured in the same run: the system
+//! allocator doing the least an eager array library must do (allocate and free the result's
+//! bytes), or formatting the same lines by hand.
 //!
 //! `tiny_ops_on_a_big_pool` runs first, on a 64-thread pool (`NDSCOPE_NUM_THREADS=64` unless
 //! the variable is set): a 1-element `add` and a batch-1 `[1,784]·[784,1024]` `matmul`, which
@@ -12,7 +13,7 @@
 // criterion's macros generate undocumented public functions.
 #![allow(missing_docs)]
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::alloc::{alloc, alloc_zeroed, dealloc, Layout};
 use std::fmt::Write as _;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -100,6 +101,62 @@ fn create_close(c: &mut Criterion) {
     });
     g.finish();
     m.close().unwrap();
+}
+
+/// Create + close of an array carved from a learned workspace block: what every temporary of a
+/// steady training step or inference call costs in bookkeeping. A cycle of `CARVED` 1 KiB
+/// arrays is learned first; each timed call opens such a cycle when the last one is used up
+/// (the open and close are included), creates an array and closes it. The baseline is the
+/// system allocator's aligned allocation and free of the same bytes, unzeroed.
+fn carved_create_close(c: &mut Criterion) {
+    const CARVED: u64 = 256;
+    let owner = Manager::new_base();
+    let ws = owner
+        .workspace("carved", ndscope::WorkspaceConfig::default())
+        .unwrap();
+    for _ in 0..2 {
+        ws.cycle(|s| {
+            for _ in 0..CARVED {
+                s.empty([256], DType::F32)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    let mut g = c.benchmark_group("carved_create_close");
+    let key = "carved_create_close/ndscope empty + close, carved from a learned block";
+    g.bench_function("ndscope empty + close, carved from a learned block", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(CARVED);
+                let scope = ws.open().unwrap();
+                for _ in 0..n {
+                    let a = scope.empty(black_box([256]), DType::F32).unwrap();
+                    a.close().unwrap();
+                }
+                drop(scope);
+                left -= n;
+            }
+            let elapsed = start.elapsed();
+            common::record(key, elapsed, iters);
+            elapsed
+        })
+    });
+    let baseline = "baseline: aligned alloc + dealloc (1 KiB)";
+    common::bench(&mut g, "carved_create_close", baseline, || {
+        let layout = Layout::from_size_align(black_box(1024), 64).unwrap();
+        // SAFETY: the size is non-zero; the pointer is freed with the same layout right away.
+        unsafe { dealloc(black_box(alloc(layout)), layout) }
+    });
+    g.finish();
+    common::ratio(
+        "carved create + close / aligned alloc + dealloc",
+        key,
+        &format!("carved_create_close/{baseline}"),
+    );
+    owner.close().unwrap();
 }
 
 fn manager_open_close(c: &mut Criterion) {
@@ -202,6 +259,7 @@ criterion_group!(
     benches,
     tiny_ops_on_a_big_pool,
     create_close,
+    carved_create_close,
     manager_open_close,
     per_op_overhead,
     dump_100k

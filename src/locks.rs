@@ -94,29 +94,49 @@ impl Drop for Held {
     }
 }
 
+/// [`ARENA_FLAGS`]: this thread holds the arena lock (set by `state::lock`, cleared when it
+/// unlocks).
+const UNDER_ARENA: u8 = 1;
+/// [`ARENA_FLAGS`]: `OUTSIDE` holds work, which the arena guard runs once it has unlocked.
+const QUEUED: u8 = 2;
+
 thread_local! {
-    /// Whether this thread holds the arena lock (set by `state::lock`, cleared when it unlocks).
-    static UNDER_ARENA: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// [`UNDER_ARENA`] and [`QUEUED`]: one plain cell that every lock and release of the arena
+    /// reads and writes once, so the common case does not touch the queue (a thread-local with
+    /// a destructor).
+    static ARENA_FLAGS: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
     /// Work that must not run under the arena lock, queued by [`outside_arena`] while this
     /// thread holds it; run by the arena guard once it has unlocked.
     static OUTSIDE: std::cell::RefCell<Vec<Box<dyn FnOnce()>>> =
         const { std::cell::RefCell::new(Vec::new()) };
-    /// Whether `OUTSIDE` holds work: a plain flag the arena guard reads on every release, so the
-    /// common case does not touch the queue (a thread-local with a destructor).
-    static QUEUED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Marks this thread as holding (or no longer holding) the arena lock. Only the arena's guard
-/// calls it.
+/// Marks this thread as holding the arena lock. Only `state::lock` calls it.
 #[inline]
-pub(crate) fn set_under_arena(on: bool) {
-    let _ = UNDER_ARENA.try_with(|u| u.set(on));
+pub(crate) fn enter_arena() {
+    let _ = ARENA_FLAGS.try_with(|f| f.set(f.get() | UNDER_ARENA));
+}
+
+/// Marks this thread as no longer holding the arena lock, and says whether work queued by
+/// [`outside_arena`] waits for the release ([`run_outside_work`]). Only the arena's guard calls
+/// it.
+#[inline]
+pub(crate) fn leave_arena() -> bool {
+    ARENA_FLAGS
+        .try_with(|f| {
+            let flags = f.get();
+            f.set(flags & !UNDER_ARENA);
+            flags & QUEUED != 0
+        })
+        .unwrap_or(false)
 }
 
 /// Whether this thread holds the arena lock.
-#[cfg(test)]
+#[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code))]
 pub(crate) fn under_arena() -> bool {
-    UNDER_ARENA.try_with(|u| u.get()).unwrap_or(false)
+    ARENA_FLAGS
+        .try_with(|f| f.get() & UNDER_ARENA != 0)
+        .unwrap_or(false)
 }
 
 /// Runs `f` now, or, while this thread holds the arena lock, right after the lock is released.
@@ -125,14 +145,14 @@ pub(crate) fn under_arena() -> bool {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
     let mut f = Some(f);
-    if UNDER_ARENA.try_with(|u| u.get()).unwrap_or(false) {
+    if under_arena() {
         let queued = OUTSIDE.try_with(|q| {
             if let Some(f) = f.take() {
                 q.borrow_mut().push(Box::new(f));
             }
         });
         if queued.is_ok() {
-            let _ = QUEUED.try_with(|flag| flag.set(true));
+            let _ = ARENA_FLAGS.try_with(|f| f.set(f.get() | QUEUED));
             return;
         }
     }
@@ -141,17 +161,11 @@ pub(crate) fn outside_arena(f: impl FnOnce() + 'static) {
     }
 }
 
-/// Whether work queued by [`outside_arena`] waits for the arena lock's release.
-#[inline]
-pub(crate) fn outside_work_waiting() -> bool {
-    QUEUED.try_with(|flag| flag.get()).unwrap_or(false)
-}
-
 /// Runs the work [`outside_arena`] queued (the arena lock is released), including work queued
 /// while it runs.
 pub(crate) fn run_outside_work() {
     loop {
-        let _ = QUEUED.try_with(|flag| flag.set(false));
+        let _ = ARENA_FLAGS.try_with(|f| f.set(f.get() & !QUEUED));
         let work = OUTSIDE
             .try_with(|q| std::mem::take(&mut *q.borrow_mut()))
             .unwrap_or_default();

@@ -275,7 +275,7 @@ impl Prefetcher {
                 .live_array(&array.0)
                 .is_some_and(|e| e.owner == Owner::Manager(self.manager.0.key));
             if held {
-                state.remove_array(array.0.key, reason.clone());
+                state.remove_array(array.0.key(), reason.clone());
                 closed = true;
             }
         }
@@ -466,7 +466,7 @@ fn adopt(ctx: &Ctx, scope: &Manager, manager: &Manager, batch: &NDList) -> Resul
             .live_array(&array.0)
             .is_some_and(|e| e.owner != target)
         {
-            state.set_owner(array.0.key, target);
+            state.set_owner(array.0.key(), target);
         }
     }
     Ok(())

@@ -72,12 +72,28 @@ impl Shape {
     /// The number of elements, or `None` if it overflows `usize`. A shape with a zero dimension
     /// holds 0 elements, whatever its other dimensions and their order.
     pub fn checked_size(&self) -> Option<usize> {
-        if self.dims().contains(&0) {
-            return Some(0);
+        let (nonzero, empty) = self.nonzero_product(1);
+        if empty {
+            Some(0)
+        } else {
+            nonzero
         }
-        self.dims()
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// `start` times the product of the non-zero dimensions (`None` if it overflows), and
+    /// whether a dimension is zero: one pass that every array creation makes.
+    #[inline]
+    fn nonzero_product(&self, start: usize) -> (Option<usize>, bool) {
+        let mut product = Some(start);
+        let mut empty = false;
+        for &d in self.dims() {
+            if d == 0 {
+                empty = true;
+            } else {
+                product = product.and_then(|p| p.checked_mul(d));
+            }
+        }
+        (product, empty)
     }
 
     /// Row-major strides in elements.
@@ -90,21 +106,19 @@ impl Shape {
     /// `isize::MAX`. Then no product of any of its dimensions (what every op computes: rows,
     /// strides, byte offsets) can overflow, whatever their order, empty arrays included.
     pub(crate) fn addressable_bytes(&self, elem: usize) -> Option<usize> {
-        let nonzero = self
-            .dims()
-            .iter()
-            .filter(|&&d| d != 0)
-            .try_fold(elem, |acc, &d| acc.checked_mul(d))?;
-        if nonzero > isize::MAX as usize {
-            return None;
+        match self.nonzero_product(elem) {
+            (Some(bytes), empty) if bytes <= isize::MAX as usize => {
+                Some(if empty { 0 } else { bytes })
+            }
+            _ => None,
         }
-        Some(self.size() * elem)
     }
 }
 
 /// The bytes of an array of `shape` and `dtype`, or `InvalidArgument` if it cannot be addressed
 /// (see [`Shape::addressable_bytes`]). Every array is created through this check, so op
 /// front-ends can compute products of an input's dimensions without overflow.
+#[inline]
 pub(crate) fn check(
     ctx: &crate::error::Ctx,
     shape: &Shape,
@@ -146,8 +160,21 @@ impl fmt::Display for Shape {
 }
 
 impl<const N: usize> From<[usize; N]> for Shape {
+    #[inline]
     fn from(dims: [usize; N]) -> Self {
-        Shape::new(&dims)
+        if N <= INLINE {
+            // A copy of a known length: no call to copy a slice of unknown length.
+            let mut inline = [0; INLINE];
+            for (slot, d) in inline.iter_mut().zip(dims) {
+                *slot = d;
+            }
+            Shape(Repr::Inline {
+                len: N as u8,
+                dims: inline,
+            })
+        } else {
+            Shape::new(&dims)
+        }
     }
 }
 

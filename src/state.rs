@@ -42,7 +42,7 @@ use slotmap::SlotMap;
 
 use crate::arena::{
     self, ArrayEntry, ArrayKey, ArrayList, ArrayShared, CloseReason, CycleTag, Lender,
-    ManagerEntry, ManagerKey, ManagerShared, Owner, Place, WorkspaceKey,
+    ManagerEntry, ManagerKey, ManagerShared, NewArray, Owner, Place, WorkspaceKey,
 };
 use crate::backend::contract::TransferOps;
 use crate::backend::{AnyDevice, Storage};
@@ -72,7 +72,14 @@ pub(crate) struct State {
     detached: ArrayList,
     /// Work for [`Arena`]'s drop.
     pending: Vec<Deferred>,
+    /// The metadata of recently closed arrays, newest last, for new arrays to reuse once their
+    /// last handle is gone (see [`State::insert_array`]); at most [`SPARE_ARRAYS`].
+    spare: Vec<Arc<ArrayShared>>,
 }
+
+/// How many closed arrays' metadata the arena keeps for reuse: enough for the arrays a cycle
+/// closes at once, little memory (a few hundred bytes each, their bytes already freed).
+const SPARE_ARRAYS: usize = 256;
 
 /// The arena lock and the state it guards (taken through [`lock`] only).
 static ARENA: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
@@ -103,8 +110,8 @@ impl std::ops::DerefMut for Arena {
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        locks::set_under_arena(false);
-        if self.guard.pending.is_empty() && !locks::outside_work_waiting() {
+        let queued = locks::leave_arena();
+        if self.guard.pending.is_empty() && !queued {
             return;
         }
         let pending = std::mem::take(&mut self.guard.pending);
@@ -143,7 +150,7 @@ pub(crate) fn before_close() {
 pub(crate) fn lock() -> Arena {
     let held = locks::acquire(Rank::Arena, 0);
     let guard = ARENA.lock();
-    locks::set_under_arena(true);
+    locks::enter_arena();
     Arena { guard, held }
 }
 
@@ -203,7 +210,7 @@ impl Deferred {
                     let mut state = lock();
                     if state.live_array(&array).is_some() {
                         state.remove_array(
-                            array.key,
+                            array.key(),
                             CloseReason::CopyFailed {
                                 error: e.to_string(),
                             },
@@ -250,6 +257,7 @@ impl State {
             system,
             detached: ArrayList::default(),
             pending: Vec::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -304,7 +312,7 @@ impl State {
     #[inline]
     pub fn live_array(&self, array: &ArrayShared) -> Option<&ArrayEntry> {
         self.arrays
-            .get(array.key)
+            .get(array.key())
             .filter(|e| std::ptr::eq(Arc::as_ptr(&e.shared), array))
     }
 
@@ -352,18 +360,12 @@ impl State {
 // Arrays: the owners' lists, creating and closing
 // ---------------------------------------------------------------------------------------------
 
-/// What a new array is: its metadata, as [`State::insert_array`] takes it.
-pub(crate) struct NewArray {
-    pub shape: Shape,
-    pub dtype: DType,
-    pub device: Device,
-    pub created_at: Site,
-}
-
 /// Storage for a new array, and where it lives.
 pub(crate) struct Allocation {
     pub buffer: Storage,
     pub place: Place,
+    /// The array's bytes (checked by `crate::shape::check`), which `buffer` holds.
+    pub bytes: usize,
 }
 
 impl State {
@@ -375,6 +377,7 @@ impl State {
     }
 
     /// Puts `key` at the head of its owner's list. The entry's `owner` must be set already.
+    #[inline]
     fn link(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
         let owner = entry.owner;
@@ -392,10 +395,23 @@ impl State {
     }
 
     /// Takes `key` out of its owner's list.
+    #[inline]
     fn unlink(&mut self, key: ArrayKey) {
-        let entry = &self.arrays[key];
-        let (prev, next, owner) = (entry.prev, entry.next, entry.owner);
+        let entry = &mut self.arrays[key];
+        let links = (entry.prev.take(), entry.next.take(), entry.owner);
         let bytes = entry.shared.nbytes();
+        self.unlink_neighbours(key, links, bytes);
+    }
+
+    /// Takes `key`, whose links were `(prev, next, owner)`, out of its owner's list by
+    /// rewriting its neighbours and the list (not its entry: `remove_array` has removed it).
+    #[inline]
+    fn unlink_neighbours(
+        &mut self,
+        key: ArrayKey,
+        (prev, next, owner): (Option<ArrayKey>, Option<ArrayKey>, Owner),
+        bytes: usize,
+    ) {
         if let Some(prev) = prev {
             self.arrays[prev].next = next;
         }
@@ -408,9 +424,6 @@ impl State {
         }
         list.len -= 1;
         list.bytes -= bytes;
-        let entry = &mut self.arrays[key];
-        entry.prev = None;
-        entry.next = None;
     }
 
     /// Moves `key` to `owner`'s list.
@@ -424,37 +437,54 @@ impl State {
     }
 
     /// Inserts a new open array `array`, with its storage, owned by `owner`.
+    #[inline(always)]
     pub fn insert_array(
         &mut self,
         array: NewArray,
         allocation: Allocation,
         owner: Owner,
     ) -> Arc<ArrayShared> {
-        let NewArray {
-            shape,
-            dtype,
-            device,
-            created_at,
-        } = array;
-        let Allocation { buffer, place } = allocation;
+        let device = array.device;
+        let Allocation {
+            buffer,
+            place,
+            bytes,
+        } = allocation;
         let id = arena::next_array_id();
-        let key = self.arrays.insert_with_key(|key| ArrayEntry {
-            shared: Arc::new(ArrayShared::new(
-                key,
-                id,
-                shape,
-                dtype,
-                device,
-                created_at,
-                Some(buffer),
-            )),
+        // The newest closed array's metadata, if nothing else holds it any more, is reused in
+        // place (one still held stays with its holders: the last of them frees it). Either way
+        // it is made before its entry and given its key once inserted: the slot then takes a
+        // small value, not the metadata's fields through a closure (measured: ~10 ns less).
+        let placeholder = ArrayKey::default();
+        let data = Some(buffer);
+        let shared = match self.spare.pop() {
+            Some(mut spare) => match Arc::get_mut(&mut spare) {
+                Some(reused) => {
+                    reused.renew(id, array, bytes, data);
+                    spare
+                }
+                None => Arc::new(ArrayShared::new(placeholder, id, array, data)),
+            },
+            None => Arc::new(ArrayShared::new(placeholder, id, array, data)),
+        };
+        // Inserted at the head of its owner's list (what `link` does, without reading back).
+        let next = self.list_mut(owner).head;
+        let key = self.arrays.insert_with_key(|_| ArrayEntry {
+            shared,
             owner,
             returns: Vec::new(),
             prev: None,
-            next: None,
+            next,
             place,
         });
-        self.link(key);
+        self.arrays[key].shared.set_key(key);
+        let list = self.list_mut(owner);
+        list.head = Some(key);
+        list.len += 1;
+        list.bytes += bytes;
+        if let Some(next) = next {
+            self.arrays[next].prev = Some(key);
+        }
         memory::array_opened(device, self.arrays[key].shared.nbytes());
         if let Place::Block { cycle, .. } = place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
@@ -471,10 +501,11 @@ impl State {
     /// kernel holds its data lock, else once the kernel is done, after the arena lock is released
     /// (see the module docs).
     pub fn remove_array(&mut self, key: ArrayKey, reason: CloseReason) {
-        self.unlink(key);
         let Some(entry) = self.arrays.remove(key) else {
             return;
         };
+        let links = (entry.prev, entry.next, entry.owner);
+        self.unlink_neighbours(key, links, entry.shared.nbytes());
         if let Place::Block { cycle, .. } = entry.place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.forget_block_array(key, entry.place);
@@ -482,11 +513,16 @@ impl State {
         }
         memory::array_closed(entry.shared.device, entry.shared.nbytes());
         // The reason is set exactly once: the key was live until now.
-        let _ = entry.shared.closed.set(reason);
+        // SAFETY: `&mut self` is the state the array lives in.
+        unsafe { entry.shared.closed.set(reason) };
         if observe::on() {
             self.emit_freed(&entry);
         }
-        self.free_storage(entry.shared);
+        if let Some(freed) = self.free_storage(entry.shared) {
+            if self.spare.len() < SPARE_ARRAYS {
+                self.spare.push(freed);
+            }
+        }
     }
 
     /// The memory event of the array `key` just created (off the hot path: called only while
@@ -541,13 +577,22 @@ impl State {
         });
     }
 
-    /// Frees a removed array's bytes now if its data lock is free, else after the arena lock is
-    /// released.
-    fn free_storage(&mut self, array: Arc<ArrayShared>) {
-        let taken = array.data.try_write().map(|mut data| data.take());
-        match taken {
-            Some(storage) => drop(storage),
-            None => self.pending.push(Deferred::Free(array)),
+    /// Frees a removed array's bytes now if its data lock is free (and gives the array back,
+    /// for [`SPARE_ARRAYS`]), else after the arena lock is released.
+    fn free_storage(&mut self, array: Arc<ArrayShared>) -> Option<Arc<ArrayShared>> {
+        // Dropped in place, under the data lock (moving the storage out first cost more).
+        let freed = match array.data.try_write() {
+            Some(mut data) => {
+                *data = None;
+                true
+            }
+            None => false,
+        };
+        if freed {
+            Some(array)
+        } else {
+            self.pending.push(Deferred::Free(array));
+            None
         }
     }
 }
@@ -846,7 +891,7 @@ impl State {
         let mut to_copy: Vec<&ArrayShared> = Vec::new();
         for array in arrays {
             let entry = self.array(array, ctx)?;
-            let key = array.key;
+            let key = array.key();
             if plan.iter().any(|(k, _)| *k == key) {
                 continue;
             }
@@ -881,7 +926,7 @@ impl State {
             // circular cycle's block wraps over the survivors of its ended cycles): it is closed
             // then, its copy is still made (the ring's space is spent as for any allocation),
             // and the commit below skips it as it skips any array gone.
-            let key = array.key;
+            let key = array.key();
             match self.allocate(ctx, target, &array.shape, array.dtype, array.device) {
                 Ok(allocation) => copies.push((key, allocation)),
                 Err(e) => {
@@ -952,6 +997,7 @@ impl State {
         let Allocation {
             buffer: mut to,
             place,
+            ..
         } = allocation;
         let entry = &mut self.arrays[key];
         let array = Arc::clone(&entry.shared);
@@ -1170,6 +1216,7 @@ impl State {
     /// Storage for a new `shape`/`dtype` array landing in `owner`: from the block of the
     /// workspace cycle the owner allocates from, else its own zeroed buffer. Checks the memory
     /// limit; changes nothing on error.
+    #[inline(always)]
     pub fn allocate(
         &mut self,
         ctx: &Ctx,
@@ -1183,6 +1230,7 @@ impl State {
             Ok(Allocation {
                 buffer: Storage::alloc(ctx, device, bytes)?,
                 place: Place::Heap,
+                bytes,
             })
         };
         let cycle = match owner {
@@ -1227,8 +1275,9 @@ impl State {
                 // arrays; the older arrays there were closed just now, with their bytes freed
                 // (`evict` refused arrays in use), and no closed array's bytes are still held
                 // (`plan` checks), so the range belongs to this array alone.
-                let buffer = unsafe { block.carve(offset, bytes) }
-                    .ok_or_else(|| ctx.invalid("workspace slice outside its block"))?;
+                let Some(buffer) = (unsafe { block.carve(offset, bytes) }) else {
+                    return Err(ctx.invalid("workspace slice outside its block"));
+                };
                 let block = block.id();
                 ws.commit(Plan::Block { offset, wrap }, aligned);
                 Ok(Allocation {
@@ -1239,6 +1288,7 @@ impl State {
                         len: aligned,
                         block,
                     },
+                    bytes,
                 })
             }
             plan @ (Plan::Spill | Plan::Bypass) => {
@@ -1279,11 +1329,12 @@ impl State {
         };
         for (array, mut guard) in arrays.iter().zip(guards) {
             // Closed (with its reason) before its bytes go, so a reader that comes next sees why.
-            let _ = array.closed.set(reason.clone());
+            // SAFETY: `&mut self` is the state the array lives in.
+            unsafe { array.closed.set(reason.clone()) };
             let storage = guard.take();
             drop(guard);
             drop(storage);
-            self.remove_array(array.key, reason.clone());
+            self.remove_array(array.key(), reason.clone());
         }
         true
     }
@@ -1438,16 +1489,19 @@ mod tests {
             Allocation {
                 buffer: storage,
                 place: Place::Heap,
+                bytes: 16,
             },
             Owner::Manager(owner),
         );
         let stale = ArrayShared::new(
-            live.key,
+            live.key(),
             u64::MAX,
-            Shape::new(&[4]),
-            DType::F32,
-            Device::Cpu,
-            ctx.at,
+            NewArray {
+                shape: Shape::new(&[4]),
+                dtype: DType::F32,
+                device: Device::Cpu,
+                created_at: ctx.at,
+            },
             None,
         );
         assert!(state.array(&live, &ctx).is_ok());
@@ -1468,6 +1522,84 @@ mod tests {
             state.manager(&stale_manager, &ctx),
             Err(Error::ManagerClosed { .. })
         ));
-        state.remove_array(live.key, CloseReason::Discarded);
+        state.remove_array(live.key(), CloseReason::Discarded);
+    }
+
+    /// A closed array's metadata is reused for a new array once its last handle is gone, and
+    /// never while a handle holds it: that handle keeps its shape, id and close reason.
+    #[test]
+    fn a_closed_arrays_metadata_is_reused_only_once_nothing_holds_it() {
+        let ctx = Ctx::new("test");
+        let mut state = State::new();
+        let owner = Owner::Manager(state.system.key);
+        let insert = |state: &mut State, dims: &[usize]| {
+            let bytes = dims.iter().product::<usize>() * 4;
+            let storage = Storage::alloc(&ctx, Device::Cpu, bytes).unwrap();
+            state.insert_array(
+                NewArray {
+                    shape: Shape::new(dims),
+                    dtype: DType::F32,
+                    device: Device::Cpu,
+                    created_at: ctx.at,
+                },
+                Allocation {
+                    buffer: storage,
+                    place: Place::Heap,
+                    bytes,
+                },
+                owner,
+            )
+        };
+        let held = insert(&mut state, &[4]);
+        held.grad.version.fetch_add(3, Ordering::Relaxed);
+        *held.name.lock() = Some(Arc::from("held"));
+        state.remove_array(held.key(), CloseReason::Discarded);
+        // A handle still holds it: the next array gets new metadata.
+        let fresh = insert(&mut state, &[2, 3]);
+        assert!(!std::ptr::eq(Arc::as_ptr(&fresh), Arc::as_ptr(&held)));
+        assert!(held.closed.is_closed());
+        assert_eq!(held.shape.dims(), &[4]);
+        assert_eq!(held.describe(), format!("'held' (a{})", held.id));
+        assert!(
+            held.closed.reason().contains("failed"),
+            "{}",
+            held.closed.reason()
+        );
+        assert!(state.array(&fresh, &ctx).is_ok());
+
+        // Once the last handle is gone, the next array reuses it, renewed in full.
+        drop(held);
+        let gone = insert(&mut state, &[5]);
+        gone.grad.version.fetch_add(3, Ordering::Relaxed);
+        *gone.name.lock() = Some(Arc::from("gone"));
+        let (old, old_id) = (Arc::as_ptr(&gone), gone.id);
+        state.remove_array(gone.key(), CloseReason::Discarded);
+        state.remove_array(fresh.key(), CloseReason::Discarded);
+        drop(fresh);
+        drop(gone);
+        let spare = state.spare.len();
+        // The newest first: `fresh`'s, then `gone`'s.
+        let newest = insert(&mut state, &[3]);
+        assert_eq!(state.spare.len(), spare - 1);
+        assert!(!std::ptr::eq(Arc::as_ptr(&newest), old));
+        let renewed = insert(&mut state, &[7, 1]);
+        assert_eq!(state.spare.len(), spare - 2);
+        assert!(
+            std::ptr::eq(Arc::as_ptr(&renewed), old),
+            "the freed metadata is reused"
+        );
+        assert!(renewed.id > old_id);
+        assert!(!renewed.closed.is_closed());
+        assert_eq!(renewed.shape.dims(), &[7, 1]);
+        assert_eq!(renewed.nbytes(), 28);
+        assert!(renewed.name.lock().is_none());
+        assert_eq!(renewed.grad.version.load(Ordering::Relaxed), 0);
+        assert_eq!(renewed.key(), {
+            let entry = state.array(&renewed, &ctx).unwrap();
+            entry.shared.key()
+        });
+        assert!(renewed.data.read().is_some());
+        state.remove_array(renewed.key(), CloseReason::Discarded);
+        state.remove_array(newest.key(), CloseReason::Discarded);
     }
 }

@@ -4,9 +4,10 @@
 //! intrusive lists, the borrow chain); the maps themselves, the lock that guards them and every
 //! change to them are `crate::state`'s.
 
+use std::cell::UnsafeCell;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
@@ -46,7 +47,9 @@ pub(crate) fn next_manager_id() -> u64 {
 /// The metadata never changes after creation (only the name may be set); the data lock holds
 /// the buffer until the array is closed.
 pub(crate) struct ArrayShared {
-    pub key: ArrayKey,
+    /// Its key in the arena ([`key`](Self::key)): set when it is inserted, and again when a
+    /// closed array's metadata is reused for a new array, before any handle to it exists.
+    key: AtomicU64,
     pub id: u64,
     pub shape: Shape,
     pub dtype: DType,
@@ -56,7 +59,7 @@ pub(crate) struct ArrayShared {
     pub created_at: Site,
     pub name: Mutex<Option<Arc<str>>>,
     /// Set, under the arena lock, when the array leaves the arena.
-    pub closed: OnceLock<CloseReason>,
+    pub closed: Closed,
     /// Moves of the bytes to new storage (copy-out of a workspace) so far: a deferred copy
     /// checks it is still the latest.
     pub moves: AtomicU64,
@@ -100,6 +103,14 @@ impl Default for GradFields {
     }
 }
 
+/// What a new array is: its metadata, as `State::insert_array` takes it.
+pub(crate) struct NewArray {
+    pub shape: Shape,
+    pub dtype: DType,
+    pub device: Device,
+    pub created_at: Site,
+}
+
 /// A matrix product not computed yet: `op(a) · op(b)` with `a` and `b` at these versions.
 pub(crate) struct PendingProduct {
     pub a: Arc<ArrayShared>,
@@ -119,17 +130,15 @@ impl ArrayShared {
     }
 
     /// The metadata of a new array `key` (its data lock holding `data`, nothing else set).
-    pub fn new(
-        key: ArrayKey,
-        id: u64,
-        shape: Shape,
-        dtype: DType,
-        device: Device,
-        created_at: Site,
-        data: Option<Storage>,
-    ) -> ArrayShared {
+    pub fn new(key: ArrayKey, id: u64, array: NewArray, data: Option<Storage>) -> ArrayShared {
+        let NewArray {
+            shape,
+            dtype,
+            device,
+            created_at,
+        } = array;
         ArrayShared {
-            key,
+            key: AtomicU64::new(slotmap::Key::data(&key).as_ffi()),
             id,
             nbytes: shape.size() * dtype.size_in_bytes(),
             shape,
@@ -137,11 +146,79 @@ impl ArrayShared {
             device,
             created_at,
             name: Mutex::new(None),
-            closed: OnceLock::new(),
+            closed: Closed::default(),
             moves: AtomicU64::new(0),
             data: RwLock::new(data),
             grad: Default::default(),
         }
+    }
+
+    /// Makes this closed array's allocation the metadata of a new array, as [`new`](Self::new)
+    /// would (its key is given by [`set_key`](Self::set_key) once inserted): the arena reuses
+    /// the `ArrayShared` of an array that was closed and whose last handle is gone (it is
+    /// reached through `&mut`, so nobody else sees it), to spare a steady cycle an allocation
+    /// and a free per array. Every field is named, so a new field cannot be left out.
+    #[inline(always)]
+    pub fn renew(&mut self, id: u64, array: NewArray, bytes: usize, data: Option<Storage>) {
+        let NewArray {
+            shape,
+            dtype,
+            device,
+            created_at,
+        } = array;
+        let ArrayShared {
+            key: _,
+            id: old_id,
+            shape: old_shape,
+            dtype: old_dtype,
+            nbytes,
+            device: old_device,
+            created_at: old_created_at,
+            name,
+            closed,
+            moves,
+            data: old_data,
+            grad,
+        } = self;
+        *old_id = id;
+        *nbytes = bytes;
+        *old_shape = shape;
+        *old_dtype = dtype;
+        *old_device = device;
+        *old_created_at = created_at;
+        *name.get_mut() = None;
+        closed.reopen();
+        *moves.get_mut() = 0;
+        *old_data.get_mut() = data;
+        let GradFields {
+            requires,
+            array,
+            version,
+            node,
+            zeroed,
+            pending,
+            has_pending,
+        } = grad;
+        *requires.get_mut() = false;
+        *array.get_mut() = None;
+        *version.get_mut() = 0;
+        *node.get_mut() = 0;
+        *zeroed.get_mut() = u64::MAX;
+        *pending.get_mut() = None;
+        *has_pending.get_mut() = false;
+    }
+
+    /// Its key in the arena.
+    #[inline]
+    pub fn key(&self) -> ArrayKey {
+        slotmap::KeyData::from_ffi(self.key.load(Ordering::Relaxed)).into()
+    }
+
+    /// Gives it the key of the arena entry it was just inserted as (before any handle to it
+    /// exists: the arena's `&mut` orders this before every read).
+    pub fn set_key(&self, key: ArrayKey) {
+        self.key
+            .store(slotmap::Key::data(&key).as_ffi(), Ordering::Relaxed);
     }
 
     /// The bytes of its elements.
@@ -152,17 +229,74 @@ impl ArrayShared {
 
     /// The `ArrayClosed` error for this array.
     pub fn closed_error(&self, ctx: &Ctx) -> Error {
-        let reason = match self.closed.get() {
-            Some(reason) => reason.to_string(),
-            None => "it was closed".to_string(),
-        };
         Error::ArrayClosed {
             op: ctx.op,
             at: ctx.at,
             array: self.describe(),
             created_at: self.created_at,
-            reason,
+            reason: self.closed.reason(),
         }
+    }
+}
+
+/// Whether an array left the arena, and why: set once, under the arena lock, when it does; read
+/// without any lock by every `is_open` (the flag), and by the messages that give the reason.
+#[derive(Default)]
+pub(crate) struct Closed {
+    /// Set (release) once `reason` is written; never cleared while the array is shared.
+    flag: AtomicBool,
+    /// Written once, before `flag` is set, by the state the array lives in (under its lock);
+    /// read only after `flag` was seen set (acquire), so never while it is written.
+    reason: UnsafeCell<Option<CloseReason>>,
+}
+
+// SAFETY: `reason` is written only by `set`, whose callers hold `&mut` of the state the array
+// lives in (the arena lock), so two writes never race, and only while `flag` is clear; it is read only after `flag` was seen set
+// with acquire ordering, which orders the read after the write, and nothing writes it after
+// that. (`reopen` takes `&mut self`.) `CloseReason` is `Send + Sync`.
+unsafe impl Sync for Closed {}
+
+impl Closed {
+    /// Whether the array was closed.
+    #[inline]
+    pub fn is_closed(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// Records why the array was closed; a later call changes nothing (the first reason stays).
+    ///
+    /// # Safety
+    /// The caller holds `&mut` of the state the array lives in (the arena lock): every caller
+    /// is a `State` method.
+    #[inline]
+    pub unsafe fn set(&self, reason: CloseReason) {
+        // The caller's `&mut` state orders every `set`: a relaxed load sees the last one.
+        if self.flag.load(Ordering::Relaxed) {
+            return;
+        }
+        // SAFETY: the flag is clear, so no reader looks at `reason` yet, and the caller's `&mut`
+        // state keeps every other `set` out (see the `Sync` impl).
+        unsafe { *self.reason.get() = Some(reason) };
+        self.flag.store(true, Ordering::Release);
+    }
+
+    /// Why the array was closed, for an `ArrayClosed` message.
+    pub fn reason(&self) -> String {
+        if !self.is_closed() {
+            return "it was closed".to_string();
+        }
+        // SAFETY: the flag was seen set (acquire), so the write is done and none follows.
+        match unsafe { &*self.reason.get() } {
+            Some(reason) => reason.to_string(),
+            None => "it was closed".to_string(),
+        }
+    }
+
+    /// Open again (for reusing a closed array's metadata, which nobody else holds).
+    #[inline]
+    fn reopen(&mut self) {
+        *self.flag.get_mut() = false;
+        *self.reason.get_mut() = None;
     }
 }
 

@@ -316,6 +316,7 @@ impl Block {
     }
 
     /// Where the block's bytes are, for carving it into storage.
+    #[inline]
     pub fn base(&self) -> Base<'_> {
         match &self.kind {
             Kind::Ram { base, .. } | Kind::Mmap { base, .. } => Base::Host(*base),

@@ -55,6 +55,7 @@ pub(crate) fn cuda_count() -> usize {
 /// Sets up `device` on its first use (a CUDA device: context, kernels, cuBLAS), reporting why
 /// it cannot be used. Called before the arena lock, so that a slow setup (a cold kernel compile)
 /// never runs under it; a failed setup is tried again on the next call.
+#[inline]
 pub(crate) fn prepare(ctx: &crate::error::Ctx, device: crate::Device) -> crate::Result<()> {
     cuda::prepare(ctx, device)
 }

@@ -87,6 +87,7 @@ impl Block {
     /// The range must not overlap the storage of any other live array: the workspace's allocator
     /// hands each range to one array at a time, and closes the arrays a circular workspace wraps
     /// over before their range is handed out again.
+    #[inline(always)]
     pub unsafe fn carve(self: &Arc<Block>, offset: usize, bytes: usize) -> Option<Storage> {
         let end = offset.checked_add(bytes)?;
         if end > self.capacity() {
@@ -113,6 +114,7 @@ impl Block {
 impl DeviceMemory {
     /// Storage for `[offset, offset + bytes)` of this block's memory, keeping `block` alive.
     /// The caller ([`Block::carve`]) checked the range.
+    #[inline]
     pub fn carve(&self, block: Arc<Block>, offset: usize, bytes: usize) -> Storage {
         Storage::Cuda(DeviceBuffer::block_slice(block, self, offset, bytes))
     }

@@ -11,6 +11,7 @@ use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
+use crate::arena::NewArray;
 use crate::arena::{ArrayShared, CloseReason, Owner, Place};
 use crate::backend::contract::{StepTensor, StepTensors};
 use crate::backend::cuda::Noted;
@@ -19,7 +20,7 @@ use crate::error::Ctx;
 use crate::locks::{self, Held, Rank};
 use crate::manager::Manager;
 use crate::ndarray::hooks;
-use crate::state::{self, capped, Allocation, NewArray};
+use crate::state::{self, capped, Allocation};
 use crate::{DType, Device, Error, NDArray, Result, Shape};
 
 /// Where a new array goes.
@@ -89,7 +90,7 @@ pub(crate) fn new_array(
                     (Owner::Manager(active.0.key), why)
                 }
                 (None, Some(first)) => {
-                    let owner = state.array_entry(first.0.key).owner;
+                    let owner = state.array_entry(first.0.key()).owner;
                     let why = match owner {
                         Owner::Manager(m) if state.manager_entry(m).capped => Some(format!(
                             "the result of `{}` would land there because it owns the first input, {} \
@@ -160,7 +161,7 @@ pub(crate) fn adopt(
     dtype: DType,
     buffer: Storage,
 ) -> Result<NDArray> {
-    crate::shape::check(ctx, &shape, dtype)?;
+    let bytes = crate::shape::check(ctx, &shape, dtype)?;
     let mut state = state::lock();
     let entry = state.manager(&m.0, ctx)?;
     if entry.capped {
@@ -176,6 +177,7 @@ pub(crate) fn adopt(
     let allocation = Allocation {
         buffer,
         place: Place::Heap,
+        bytes,
     };
     let inner = state.insert_array(array, allocation, Owner::Manager(m.0.key));
     Ok(NDArray(inner))
@@ -192,7 +194,7 @@ pub(crate) fn allocates_from_workspace(m: &Manager) -> bool {
 pub(crate) fn discard(array: &NDArray) {
     let mut state = state::lock();
     if state.live_array(&array.0).is_some() {
-        state.remove_array(array.0.key, CloseReason::Discarded);
+        state.remove_array(array.0.key(), CloseReason::Discarded);
     }
 }
 

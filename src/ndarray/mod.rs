@@ -161,7 +161,7 @@ impl NDArray {
     /// `false` once closed (by `close`, by its manager, by its workspace cycle ending, or by a
     /// circular workspace overwriting it).
     pub fn is_open(&self) -> bool {
-        self.0.closed.get().is_none()
+        !self.0.closed.is_closed()
     }
 
     /// The manager that owns it now: while borrowed, the borrower. `InvalidArgument` for a
@@ -245,7 +245,7 @@ impl NDArray {
         let at: Site = Location::caller();
         let mut state = state::lock();
         if state.live_array(&self.0).is_some() {
-            state.remove_array(self.0.key, CloseReason::ByUser { at });
+            state.remove_array(self.0.key(), CloseReason::ByUser { at });
         }
         Ok(())
     }

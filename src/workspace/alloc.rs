@@ -149,6 +149,7 @@ impl Allocator {
 
     /// Decides where `aligned` bytes go in the open cycle, changing nothing. `Err` only under
     /// `SpillPolicy::Fail` when the block cannot take them.
+    #[inline]
     pub fn plan(&self, policy: &Policy, block: BlockState, aligned: usize) -> Result<Plan, Full> {
         let capacity = match block {
             // Before the block exists every allocation spills, whatever the policy.

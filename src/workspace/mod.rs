@@ -102,6 +102,7 @@ pub fn set_debug_mode(mode: Option<DebugMode>) {
 }
 
 /// The workspace debug mode in effect.
+#[inline(always)]
 pub fn debug_mode() -> Option<DebugMode> {
     match DEBUG.load(Ordering::Relaxed) {
         1 => Some(DebugMode::SpillEverything),
@@ -211,6 +212,7 @@ impl WorkspaceEntry {
     }
 
     /// The allocator's policies, from the configuration.
+    #[inline]
     fn policy(&self) -> Policy {
         let config = self.config();
         Policy {
@@ -224,6 +226,7 @@ impl WorkspaceEntry {
 
     /// Decides where `aligned` bytes go in the open cycle, changing nothing (the allocator
     /// decides; the debug mode overrides it). `WorkspaceFull` under `SpillPolicy::Fail`.
+    #[inline(always)]
     pub fn plan(&self, ctx: &Ctx, aligned: usize) -> Result<Plan> {
         match debug_mode() {
             Some(DebugMode::Bypass) => return Ok(Plan::Bypass),
@@ -287,11 +290,17 @@ impl WorkspaceEntry {
     }
 
     /// The open arrays whose bytes overlap `[offset, offset + len)` (circular workspaces).
+    #[inline]
     pub fn overlapping(&self, offset: usize, len: usize) -> Vec<ArrayKey> {
-        let mut hits = Vec::new();
         if self.block_arrays.is_empty() {
-            return hits;
+            return Vec::new();
         }
+        self.overlapping_tracked(offset, len)
+    }
+
+    /// [`overlapping`](Self::overlapping) where arrays are tracked.
+    fn overlapping_tracked(&self, offset: usize, len: usize) -> Vec<ArrayKey> {
+        let mut hits = Vec::new();
         let end = offset + len;
         // The array starting before `offset` may reach into the range.
         if let Some((&start, &(key, alen))) = self.block_arrays.range(..offset).next_back() {
@@ -309,6 +318,7 @@ impl WorkspaceEntry {
 
     /// Records the array `key` placed at `place` of this workspace's block (circular
     /// workspaces track where their arrays lie).
+    #[inline]
     pub fn note_block_array(&mut self, key: ArrayKey, place: Place) {
         if let Place::Block { offset, len, .. } = place {
             if self.config().reset() == ResetPolicy::EndOfBuffer && self.in_current_block(place) {
@@ -318,6 +328,7 @@ impl WorkspaceEntry {
     }
 
     /// Forgets the array `key` that was at `place` (closed, or moved out).
+    #[inline]
     pub fn forget_block_array(&mut self, key: ArrayKey, place: Place) {
         let Place::Block { offset, .. } = place else {
             return;

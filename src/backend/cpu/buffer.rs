@@ -125,6 +125,7 @@ impl HostBuffer {
     /// # Safety
     /// `base` must be valid for reads and writes of `bytes` bytes for as long as `block` lives,
     /// aligned to `STORAGE_ALIGN`, initialised, and not handed to any other live buffer.
+    #[inline]
     pub unsafe fn block_slice(block: Arc<Block>, base: *mut u8, bytes: usize) -> HostBuffer {
         if bytes == 0 {
             return HostBuffer::empty();

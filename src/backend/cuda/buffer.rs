@@ -62,6 +62,7 @@ impl DeviceBuffer {
     /// Storage for `[offset, offset + bytes)` of a workspace block's device memory `memory`,
     /// keeping `block` (which owns it) alive. The caller (the block's carving) checked the
     /// range.
+    #[inline]
     pub fn block_slice(
         block: Arc<Block>,
         memory: &DeviceMemory,

@@ -61,6 +61,7 @@ pub(crate) fn driver_error(ctx: &Ctx, what: &str, e: DriverError) -> Error {
     }
 }
 
+#[inline]
 fn backend() -> &'static Backend {
     BACKEND.get_or_init(|| {
         let (count, reason) = probe();
@@ -166,6 +167,7 @@ fn check_driver_version() -> std::result::Result<(), String> {
     Ok(())
 }
 
+#[inline]
 pub(crate) fn device_count() -> usize {
     backend().count
 }
@@ -250,7 +252,22 @@ pub(crate) struct Gpu {
 ///
 /// Callers holding the arena lock must only reach set-up devices: the lock-taking front-ends
 /// call [`prepare`] first, so a cold setup (an NVRTC compile) never stalls other threads.
+#[inline]
 pub(crate) fn gpu(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
+    // Set up already (every call but the first ones): a load, no call.
+    match backend()
+        .gpus
+        .get(ordinal)
+        .and_then(|setup| setup.gpu.get())
+    {
+        Some(gpu) => Ok(gpu),
+        None => set_up(ctx, ordinal),
+    }
+}
+
+/// [`gpu`] for a device not set up yet (or that could not be).
+#[inline(never)]
+fn set_up(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
     let b = backend();
     let Some(setup) = b.gpus.get(ordinal) else {
         return Err(ctx.unavailable(Device::Cuda(ordinal)));
@@ -283,6 +300,7 @@ pub(crate) fn gpu(ctx: &Ctx, ordinal: usize) -> Result<&'static Gpu> {
 
 /// Sets up `device` if it is a CUDA device not set up yet (nothing for the CPU), reporting the
 /// cause of a failed setup. Called before the arena lock is taken.
+#[inline]
 pub(crate) fn prepare(ctx: &Ctx, device: Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),

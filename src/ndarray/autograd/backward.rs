@@ -243,10 +243,7 @@ fn check(ctx: &Ctx, node: &Node) -> Result<()> {
         .then_some((&node.output, node.out_version));
     for (array, version) in saved.chain(output) {
         if !array.is_open() {
-            let reason = match array.0.closed.get() {
-                Some(r) => r.to_string(),
-                None => "it was closed".to_string(),
-            };
+            let reason = array.0.closed.reason();
             return Err(Error::ArrayClosed {
                 op: ctx.op,
                 at: ctx.at,

@@ -33,7 +33,7 @@ impl NDArray {
             ));
         }
         let mut slot = self.0.grad.array.lock();
-        let missing = slot.as_ref().is_none_or(|g| g.closed.get().is_some());
+        let missing = slot.as_ref().is_none_or(|g| g.closed.is_closed());
         if missing {
             let grad = self.new_companion(&ctx, "grad")?;
             *slot = Some(Arc::clone(&grad.0));
@@ -115,7 +115,7 @@ impl NDArray {
     pub(crate) fn gradient_array(&self, ctx: &Ctx) -> Result<NDArray> {
         let grad = self.0.grad.array.lock().clone();
         match grad {
-            Some(grad) if grad.closed.get().is_none() => Ok(NDArray(grad)),
+            Some(grad) if !grad.closed.is_closed() => Ok(NDArray(grad)),
             Some(grad) => Err(grad.closed_error(ctx)),
             None => Err(ctx.invalid(format!("{} has no gradient array", self.0.describe()))),
         }
@@ -124,7 +124,7 @@ impl NDArray {
     /// The gradient array if the array requires gradients and it is open (for `backward`).
     pub(crate) fn gradient_if_open(&self) -> Option<NDArray> {
         let grad = self.0.grad.array.lock().clone()?;
-        grad.closed.get().is_none().then_some(NDArray(grad))
+        (!grad.closed.is_closed()).then_some(NDArray(grad))
     }
 
     /// Renames the gradient after the array was renamed.

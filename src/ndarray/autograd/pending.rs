@@ -142,10 +142,7 @@ pub(crate) fn check_pending(ctx: &Ctx, grad: &NDArray) -> Result<()> {
 /// A pending product's operand must be open and unchanged since backward left the product.
 fn check_operand(ctx: &Ctx, grad: &ArrayShared, operand: &NDArray, version: u64) -> Result<()> {
     if !operand.is_open() {
-        let reason = match operand.0.closed.get() {
-            Some(r) => r.to_string(),
-            None => "it was closed".to_string(),
-        };
+        let reason = operand.0.closed.reason();
         return Err(crate::Error::ArrayClosed {
             op: ctx.op,
             at: ctx.at,
