@@ -104,41 +104,19 @@ fn create_close(c: &mut Criterion) {
 }
 
 /// Create + close of an array carved from a learned workspace block: what every temporary of a
-/// steady training step or inference call costs in bookkeeping. A cycle of `CARVED` 1 KiB
-/// arrays is learned first; each timed call opens such a cycle when the last one is used up
+/// steady training step or inference call costs in bookkeeping. A cycle of `common::CARVED`
+/// 1 KiB arrays is learned first; each timed call opens such a cycle when the last one is used up
 /// (the open and close are included), creates an array and closes it. The baseline is the
 /// system allocator's aligned allocation and free of the same bytes, unzeroed.
 fn carved_create_close(c: &mut Criterion) {
-    const CARVED: u64 = 256;
     let owner = Manager::new_base();
-    let ws = owner
-        .workspace("carved", ndscope::WorkspaceConfig::default())
-        .unwrap();
-    for _ in 0..2 {
-        ws.cycle(|s| {
-            for _ in 0..CARVED {
-                s.empty([256], DType::F32)?;
-            }
-            Ok(())
-        })
-        .unwrap();
-    }
+    let ws = common::carved_workspace(&owner, 256);
     let mut g = c.benchmark_group("carved_create_close");
     let key = "carved_create_close/ndscope empty + close, carved from a learned block";
     g.bench_function("ndscope empty + close, carved from a learned block", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(CARVED);
-                let scope = ws.open().unwrap();
-                for _ in 0..n {
-                    let a = scope.empty(black_box([256]), DType::F32).unwrap();
-                    a.close().unwrap();
-                }
-                drop(scope);
-                left -= n;
-            }
+            common::create_close_carved(&ws, 256, iters);
             let elapsed = start.elapsed();
             common::record(key, elapsed, iters);
             elapsed

@@ -115,8 +115,7 @@ fn alloc(c: &mut Criterion) {
     // The rows above create every array in one open cycle, so all but the first spill (the
     // block is learned for one array; closing an array does not give its bytes back to the
     // bump allocator). Here every array is carved from the block: the workspace learned cycles
-    // of `CARVED` arrays, and the loop runs such cycles (their open and close included).
-    const CARVED: u64 = 256;
+    // of `common::CARVED` arrays, and the loop runs such cycles (their open and close included).
     for (device, key, what) in [
         (GPU, "alloc/ndscope_carved", "ndscope"),
         (Device::Cpu, "alloc/cpu_carved", "cpu"),
@@ -124,33 +123,15 @@ fn alloc(c: &mut Criterion) {
         let owner = Manager::new_base_on(device)
             .unwrap()
             .with_name("bench-carved");
-        let ws = owner
-            .workspace("carved", WorkspaceConfig::default())
-            .unwrap();
-        for _ in 0..2 {
-            ws.cycle(|s| {
-                for _ in 0..CARVED {
-                    s.empty([bytes / 4], DType::F32)?;
-                }
-                Ok(())
-            })
-            .unwrap();
-        }
-        let name = format!("{what}: empty + close carved from the block ({CARVED} per cycle)");
+        let ws = common::carved_workspace(&owner, bytes / 4);
+        let name = format!(
+            "{what}: empty + close carved from the block ({} per cycle)",
+            common::CARVED
+        );
         g.bench_function(name.as_str(), |b| {
             b.iter_custom(|iters| {
                 let start = Instant::now();
-                let mut left = iters;
-                while left > 0 {
-                    let n = left.min(CARVED);
-                    let scope = ws.open().unwrap();
-                    for _ in 0..n {
-                        let a = scope.empty([bytes / 4], DType::F32).unwrap();
-                        a.close().unwrap();
-                    }
-                    drop(scope);
-                    left -= n;
-                }
+                common::create_close_carved(&ws, bytes / 4, iters);
                 GPU.synchronize().expect("the device reported an error");
                 let elapsed = start.elapsed();
                 common::record(key, elapsed, iters);

@@ -1471,17 +1471,13 @@ mod tests {
         assert_eq!(seen.load(Ordering::SeqCst), 1);
     }
 
-    /// A handle whose key names a live entry that is not its own (what a stale handle looks like
-    /// once its slotmap slot's version has wrapped around) is refused, for arrays and managers.
-    #[test]
-    fn a_reused_key_does_not_reach_another_entry() {
-        let ctx = Ctx::new("test");
-        let mut state = State::new();
-        let owner = state.system.key;
-        let storage = Storage::alloc(&ctx, Device::Cpu, 16).unwrap();
-        let live = state.insert_array(
+    /// Inserts an open f32 array of shape `dims` with its own host storage, owned by `owner`.
+    fn insert_f32(state: &mut State, ctx: &Ctx, owner: Owner, dims: &[usize]) -> Arc<ArrayShared> {
+        let bytes = dims.iter().product::<usize>() * 4;
+        let storage = Storage::alloc(ctx, Device::Cpu, bytes).unwrap();
+        state.insert_array(
             NewArray {
-                shape: Shape::new(&[4]),
+                shape: Shape::new(dims),
                 dtype: DType::F32,
                 device: Device::Cpu,
                 created_at: ctx.at,
@@ -1489,10 +1485,20 @@ mod tests {
             Allocation {
                 buffer: storage,
                 place: Place::Heap,
-                bytes: 16,
+                bytes,
             },
-            Owner::Manager(owner),
-        );
+            owner,
+        )
+    }
+
+    /// A handle whose key names a live entry that is not its own (what a stale handle looks like
+    /// once its slotmap slot's version has wrapped around) is refused, for arrays and managers.
+    #[test]
+    fn a_reused_key_does_not_reach_another_entry() {
+        let ctx = Ctx::new("test");
+        let mut state = State::new();
+        let owner = state.system.key;
+        let live = insert_f32(&mut state, &ctx, Owner::Manager(owner), &[4]);
         let stale = ArrayShared::new(
             live.key(),
             u64::MAX,
@@ -1532,24 +1538,7 @@ mod tests {
         let ctx = Ctx::new("test");
         let mut state = State::new();
         let owner = Owner::Manager(state.system.key);
-        let insert = |state: &mut State, dims: &[usize]| {
-            let bytes = dims.iter().product::<usize>() * 4;
-            let storage = Storage::alloc(&ctx, Device::Cpu, bytes).unwrap();
-            state.insert_array(
-                NewArray {
-                    shape: Shape::new(dims),
-                    dtype: DType::F32,
-                    device: Device::Cpu,
-                    created_at: ctx.at,
-                },
-                Allocation {
-                    buffer: storage,
-                    place: Place::Heap,
-                    bytes,
-                },
-                owner,
-            )
-        };
+        let insert = |state: &mut State, dims: &[usize]| insert_f32(state, &ctx, owner, dims);
         let held = insert(&mut state, &[4]);
         held.grad.version.fetch_add(3, Ordering::Relaxed);
         *held.name.lock() = Some(Arc::from("held"));

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::BenchmarkGroup;
+use ndscope::{DType, Manager, Workspace, WorkspaceConfig};
 
 static SAMPLES: Mutex<BTreeMap<String, Vec<f64>>> = Mutex::new(BTreeMap::new());
 
@@ -90,5 +91,44 @@ pub fn save(bench: &str, extra: &[(&str, f64)]) {
     let text = format!("{{\n{}\n}}\n", fields.join(",\n"));
     if std::fs::create_dir_all(&dir).is_ok() {
         let _ = std::fs::write(dir.join(format!("{bench}.json")), text);
+    }
+}
+
+/// Arrays per cycle of [`carved_workspace`].
+pub const CARVED: u64 = 256;
+
+/// A workspace of `owner` that learned cycles of [`CARVED`] f32 arrays of `len` elements, so
+/// that every array of such a cycle is carved from its block.
+pub fn carved_workspace(owner: &Manager, len: usize) -> Workspace {
+    let ws = owner
+        .workspace("carved", WorkspaceConfig::default())
+        .unwrap();
+    for _ in 0..2 {
+        ws.cycle(|s| {
+            for _ in 0..CARVED {
+                s.empty([len], DType::F32)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    ws
+}
+
+/// Creates and closes `iters` arrays of `len` elements carved from `ws`'s block (see
+/// [`carved_workspace`]), opening a cycle for each [`CARVED`] (the opens and closes count).
+pub fn create_close_carved(ws: &Workspace, len: usize, iters: u64) {
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(CARVED);
+        let scope = ws.open().unwrap();
+        for _ in 0..n {
+            let a = scope
+                .empty(std::hint::black_box([len]), DType::F32)
+                .unwrap();
+            a.close().unwrap();
+        }
+        drop(scope);
+        left -= n;
     }
 }

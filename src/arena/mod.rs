@@ -160,12 +160,6 @@ impl ArrayShared {
     /// and a free per array. Every field is named, so a new field cannot be left out.
     #[inline(always)]
     pub fn renew(&mut self, id: u64, array: NewArray, bytes: usize, data: Option<Storage>) {
-        let NewArray {
-            shape,
-            dtype,
-            device,
-            created_at,
-        } = array;
         let ArrayShared {
             key: _,
             id: old_id,
@@ -182,10 +176,10 @@ impl ArrayShared {
         } = self;
         *old_id = id;
         *nbytes = bytes;
-        *old_shape = shape;
-        *old_dtype = dtype;
-        *old_device = device;
-        *old_created_at = created_at;
+        *old_shape = array.shape;
+        *old_dtype = array.dtype;
+        *old_device = array.device;
+        *old_created_at = array.created_at;
         *name.get_mut() = None;
         closed.reopen();
         *moves.get_mut() = 0;
