@@ -33,6 +33,11 @@
 //! A workspace hands out no part of its block while an array closed this way still holds its
 //! bytes (it spills instead: see `WorkspaceEntry::plan`), so no new array is ever written where
 //! a kernel still reads an old one.
+//!
+//! A closed array whose bytes were freed at once keeps its metadata (`ArrayShared`) in a short
+//! list, and a new array reuses the newest of them if no handle holds it any more (`Arc::get_mut`
+//! says so): a learned cycle's create + close then allocates nothing at all. A handle that is
+//! still held keeps its array's shape, id and close reason: its metadata is never reused.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, LazyLock, OnceLock};
