@@ -44,8 +44,9 @@ pub(crate) fn next_manager_id() -> u64 {
 
 /// What an `NDArray` handle points to: the part of an array shared by its handles and its
 /// arena entry ([`ArrayEntry::shared`]), named like [`ManagerShared`] and `WorkspaceShared`.
-/// The metadata never changes after creation (only the name may be set); the data lock holds
-/// the buffer until the array is closed.
+/// The metadata never changes while it is shared (only the name may be set); the data lock holds
+/// the buffer until the array is closed. Once closed and held by no handle, it may be renewed
+/// for a new array ([`renew`](Self::renew)).
 pub(crate) struct ArrayShared {
     /// Its key in the arena ([`key`](Self::key)): set when it is inserted, and again when a
     /// closed array's metadata is reused for a new array, before any handle to it exists.
@@ -245,9 +246,10 @@ pub(crate) struct Closed {
 }
 
 // SAFETY: `reason` is written only by `set`, whose callers hold `&mut` of the state the array
-// lives in (the arena lock), so two writes never race, and only while `flag` is clear; it is read only after `flag` was seen set
-// with acquire ordering, which orders the read after the write, and nothing writes it after
-// that. (`reopen` takes `&mut self`.) `CloseReason` is `Send + Sync`.
+// lives in (the arena lock), so two writes never race, and only while `flag` is clear; it is
+// read only after `flag` was seen set with acquire ordering, which orders the read after the
+// write, and nothing writes it after that. (`reopen` takes `&mut self`.) `CloseReason` is
+// `Send + Sync`.
 unsafe impl Sync for Closed {}
 
 impl Closed {
