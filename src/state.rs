@@ -385,18 +385,30 @@ impl State {
     #[inline]
     fn link(&mut self, key: ArrayKey) {
         let entry = &self.arrays[key];
-        let owner = entry.owner;
-        let bytes = entry.shared.nbytes();
-        let list = self.list_mut(owner);
-        let old_head = list.head.replace(key);
-        list.len += 1;
-        list.bytes += bytes;
-        if let Some(old) = old_head {
-            self.arrays[old].prev = Some(key);
-        }
+        let (owner, bytes) = (entry.owner, entry.shared.nbytes());
+        let next = self.list_mut(owner).head;
         let entry = &mut self.arrays[key];
         entry.prev = None;
-        entry.next = old_head;
+        entry.next = next;
+        self.link_neighbours(key, (next, owner), bytes);
+    }
+
+    /// Makes `key`, whose entry already links to `next` (the head of `owner`'s list), the head:
+    /// rewrites the list and the old head (not the entry: `insert_array` made it so).
+    #[inline]
+    fn link_neighbours(
+        &mut self,
+        key: ArrayKey,
+        (next, owner): (Option<ArrayKey>, Owner),
+        bytes: usize,
+    ) {
+        let list = self.list_mut(owner);
+        list.head = Some(key);
+        list.len += 1;
+        list.bytes += bytes;
+        if let Some(next) = next {
+            self.arrays[next].prev = Some(key);
+        }
     }
 
     /// Takes `key` out of its owner's list.
@@ -468,11 +480,11 @@ impl State {
                     reused.renew(id, array, bytes, data);
                     spare
                 }
-                None => Arc::new(ArrayShared::new(placeholder, id, array, data)),
+                None => Arc::new(ArrayShared::new(placeholder, id, array, bytes, data)),
             },
-            None => Arc::new(ArrayShared::new(placeholder, id, array, data)),
+            None => Arc::new(ArrayShared::new(placeholder, id, array, bytes, data)),
         };
-        // Inserted at the head of its owner's list (what `link` does, without reading back).
+        // Inserted at the head of its owner's list, linked to the old head as it is made.
         let next = self.list_mut(owner).head;
         let key = self.arrays.insert_with_key(|_| ArrayEntry {
             shared,
@@ -483,14 +495,8 @@ impl State {
             place,
         });
         self.arrays[key].shared.set_key(key);
-        let list = self.list_mut(owner);
-        list.head = Some(key);
-        list.len += 1;
-        list.bytes += bytes;
-        if let Some(next) = next {
-            self.arrays[next].prev = Some(key);
-        }
-        memory::array_opened(device, self.arrays[key].shared.nbytes());
+        self.link_neighbours(key, (next, owner), bytes);
+        memory::array_opened(device, bytes);
         if let Place::Block { cycle, .. } = place {
             if let Some(ws) = self.workspaces.get_mut(cycle.ws) {
                 ws.note_block_array(key, place);
@@ -1513,6 +1519,7 @@ mod tests {
                 device: Device::Cpu,
                 created_at: ctx.at,
             },
+            16,
             None,
         );
         assert!(state.array(&live, &ctx).is_ok());

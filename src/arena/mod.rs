@@ -130,8 +130,15 @@ impl ArrayShared {
         }
     }
 
-    /// The metadata of a new array `key` (its data lock holding `data`, nothing else set).
-    pub fn new(key: ArrayKey, id: u64, array: NewArray, data: Option<Storage>) -> ArrayShared {
+    /// The metadata of a new array `key` of `bytes` bytes (its data lock holding `data`, nothing
+    /// else set).
+    pub fn new(
+        key: ArrayKey,
+        id: u64,
+        array: NewArray,
+        bytes: usize,
+        data: Option<Storage>,
+    ) -> ArrayShared {
         let NewArray {
             shape,
             dtype,
@@ -141,7 +148,7 @@ impl ArrayShared {
         ArrayShared {
             key: AtomicU64::new(slotmap::Key::data(&key).as_ffi()),
             id,
-            nbytes: shape.size() * dtype.size_in_bytes(),
+            nbytes: bytes,
             shape,
             dtype,
             device,
