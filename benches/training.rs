@@ -9,7 +9,9 @@
 //!   with and without a recording collector (target ≤ 150 ns more per op);
 //! - the weight update of its 1024×1024 layer at batch 16: `sgd_dense_update_` (one pass) vs
 //!   `addmm_` then `axpy_`;
-//! - elementwise `add` of 1M f32 vs a memcpy of the same bytes.
+//! - elementwise `add` of 1M f32, and a copy of its 4 MiB (`reshape`, on the pool's threads), vs
+//!   a memcpy of the same bytes on one thread;
+//! - `from_slice` of 256 MiB (beyond any cache) into a workspace block vs one thread's memcpy.
 //!
 //! Medians are saved to `target/ndscope-bench/training.json`. `benches/peers/mlp_step.py` times
 //! the same step against PyTorch on the same machine.
@@ -248,10 +250,55 @@ fn add_vs_memcpy(c: &mut Criterion) {
     bench(&mut g, group, "ndscope add_ in place", || {
         a.add_(&b).unwrap()
     });
+    bench(
+        &mut g,
+        group,
+        "ndscope copy (reshape) in a workspace cycle",
+        || {
+            ws.cycle(|_| a.reshape([1024, 1024]).map(|r| black_box(r).size()))
+                .unwrap();
+        },
+    );
     bench(&mut g, group, "memcpy of the same 4 MiB", || {
         dst.copy_from_slice(black_box(&src));
         black_box(&dst);
     });
+    g.finish();
+    t.close().unwrap();
+}
+
+/// A large copy from memory the cache does not hold: 256 MiB of a host slice into a learned
+/// workspace block (`from_slice`, its copy on the pool's threads, as the staging copies of a
+/// GPU transfer are), against one thread's memcpy into a buffer allocated once.
+fn copy_256mib(c: &mut Criterion) {
+    let group = "copy_256MiB";
+    let len = 64 << 20; // f32
+    let (t, ws) = trainer();
+    let src = vec![1f32; len];
+    let mut dst = vec![0f32; len];
+    let mut g = c.benchmark_group(group);
+    g.sample_size(10);
+    bench(
+        &mut g,
+        group,
+        "ndscope from_slice in a workspace cycle",
+        || {
+            ws.cycle(|m| {
+                m.from_slice(black_box(&src), [len])
+                    .map(|r| black_box(r).size())
+            })
+            .unwrap();
+        },
+    );
+    bench(
+        &mut g,
+        group,
+        "memcpy of the same 256 MiB on one thread",
+        || {
+            dst.copy_from_slice(black_box(&src));
+            black_box(&dst);
+        },
+    );
     g.finish();
     t.close().unwrap();
 }
@@ -262,7 +309,8 @@ criterion_group!(
     mlp_steps,
     recording_overhead,
     sgd_update,
-    add_vs_memcpy
+    add_vs_memcpy,
+    copy_256mib
 );
 
 fn main() {
@@ -335,6 +383,16 @@ fn main() {
         "add_ 1M f32 in place / memcpy 4 MiB",
         "add_1M_f32/ndscope add_ in place",
         "add_1M_f32/memcpy of the same 4 MiB",
+    );
+    ratio(
+        "copy of 4 MiB (reshape) / memcpy 4 MiB on one thread",
+        "add_1M_f32/ndscope copy (reshape) in a workspace cycle",
+        "add_1M_f32/memcpy of the same 4 MiB",
+    );
+    ratio(
+        "from_slice of 256 MiB / memcpy 256 MiB on one thread",
+        "copy_256MiB/ndscope from_slice in a workspace cycle",
+        "copy_256MiB/memcpy of the same 256 MiB on one thread",
     );
     save("training", &extra);
 }

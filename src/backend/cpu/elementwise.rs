@@ -36,6 +36,16 @@ where
     pool::for_each_chunk_zip(out, chunk, a, chunk, work, |o, a| f(a, o));
 }
 
+/// `out.copy_from_slice(a)` (slices of one length), split across the pool like any pass over
+/// memory: one core copies at a fraction of what a server's memory delivers (about 10 GB/s of
+/// a socket's 100 or more), so a large copy (an array's bytes, a chunk staged for the GPU) runs
+/// on the threads its bytes are worth. A copy below `PAR_MIN` elements, or of less than twice
+/// the thread policy's `BYTES_PER_THREAD` read and written (512 KiB copied), stays on the calling
+/// thread.
+pub(crate) fn copy<T: Copy + Send + Sync>(a: &[T], out: &mut [T]) {
+    map_chunks(a, out, |a, o| o.copy_from_slice(a));
+}
+
 /// `out[i] = f(a[i], b[i])`.
 pub(crate) fn zip<T, U>(a: &[T], b: &[T], out: &mut [U], f: impl Fn(T, T) -> U + Sync)
 where
@@ -326,6 +336,52 @@ mod tests {
                 a[oa] * 1000 + b[ob]
             })
             .collect()
+    }
+
+    #[test]
+    fn a_copy_is_exact_and_only_a_large_one_runs_on_the_pool() {
+        // A pattern no chunk length repeats, so a chunk copied to the wrong place shows.
+        let pattern =
+            |len: usize| -> Vec<u8> { (0..len).map(|i| (i * 7 + i / 251) as u8).collect() };
+        for len in [
+            0,
+            1,
+            1000,
+            PAR_MIN - 1,
+            PAR_MIN,
+            (512 << 10) + 3,
+            (4 << 20) + 13,
+        ] {
+            let a = pattern(len);
+            let mut out = vec![0u8; len];
+            copy(&a, &mut out);
+            assert!(a == out, "{len} bytes");
+            let words: Vec<u32> = a.iter().map(|&x| u32::from(x) * 65_537).collect();
+            let mut out = vec![0u32; len];
+            copy(&words, &mut out);
+            assert!(words == out, "{len} words");
+        }
+        if pool::threads() < 2 {
+            return; // NDSCOPE_NUM_THREADS=1: every copy runs on the caller
+        }
+        let last_joined = || pool::LAST_JOINED.with(std::cell::Cell::get);
+        let unset = || pool::LAST_JOINED.with(|j| j.set(usize::MAX));
+        let a = pattern(4 << 20);
+        let mut out = vec![0u8; a.len()];
+        // Another test's job may hold the pool for a while (then the copy runs inline).
+        let on_pool = (0..1000).any(|_| {
+            unset();
+            copy(&a, &mut out);
+            last_joined() != usize::MAX
+        });
+        assert!(on_pool, "a 4 MiB copy never ran as a job on the pool");
+        // 256 KiB copied (512 KiB read and written) is one thread's share: never a job.
+        let small = 256 << 10;
+        for _ in 0..100 {
+            unset();
+            copy(&a[..small], &mut out[..small]);
+            assert_eq!(last_joined(), usize::MAX, "a 256 KiB copy ran as a job");
+        }
     }
 
     #[test]

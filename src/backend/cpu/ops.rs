@@ -96,13 +96,13 @@ impl Backend for Cpu {
 impl TransferOps for Cpu {
     #[inline]
     fn read<T: Element>(_: &Ctx, src: &HostBuffer, dst: &mut [T]) -> Result<()> {
-        dst.copy_from_slice(&src.as_slice::<T>()[..dst.len()]);
+        elementwise::copy(&src.as_slice::<T>()[..dst.len()], dst);
         Ok(())
     }
 
     #[inline]
     fn write<T: Element>(_: &Ctx, dst: &mut HostBuffer, data: &[T]) -> Result<()> {
-        dst.as_mut_slice::<T>().copy_from_slice(data);
+        elementwise::copy(data, dst.as_mut_slice::<T>());
         Ok(())
     }
 
@@ -1038,9 +1038,10 @@ impl ShapeOps for Cpu {
     }
 }
 
+/// An array's bytes copied (on the pool's threads when they are many: `elementwise::copy`).
 #[inline]
 fn copy_bytes(src: &HostBuffer, dst: &mut HostBuffer) {
-    dst.as_bytes_mut().copy_from_slice(src.as_bytes());
+    elementwise::copy(src.as_bytes(), dst.as_bytes_mut());
 }
 
 // ---- CPU only: packed right operands (a `Dense` layer's f32 weights) ----

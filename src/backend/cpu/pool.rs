@@ -323,7 +323,7 @@ fn helper(pool: &'static Pool) {
 #[cfg(test)]
 thread_local! {
     /// How many helpers joined the last job this thread ran on the pool.
-    static LAST_JOINED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    pub(crate) static LAST_JOINED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 thread_local! {

@@ -10,6 +10,7 @@ use super::launch::{elements, linear, memset, same_gpu};
 use super::Cuda;
 use crate::backend::contract::TransferOps;
 use crate::backend::cpu::buffer::HostBuffer;
+use crate::backend::cpu::elementwise;
 use crate::backend::cuda::buffer::DeviceBuffer;
 use crate::backend::cuda::device::{Gpu, STAGING};
 use crate::error::Ctx;
@@ -20,8 +21,11 @@ use crate::{DType, Element, Result};
 /// Copies host `bytes` to device address `dst` of `gpu`. From pageable memory through the two
 /// staging buffers, double-buffered: chunk i+1 is copied into one buffer while chunk i goes to
 /// the device from the other, each buffer reused only after the event recorded after its last
-/// copy. From page-locked memory directly, one copy, waiting (on an event) for it since the
-/// source is only borrowed.
+/// copy. The copy into a buffer runs on the CPU pool's threads (`elementwise::copy`): on one
+/// core, staging ran at 10 GB/s on an H200's host, less than half of a plain pageable
+/// `cuMemcpyHtoD` there (22.7 GB/s) and a fifth of the DMA from page-locked memory (52.8 GB/s);
+/// on several, the DMA, not the host, bounds the pipeline. From page-locked memory directly,
+/// one copy, waiting (on an event) for it since the source is only borrowed.
 fn host_to_device(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -47,12 +51,11 @@ fn host_to_device(
     for (i, chunk) in bytes.chunks(STAGING).enumerate() {
         let b = (start + i) % 2;
         staging.wait(ctx, gpu, b)?;
-        // SAFETY: the staging buffer holds STAGING bytes and its last copy has finished
-        // (`wait`); the chunk is at most STAGING bytes.
-        let staged = unsafe {
-            std::ptr::copy_nonoverlapping(chunk.as_ptr(), staging.bufs[b], chunk.len());
-            std::slice::from_raw_parts(staging.bufs[b].cast_const(), chunk.len())
-        };
+        // SAFETY: the staging buffer holds STAGING bytes, is used only under the staging lock
+        // we hold, and its last copy has finished (`wait`); the chunk is at most STAGING bytes.
+        let staged = unsafe { std::slice::from_raw_parts_mut(staging.bufs[b], chunk.len()) };
+        elementwise::copy(chunk, staged);
+        let staged: &[u8] = staged;
         // SAFETY: the staged bytes stay untouched until the event recorded next completes;
         // `dst + offset` lies inside the destination.
         unsafe { result::memcpy_htod_async(dst + (i * STAGING) as u64, staged, stream) }
@@ -63,7 +66,9 @@ fn host_to_device(
 }
 
 /// Copies `out.len()` bytes at device address `src` of `gpu` to the host, after all work queued
-/// before (a synchronisation: errors of earlier kernels are reported here).
+/// before (a synchronisation: errors of earlier kernels are reported here). Into pageable memory
+/// through the staging buffers, chunk i copied out (on the pool's threads, as `host_to_device`
+/// copies in) while chunk i+1 comes from the device.
 fn device_to_host(
     ctx: &Ctx,
     gpu: &Gpu,
@@ -108,7 +113,7 @@ fn device_to_host(
             let n = STAGING.min(len - j * STAGING);
             // SAFETY: the copy into the buffer has finished (`wait`); it holds `n` bytes.
             let staged = unsafe { std::slice::from_raw_parts(staging.bufs[b].cast_const(), n) };
-            out[j * STAGING..j * STAGING + n].copy_from_slice(staged);
+            elementwise::copy(staged, &mut out[j * STAGING..j * STAGING + n]);
         }
     }
     Ok(())
