@@ -290,9 +290,15 @@ impl std::hash::Hasher for KeyHasher {
         }
         let rest = chunks.remainder();
         if !rest.is_empty() {
-            let mut w = [0u8; 8];
-            w[..rest.len()].copy_from_slice(rest);
-            self.add(u64::from_le_bytes(w));
+            // The last bytes, zero-padded, shifted into a register: copying them into a buffer
+            // to load it as one word is a `memcpy` call whose stores the load then waits for
+            // (a failed store-to-load forward), which was the single slowest step of a replayed
+            // op's host cost (`benches/cuda.rs`, `replay_check`).
+            let word = rest
+                .iter()
+                .enumerate()
+                .fold(0u64, |w, (i, &b)| w | u64::from(b) << (8 * i));
+            self.add(word);
         }
     }
 
@@ -1220,6 +1226,23 @@ impl CTypes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_key_hasher_reads_bytes_as_zero_padded_little_endian_words() {
+        use std::hash::Hasher;
+        let bytes: Vec<u8> = (1..=20).map(|i| i * 37).collect();
+        for len in 0..=bytes.len() {
+            let mut hasher = KeyHasher::default();
+            hasher.write(&bytes[..len]);
+            let mut expected = KeyHasher::default();
+            for chunk in bytes[..len].chunks(8) {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                expected.add(u64::from_le_bytes(word));
+            }
+            assert_eq!(hasher.finish(), expected.finish(), "{len} bytes");
+        }
+    }
 
     /// Whether `name` is set to `1`.
     fn required(name: &str) -> bool {
