@@ -1230,7 +1230,7 @@ mod tests {
     #[test]
     fn the_key_hasher_reads_bytes_as_zero_padded_little_endian_words() {
         use std::hash::Hasher;
-        let bytes: Vec<u8> = (1..=20).map(|i| i * 37).collect();
+        let bytes: Vec<u8> = (1..=20u32).map(|i| (i * 37) as u8).collect();
         for len in 0..=bytes.len() {
             let mut hasher = KeyHasher::default();
             hasher.write(&bytes[..len]);
